@@ -1,0 +1,658 @@
+"""`BlockManager`: pages, recurrent slots and the prefix trie of many sequences.
+
+The manager decides; it never touches tensors. Each call that implies storage
+work returns a memory-op plan (`blockmgr.ops`) for the storage to apply, in
+call order, before the next forward pass.
+
+Life of a sequence:
+
+    allocate(id, prompt)   pages for every prompt token; a prefix found in the
+                           trie is shared, the rest is to be computed
+    append(id, tokens)     pages for tokens about to be computed; a shared page
+                           or slot about to be written is copied first (CoW)
+    fork(id, new_id)       share everything; CoW on the next write
+    truncate(id, n)        roll back (speculative decoding)
+    cache_prefix(id, n)    snapshot the computed prefix into the trie
+    free(id, num_computed) the computed tokens (and slot) go into the trie
+
+Every call either succeeds whole or raises and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+from blockmgr.config import BlockManagerConfig
+from blockmgr.errors import (
+    DuplicateSequence,
+    IntegrityError,
+    InvalidArgument,
+    NoSnapshot,
+    OutOfBlocks,
+    OutOfSlots,
+    UnknownSequence,
+)
+from blockmgr.ops import NO_OPS, CopyBlock, CopySlot, MemoryOp, ZeroSlot
+from blockmgr.pool import RefCountedPool
+from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch, PrefixTrie
+from blockmgr.sequence import Allocation, Sequence
+from blockmgr.stats import PrefixCacheStats
+
+Plan = tuple[MemoryOp, ...]
+
+
+class BlockManager:
+    """Bookkeeping of KV pages, recurrent slots and cached prefixes.
+
+    Not thread-safe: one scheduler drives it. Costs are per call and do not
+    depend on the number of live sequences; page work is O(pages touched),
+    trie work O(matched tokens + depth).
+    """
+
+    def __init__(
+        self, config: BlockManagerConfig, listener: PrefixCacheListener | None = None
+    ) -> None:
+        if not isinstance(config, BlockManagerConfig):
+            raise InvalidArgument(f"config must be a BlockManagerConfig, got {config!r}")
+        self.config = config
+        self._block_size = config.block_size
+        self._window = config.sliding_window
+        self._pages = RefCountedPool(config.num_blocks)
+        self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
+        self._trie = (
+            PrefixTrie(config.block_size, self._pages, self._slots, listener)
+            if config.enable_prefix_cache
+            else None
+        )
+        self._seqs: dict[Hashable, Sequence] = {}
+        self._num_queries = 0
+        self._num_hits = 0
+        self._num_query_tokens = 0
+        self._num_hit_tokens = 0
+
+    # ------------------------------------------------------------- queries
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def sequence_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: Hashable) -> list[int | None]:
+        """A copy of the sequence's page table (None: released by the window)."""
+        return list(self._get(seq_id).block_table)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._get(seq_id).tokens)
+
+    def tokens(self, seq_id: Hashable) -> list[int]:
+        return list(self._get(seq_id).tokens)
+
+    def slot(self, seq_id: Hashable) -> int | None:
+        return self._get(seq_id).slot
+
+    def namespace(self, seq_id: Hashable) -> Hashable:
+        return self._get(seq_id).namespace
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages free right now (pages held only by the trie are not counted)."""
+        return self._pages.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._slots.num_free if self._slots is not None else 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Distinct pages held by the prefix trie (some shared with sequences)."""
+        return self._trie.num_pages_held if self._trie is not None else 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of pages in use by sequences or the trie."""
+        return self._pages.num_used / self._pages.num_items
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        trie = self._trie
+        return PrefixCacheStats(
+            num_queries=self._num_queries,
+            num_hits=self._num_hits,
+            num_query_tokens=self._num_query_tokens,
+            num_hit_tokens=self._num_hit_tokens,
+            num_evicted_pages=trie.num_evicted_pages if trie else 0,
+            num_evicted_nodes=trie.num_evicted_nodes if trie else 0,
+            num_trie_nodes=trie.num_nodes if trie else 0,
+            num_trie_pages=trie.num_pages_held if trie else 0,
+            num_trie_slots=trie.num_slots_held if trie else 0,
+        )
+
+    # --------------------------------------------------------------- allocate
+
+    def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
+        """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
+        tokens = _prompt_list(tokens)
+        _check_namespace(namespace)
+        match = self._match(namespace, tokens)
+        num_pages = self._num_new_pages(len(tokens), match.num_tokens)
+        return self._with_lock(match, self._can_reserve, num_pages + self._watermark(), 1)
+
+    def allocate(
+        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
+    ) -> Allocation:
+        """Reserve pages (and a slot) for a new sequence's prompt.
+
+        Shares the longest usable cached prefix; `num_cached_tokens` of the
+        result says how many tokens need no compute (at most len - 1). Evicts
+        least recently used cache entries when memory is short; raises
+        `OutOfBlocks` / `OutOfSlots` (changing nothing) when that is not
+        enough, `DuplicateSequence` for a live id. O(prompt pages + matched
+        tokens).
+        """
+        self._check_new_id(seq_id)
+        tokens = _prompt_list(tokens)
+        _check_namespace(namespace)
+        match = self._match(namespace, tokens)
+        num_cached = match.num_tokens
+        num_pages = self._num_new_pages(len(tokens), num_cached)
+        trie = self._trie
+        if match.node is not None:
+            trie.lock(match.node)
+        try:
+            self._reserve(num_pages + self._watermark(), 1)
+        except (OutOfBlocks, OutOfSlots):
+            if match.node is not None:
+                trie.unlock(match.node)
+            raise
+        if match.node is not None:
+            trie.touch(match.path)
+        ops: list[MemoryOp] = []
+        table = self._share_matched_pages(match, ops)
+        table.extend(self._pages.take(-(-len(tokens) // self._block_size) - len(table)))
+        slot = self._new_sequence_slot(match.slot, ops)
+        self._seqs[seq_id] = Sequence(seq_id, namespace, tokens, table, slot, match.node)
+        self._count_query(len(tokens), num_cached)
+        return Allocation(
+            seq_id, list(table), slot, tuple(ops), num_cached, match.branch_point
+        )
+
+    def _share_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
+        """The sequence's first pages: the matched ones, the last copied if partial."""
+        table = match.pages
+        if not table:
+            return table
+        if match.num_tokens % self._block_size:
+            # The next token goes into this page, which the trie keeps: copy.
+            self._pages.incref_all(table[:-1])
+            src = table[-1]
+            table[-1] = self._pages.take_one()
+            ops.append(CopyBlock(src, table[-1]))
+        else:
+            self._pages.incref_all(table)
+        return table
+
+    def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int | None:
+        if self._slots is None:
+            return None
+        slot = self._slots.take_one()
+        ops.append(ZeroSlot(slot) if snapshot is None else CopySlot(snapshot, slot))
+        return slot
+
+    def _count_query(self, num_tokens: int, num_cached: int) -> None:
+        self._num_queries += 1
+        self._num_query_tokens += num_tokens
+        if num_cached:
+            self._num_hits += 1
+            self._num_hit_tokens += num_cached
+
+    # ----------------------------------------------------------------- append
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
+        seq = self._get(seq_id)
+        _check_count("num_tokens", num_tokens)
+        num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
+        return self._can_reserve(num_pages + copy_page, copy_slot)
+
+    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
+        """Reserve pages for tokens about to be computed; returns the plan.
+
+        A partly filled last page or a slot shared with another owner is
+        copied first (CoW). With a sliding window, pages no longer visible to
+        the new tokens are released. O(1) amortised per token.
+        """
+        seq = self._get(seq_id)
+        new_tokens = _token_list(new_tokens)
+        if not new_tokens:
+            return NO_OPS
+        num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
+        if num_pages or copy_page or copy_slot:
+            self._reserve(num_pages + copy_page, copy_slot)
+        ops = self._make_writable(seq, copy_page, copy_slot)
+        if num_pages:
+            seq.block_table.extend(self._pages.take(num_pages))
+        num_before = len(seq.tokens)
+        seq.tokens.extend(new_tokens)
+        if self._window is not None:
+            self._release_out_of_window(seq, num_before)
+        return ops
+
+    def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
+        """(new pages, copy the last page?, copy the slot?) to add tokens."""
+        num_tokens = len(seq.tokens)
+        table = seq.block_table
+        num_pages = -(-(num_tokens + num_new_tokens) // self._block_size) - len(table)
+        copy_page = bool(num_tokens % self._block_size) and self._pages.refcount(table[-1]) > 1
+        copy_slot = seq.slot is not None and self._slots.refcount(seq.slot) > 1
+        return num_pages, copy_page, copy_slot
+
+    def _make_writable(self, seq: Sequence, copy_page: bool, copy_slot: bool) -> Plan:
+        """Give the sequence its own last page / slot (memory is reserved)."""
+        if not (copy_page or copy_slot):
+            return NO_OPS
+        ops: list[MemoryOp] = []
+        if copy_page:
+            src = seq.block_table[-1]
+            seq.block_table[-1] = self._pages.take_one()
+            self._pages.release(src)  # shared, so it stays alive for the copy
+            ops.append(CopyBlock(src, seq.block_table[-1]))
+        if copy_slot:
+            src = seq.slot
+            seq.slot = self._slots.take_one()
+            self._slots.release(src)
+            ops.append(CopySlot(src, seq.slot))
+        return tuple(ops)
+
+    def _release_out_of_window(self, seq: Sequence, first_new_position: int) -> None:
+        """Release pages the token at `first_new_position` can no longer see.
+
+        A query at position p sees keys (p - W, p]; page j ends at
+        (j + 1) * block_size - 1, so it is dead once (j + 1) * bs <= p - W + 1.
+        """
+        num_dead = max(0, first_new_position - self._window + 1) // self._block_size
+        table = seq.block_table
+        for index in range(seq.num_released, min(num_dead, len(table))):
+            self._pages.release(table[index])
+            table[index] = None
+        seq.num_released = max(seq.num_released, min(num_dead, len(table)))
+
+    # ------------------------------------------------------------------- fork
+
+    def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> Plan:
+        """Start `new_seq_id` as a copy of `seq_id`, sharing pages and slot.
+
+        Fork once every reserved token of `seq_id` is computed; the first
+        write of either sequence copies what it shares. O(pages).
+        """
+        seq = self._get(seq_id)
+        self._check_new_id(new_seq_id)
+        table = list(seq.block_table)
+        self._pages.incref_all(page for page in table if page is not None)
+        if seq.slot is not None:
+            self._slots.incref(seq.slot)
+        if seq.locked_node is not None:
+            self._trie.lock(seq.locked_node)
+        self._seqs[new_seq_id] = Sequence(
+            new_seq_id,
+            seq.namespace,
+            list(seq.tokens),
+            table,
+            seq.slot,
+            seq.locked_node,
+            seq.num_released,
+        )
+        return NO_OPS
+
+    # --------------------------------------------------------------- truncate
+
+    def can_truncate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """Would `truncate(seq_id, num_tokens)` succeed now? Changes nothing.
+
+        Bad arguments still raise, as in `truncate`.
+        """
+        seq = self._get(seq_id)
+        self._check_truncate_target(seq, num_tokens)
+        if num_tokens == len(seq.tokens):
+            return True
+        if not self._window_keeps(seq, num_tokens):
+            return False
+        if seq.slot is None:
+            return True
+        if num_tokens == 0:
+            return self._slots.refcount(seq.slot) == 1 or self._slots_shortfall_ok(1)
+        return self._snapshot_at(seq, num_tokens) is not None
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
+        """Roll the sequence back to its first `num_tokens` tokens.
+
+        Pages past the new end are released. Recurrent state cannot be cut:
+        a hybrid sequence takes the trie's snapshot at exactly `num_tokens`
+        (shared, CoW) and `NoSnapshot` is raised when there is none. With a
+        sliding window, rolling back past released pages is refused.
+        """
+        seq = self._get(seq_id)
+        self._check_truncate_target(seq, num_tokens)
+        if num_tokens == len(seq.tokens):
+            return NO_OPS
+        if not self._window_keeps(seq, num_tokens):
+            raise InvalidArgument(
+                f"cannot truncate {seq_id!r} to {num_tokens} tokens: pages its "
+                "window needs were already released"
+            )
+        ops, new_slot = self._rollback_slot(seq, num_tokens)
+        keep = -(-num_tokens // self._block_size)
+        table = seq.block_table
+        self._pages.release_all(page for page in table[keep:] if page is not None)
+        del table[keep:]
+        del seq.tokens[num_tokens:]
+        seq.num_released = min(seq.num_released, keep)
+        if new_slot is not None:
+            old_slot, seq.slot = seq.slot, new_slot
+            self._slots.release(old_slot)
+        return ops
+
+    def _check_truncate_target(self, seq: Sequence, num_tokens: int) -> None:
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > len(seq.tokens):
+            raise InvalidArgument(
+                f"cannot truncate {seq.seq_id!r} to {num_tokens} tokens: "
+                f"it has {len(seq.tokens)}"
+            )
+
+    def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
+        """Are the pages the token at `num_tokens` would attend to still held?"""
+        if self._window is None or seq.num_released == 0:
+            return True
+        first_needed = max(0, num_tokens - self._window + 1) // self._block_size
+        return num_tokens > 0 and first_needed >= seq.num_released
+
+    def _snapshot_at(self, seq: Sequence, num_tokens: int):
+        if self._trie is None:
+            return None
+        return self._trie.find_snapshot(seq.namespace, seq.tokens[:num_tokens])
+
+    def _rollback_slot(self, seq: Sequence, num_tokens: int) -> tuple[Plan, int | None]:
+        """The slot holding the state at `num_tokens` (a new reference) and ops."""
+        if seq.slot is None:
+            return NO_OPS, None
+        if num_tokens == 0:
+            if self._slots.refcount(seq.slot) == 1:
+                self._slots.incref(seq.slot)  # the caller drops the old reference
+                return (ZeroSlot(seq.slot),), seq.slot
+            self._reserve(0, 1)
+            slot = self._slots.take_one()
+            return (ZeroSlot(slot),), slot
+        node = self._snapshot_at(seq, num_tokens)
+        if node is None:
+            raise NoSnapshot(
+                f"cannot roll {seq.seq_id!r} back to {num_tokens} tokens: no recurrent "
+                "snapshot exists there (cache_prefix that point before speculating)"
+            )
+        self._slots.incref(node.slot)
+        return NO_OPS, node.slot
+
+    # ----------------------------------------------------------- cache/free
+
+    def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
+        """Snapshot the sequence's first `num_tokens` tokens into the trie.
+
+        Call it once those tokens are computed (None: all of them); for a
+        hybrid model the sequence's slot must hold the state at exactly that
+        point (the end of a prefill chunk). Pages are shared; the slot is
+        copied (`CopySlot`). A no-op without a prefix cache. Raises
+        `OutOfSlots` when no slot can be had for the snapshot.
+        """
+        seq = self._get(seq_id)
+        num_tokens = self._computed_count(seq, num_tokens)
+        trie = self._trie
+        if trie is None or num_tokens == 0 or seq.num_released:
+            return NO_OPS
+        snapshot = None
+        if seq.slot is not None:
+            self._reserve(0, 1)
+            snapshot = self._slots.take_one()
+        node, took_slot = trie.insert(
+            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot
+        )
+        ops = NO_OPS
+        if snapshot is not None:
+            self._slots.release(snapshot)  # the trie holds its own reference
+            if took_slot:
+                ops = (CopySlot(seq.slot, snapshot),)
+        trie.lock(node)
+        if seq.locked_node is not None:
+            trie.unlock(seq.locked_node)
+        seq.locked_node = node
+        return ops
+
+    def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
+        """End the sequence; its first `num_computed` tokens go into the trie.
+
+        None means every token was computed. The slot (state after the last
+        computed token) is handed to the trie with no copy; tokens already
+        cached are not stored twice. Never fails for a live id.
+        """
+        seq = self._get(seq_id)
+        num_computed = self._computed_count(seq, num_computed)
+        del self._seqs[seq_id]
+        trie = self._trie
+        if seq.locked_node is not None:
+            trie.unlock(seq.locked_node)
+        if trie is not None and num_computed and not seq.num_released:
+            tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
+            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot)
+        table = seq.block_table
+        if seq.num_released:
+            table = table[seq.num_released :]
+        self._pages.release_all(table)
+        if seq.slot is not None:
+            self._slots.release(seq.slot)
+        return NO_OPS
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix no live sequence is using."""
+        if self._trie is not None:
+            self._trie.reset()
+
+    # ------------------------------------------------------------- internals
+
+    def _get(self, seq_id: Hashable) -> Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no live sequence {seq_id!r}") from None
+
+    def _check_new_id(self, seq_id: Hashable) -> None:
+        try:
+            exists = seq_id in self._seqs
+        except TypeError:
+            raise InvalidArgument(f"sequence id must be hashable, got {seq_id!r}") from None
+        if exists:
+            raise DuplicateSequence(f"sequence {seq_id!r} is already live")
+
+    def _computed_count(self, seq: Sequence, num_computed: int | None) -> int:
+        if num_computed is None:
+            return len(seq.tokens)
+        _check_count("num_computed", num_computed)
+        if num_computed > len(seq.tokens):
+            raise InvalidArgument(
+                f"{seq.seq_id!r} has {len(seq.tokens)} tokens, not {num_computed}"
+            )
+        return num_computed
+
+    def _match(self, namespace: Hashable, tokens: list[int]) -> PrefixMatch:
+        if self._trie is None:
+            return PrefixMatch()
+        return self._trie.match(namespace, tokens, limit=len(tokens) - 1)
+
+    def _num_new_pages(self, num_tokens: int, num_cached: int) -> int:
+        block_size = self._block_size
+        num_shared = -(-num_cached // block_size)
+        copy_last = 1 if num_cached % block_size else 0
+        return -(-num_tokens // block_size) - num_shared + copy_last
+
+    def _watermark(self) -> int:
+        return self.config.num_watermark_blocks
+
+    def _with_lock(self, match: PrefixMatch, check, *args) -> bool:
+        """Run a feasibility check with the matched path locked (as allocate does)."""
+        if match.node is None:
+            return check(*args)
+        self._trie.lock(match.node)
+        try:
+            return check(*args)
+        finally:
+            self._trie.unlock(match.node)
+
+    def _can_reserve(self, num_pages: int, num_slots: int) -> bool:
+        """Are `num_pages` pages and `num_slots` slots free or reclaimable? Pure."""
+        return self._pages_shortfall_ok(num_pages) and self._slots_shortfall_ok(num_slots)
+
+    def _pages_shortfall_ok(self, num_pages: int) -> bool:
+        short = num_pages - self._pages.num_free
+        return short <= 0 or (self._trie is not None and self._trie.can_free_pages(short))
+
+    def _slots_shortfall_ok(self, num_slots: int) -> bool:
+        if self._slots is None or num_slots == 0:
+            return True
+        short = num_slots - self._slots.num_free
+        return short <= 0 or (self._trie is not None and self._trie.can_free_slots(short))
+
+    def _reserve(self, num_pages: int, num_slots: int) -> None:
+        """Make `num_pages` pages and `num_slots` slots free, evicting LRU cache
+        entries if needed; raise (changing nothing) when that cannot work."""
+        if not self._pages_shortfall_ok(num_pages):
+            raise OutOfBlocks(
+                f"need {num_pages} pages: {self._pages.num_free} free of "
+                f"{self._pages.num_items}, not enough reclaimable from the prefix cache"
+            )
+        if not self._slots_shortfall_ok(num_slots):
+            raise OutOfSlots(
+                f"need {num_slots} slots: {self.num_free_slots} free of "
+                f"{self.config.num_slots}, not enough reclaimable from the prefix cache"
+            )
+        trie = self._trie
+        if trie is not None:
+            if num_pages > self._pages.num_free:
+                trie.evict_pages(num_pages)
+            if self._slots is not None and num_slots > self._slots.num_free:
+                trie.evict_slots(num_slots)
+        if num_pages > self._pages.num_free or (
+            self._slots is not None and num_slots > self._slots.num_free
+        ):
+            raise IntegrityError("eviction freed less than its plan promised")
+
+    # -------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` if any invariant is broken. O(state size).
+
+        Refcounts equal the references held by sequences and the trie; free
+        and used ids add up; no id is both free and referenced; each table
+        covers exactly its sequence's tokens; trie invariants hold.
+        """
+        page_refs = [0] * self._pages.num_items
+        slot_refs = [0] * self._slots.num_items if self._slots is not None else None
+        locks: dict[int, int] = {}
+        for seq in self._seqs.values():
+            self._check_sequence(seq, page_refs, slot_refs, locks)
+        if self._trie is not None:
+            self._trie.add_references(page_refs, slot_refs)
+            self._trie.check_integrity(locks)
+        self._pages.check_integrity(page_refs, "page")
+        if self._slots is not None:
+            self._slots.check_integrity(slot_refs, "slot")
+
+    def _check_sequence(
+        self,
+        seq: Sequence,
+        page_refs: list[int],
+        slot_refs: list[int] | None,
+        locks: dict[int, int],
+    ) -> None:
+        where = f"sequence {seq.seq_id!r}"
+        table = seq.block_table
+        num_pages = -(-len(seq.tokens) // self._block_size)
+        if len(table) != num_pages:
+            raise IntegrityError(f"{where} has {len(table)} pages for {len(seq.tokens)} tokens")
+        for index, page in enumerate(table):
+            released = index < seq.num_released
+            if (page is None) != released:
+                raise IntegrityError(f"{where}: page {index} released out of order")
+            if page is not None:
+                page_refs[page] += 1
+        if seq.num_released and self._window is None:
+            raise IntegrityError(f"{where} released pages without a sliding window")
+        if (seq.slot is None) != (slot_refs is None):
+            raise IntegrityError(f"{where} slot {seq.slot} does not fit the model kind")
+        if seq.slot is not None:
+            slot_refs[seq.slot] += 1
+        node = seq.locked_node
+        if node is not None and node.parent is None:
+            raise IntegrityError(f"{where} locks a node that left the trie")
+        while node is not None and node.parent is not None:
+            locks[node.node_id] = locks.get(node.node_id, 0) + 1
+            node = node.parent
+
+    def debug_state(self) -> tuple:
+        """Everything observable, as plain values: equal before and after any
+        call that failed. For tests; O(state size)."""
+        seqs = tuple(
+            (
+                seq_id,
+                seq.namespace,
+                tuple(seq.tokens),
+                tuple(seq.block_table),
+                seq.slot,
+                seq.locked_node.node_id if seq.locked_node is not None else None,
+                seq.num_released,
+            )
+            for seq_id, seq in self._seqs.items()
+        )
+        pools = (
+            tuple(self._pages.free_items()),
+            tuple(self._pages.refcounts()),
+            tuple(self._slots.free_items()) if self._slots is not None else None,
+            tuple(self._slots.refcounts()) if self._slots is not None else None,
+        )
+        counters = (
+            self._num_queries,
+            self._num_hits,
+            self._num_query_tokens,
+            self._num_hit_tokens,
+        )
+        trie = self._trie.debug_state() if self._trie is not None else None
+        return seqs, pools, counters, trie
+
+
+def _prompt_list(tokens: Iterable[int]) -> list[int]:
+    tokens = _token_list(tokens)
+    if not tokens:
+        raise InvalidArgument("a prompt needs at least one token")
+    return tokens
+
+
+def _token_list(tokens: Iterable[int]) -> list[int]:
+    if isinstance(tokens, (str, bytes, int)):
+        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
+    try:
+        return list(tokens)
+    except TypeError:
+        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}") from None
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _check_namespace(namespace: Hashable) -> None:
+    try:
+        hash(namespace)
+    except TypeError:
+        raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None

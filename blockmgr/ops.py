@@ -1,0 +1,46 @@
+"""Memory-op plans: the storage work a bookkeeping decision implies.
+
+`blockmgr` never touches tensors. Every call that needs storage work returns a
+plan: a sequence of ops that the storage (`cache/`, `recurrent/`) applies, in
+order, before the next forward pass. Plans of several calls made between two
+forward passes are applied in call order; a page or slot freed by one call and
+handed out again by a later one is therefore only written after every earlier
+op that read it.
+
+Ops are small frozen records; applying them is the storage's business (one
+batched gather/scatter per layer per step, not one per op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBlock:
+    """Copy every token position of page `src` into page `dst` (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopySlot:
+    """Copy the recurrent state held in slot `src` into slot `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroSlot:
+    """Reset slot `slot` to the zero state (a fresh or recycled slot)."""
+
+    slot: int
+
+
+MemoryOp = Union[CopyBlock, CopySlot, ZeroSlot]
+
+#: The plan returned when no storage work is needed (shared, never mutated).
+NO_OPS: tuple[MemoryOp, ...] = ()

@@ -1,0 +1,673 @@
+"""Token-level radix trie of cached prefixes: pages plus recurrent snapshots.
+
+Every node stands for the token run `tokens` at absolute positions
+`[start, end)` of the prefix spelled by its path from a namespace root. It
+holds one reference to each page that stores any of those positions, so a
+page that straddles a node boundary is held by both sides:
+
+    block_size = 4          parent: tokens [0, 6)      child: tokens [6, 11)
+    positions   0 1 2 3 | 4 5 6 7 | 8 9 10
+    parent.blocks = [p0,  p1]         (indices 0..1)
+    child.blocks  =      [q1,  q2]    (indices 1..2; q1 may be p1 itself)
+
+Invariant (valid data): a node's page at index j holds correct KV for every
+path position in page j below the node's end. A deeper node's page is
+therefore the one to use for a straddled index.
+
+In hybrid mode (recurrent slots) a node may also hold a slot with the
+recurrent state exactly at its end. A node without one is a *tombstone*: its
+pages can be shared, but no match may end there. No leaf is a tombstone.
+
+Nodes in use by live sequences are *locked* along their path (reference
+counts); only unlocked leaves are evicted, least recently used first, and
+under slot pressure unlocked nodes drop their snapshot. A non-root node with
+no snapshot and a single child whose lock count equals its own is merged into
+that child, so the trie stays compact.
+
+The trie never allocates: it only takes and drops references on pages and
+slots of the pools it was given. Costs: a match is linear in the matched
+tokens (list slices compared at C speed) plus O(depth); LRU updates are
+O(log n) per touched node (sortedcontainers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sortedcontainers import SortedList
+
+from blockmgr.errors import IntegrityError
+from blockmgr.pool import RefCountedPool
+
+
+class PrefixCacheListener(Protocol):
+    """Follows what the trie caches (for a cache-aware router)."""
+
+    def stored(self, pages: list[int], tokens: list[int]) -> None: ...
+
+    def removed(self, pages: list[int]) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class TrieNode:
+    """One edge of the trie: a token run and the pages (and slot) holding it."""
+
+    node_id: int
+    namespace: Hashable
+    tokens: list[int]
+    start: int
+    parent: TrieNode | None
+    blocks: list[int]
+    children: dict[int, TrieNode] = field(default_factory=dict)
+    slot: int | None = None
+    lock_count: int = 0
+    last_access: int = 0
+    leaf_key: tuple[int, int] | None = None
+    slot_key: tuple[int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.tokens
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The usable part of a prompt found in the trie (read-only result).
+
+    num_tokens: tokens whose KV (and, in hybrid mode, recurrent state) can be
+        reused; never more than the `limit` asked for.
+    pages: the pages holding them, one per page index `0 .. ceil(n/bs) - 1`.
+    node: the deepest node those pages come from (to lock), None on a miss.
+    slot: in hybrid mode, the snapshot slot at `num_tokens`.
+    branch_point: in hybrid mode, where the prompt leaves the trie when that
+        is beyond `num_tokens` (a checkpoint there makes siblings hit).
+    path: the nodes used, root side first (to touch for LRU).
+    """
+
+    num_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    node: TrieNode | None = None
+    slot: int | None = None
+    branch_point: int | None = None
+    path: list[TrieNode] = field(default_factory=list)
+
+
+def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
+    """Length of the common prefix of `edge` and `tokens[pos:]`.
+
+    O(L) element compares at C speed plus O(log L) slices: a bisection over
+    slice equality instead of a per-token Python loop.
+    """
+    limit = min(len(edge), len(tokens) - pos)
+    if edge[:limit] == tokens[pos : pos + limit]:
+        return limit
+    lo, hi = 0, limit - 1  # edge[:lo] matches; edge[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if edge[lo:mid] == tokens[pos + lo : pos + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PrefixTrie:
+    """The prefix cache of one `BlockManager` (see the module docstring)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        pages: RefCountedPool,
+        slots: RefCountedPool | None,
+        listener: PrefixCacheListener | None = None,
+    ) -> None:
+        self._block_size = block_size
+        self._pages = pages
+        self._slots = slots
+        self._hybrid = slots is not None
+        self._listener = listener
+        self._roots: dict[Hashable, TrieNode] = {}
+        self._nodes: dict[int, TrieNode] = {}
+        self._next_node_id = 0
+        self._clock = 0
+        # Unlocked non-root leaves, and unlocked nodes holding a slot, by LRU.
+        self._leaf_lru: SortedList = SortedList()
+        self._slot_lru: SortedList = SortedList()
+        self._page_trie_refs = [0] * pages.num_items
+        self.num_pages_held = 0
+        self.num_evicted_pages = 0
+        self.num_evicted_nodes = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_slots_held(self) -> int:
+        """Recurrent snapshots held. O(nodes)."""
+        return sum(1 for node in self._nodes.values() if node.slot is not None)
+
+    def match(self, namespace: Hashable, tokens: list[int], limit: int) -> PrefixMatch:
+        """Find the longest usable cached prefix of `tokens`, at most `limit`.
+
+        Pure: changes nothing. O(matched tokens + depth).
+        """
+        root = self._roots.get(namespace)
+        if root is None or limit <= 0:
+            return PrefixMatch()
+        path, num_matched = self._walk(root, tokens)
+        if self._hybrid:
+            return self._hybrid_match(path, num_matched, limit, len(tokens))
+        num_usable = min(num_matched, limit)
+        while path and path[-1].start >= num_usable:
+            path.pop()
+        return self._make_match(path, num_usable, slot=None, branch_point=None)
+
+    def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
+        """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
+        root = self._roots.get(namespace)
+        if root is None or not tokens:
+            return None
+        path, num_matched = self._walk(root, tokens)
+        if num_matched != len(tokens) or not path:
+            return None
+        node = path[-1]
+        if node.end != num_matched or node.slot is None:
+            return None
+        return node
+
+    def _walk(self, root: TrieNode, tokens: list[int]) -> tuple[list[TrieNode], int]:
+        """Nodes along `tokens` (the last may match partly) and tokens matched."""
+        path: list[TrieNode] = []
+        node, pos, num_tokens = root, 0, len(tokens)
+        while pos < num_tokens:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            edge = child.tokens
+            path.append(child)
+            if tokens[pos : pos + len(edge)] == edge:
+                pos += len(edge)
+                node = child
+                continue
+            pos += common_prefix_length(edge, tokens, pos)
+            break
+        return path, pos
+
+    def _hybrid_match(
+        self, path: list[TrieNode], num_matched: int, limit: int, num_tokens: int
+    ) -> PrefixMatch:
+        reach = min(num_matched, limit)
+        snapshot_depth = None
+        for depth, node in enumerate(path):
+            if node.end > reach:
+                break
+            if node.slot is not None:
+                snapshot_depth = depth
+        num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
+        branch_point = num_matched if num_usable < num_matched < num_tokens else None
+        if snapshot_depth is None:
+            return PrefixMatch(branch_point=branch_point)
+        del path[snapshot_depth + 1 :]
+        return self._make_match(path, num_usable, path[-1].slot, branch_point)
+
+    def _make_match(
+        self,
+        path: list[TrieNode],
+        num_tokens: int,
+        slot: int | None,
+        branch_point: int | None,
+    ) -> PrefixMatch:
+        if num_tokens == 0:
+            return PrefixMatch(branch_point=branch_point)
+        pages = self._pages_along(path)
+        del pages[-(-num_tokens // self._block_size) :]
+        return PrefixMatch(num_tokens, pages, path[-1], slot, branch_point, path)
+
+    def _pages_along(self, path: list[TrieNode]) -> list[int]:
+        """One page per index; at a straddled index the deeper node's page."""
+        pages: list[int] = []
+        block_size = self._block_size
+        for node in path:
+            pages[node.start // block_size :] = node.blocks
+        return pages
+
+    # ------------------------------------------------------------ lock and LRU
+
+    def lock(self, node: TrieNode) -> None:
+        """Mark `node` and its ancestors in use. O(depth log n)."""
+        while node.parent is not None:
+            node.lock_count += 1
+            if node.lock_count == 1:
+                self._reindex(node)
+            node = node.parent
+
+    def unlock(self, node: TrieNode) -> None:
+        """Undo one `lock(node)`; merges nodes the lock kept apart."""
+        while node.parent is not None:
+            parent = node.parent
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self._reindex(node)
+            self._try_merge(node)
+            node = parent
+
+    def touch(self, path: Sequence[TrieNode]) -> None:
+        """Mark the nodes of `path` most recently used."""
+        self._clock += 1
+        clock = self._clock
+        for node in path:
+            node.last_access = clock
+            if node.lock_count == 0:
+                self._reindex(node)
+
+    def _reindex(self, node: TrieNode) -> None:
+        """Put `node` in the LRU lists it qualifies for, at its current age."""
+        unlocked = node.lock_count == 0 and node.parent is not None
+        key = (node.last_access, node.node_id)
+        leaf_key = key if unlocked and not node.children else None
+        if leaf_key != node.leaf_key:
+            if node.leaf_key is not None:
+                self._leaf_lru.remove(node.leaf_key)
+            if leaf_key is not None:
+                self._leaf_lru.add(leaf_key)
+            node.leaf_key = leaf_key
+        slot_key = key if unlocked and node.slot is not None else None
+        if slot_key != node.slot_key:
+            if node.slot_key is not None:
+                self._slot_lru.remove(node.slot_key)
+            if slot_key is not None:
+                self._slot_lru.add(slot_key)
+            node.slot_key = slot_key
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        namespace: Hashable,
+        tokens: list[int],
+        pages: list[int],
+        slot: int | None = None,
+    ) -> tuple[TrieNode, bool]:
+        """Cache `tokens`, whose KV is in `pages` (one per page index).
+
+        The trie takes its own references to the pages it keeps (and to
+        `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
+        already there); the caller keeps and later drops its own. Returns the
+        deepest node covering `tokens` and whether the slot was taken.
+        O(len(tokens) + depth).
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._new_node(namespace, [], 0, None, [])
+            self._roots[namespace] = root
+        node, pos, num_tokens = root, 0, len(tokens)
+        path: list[TrieNode] = []
+        while pos < num_tokens:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                node = self._add_child(node, tokens, pos, pages)
+                path.append(node)
+                pos = num_tokens
+                break
+            num_common = common_prefix_length(child.tokens, tokens, pos)
+            if num_common < len(child.tokens):
+                if pos + num_common == num_tokens and slot is None:
+                    path.append(child)  # ends inside: nothing new to store
+                    pos = num_tokens
+                    node = child
+                    break
+                child = self._split(child, num_common)
+            node = child
+            path.append(node)
+            pos += num_common
+        took_slot = slot is not None and node.slot is None and node is not root
+        if took_slot:
+            self._slots.incref(slot)
+            node.slot = slot
+        self.touch(path)
+        if path:
+            self._try_merge(path[-1].parent)
+        return node, took_slot
+
+    def _add_child(
+        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int]
+    ) -> TrieNode:
+        block_size = self._block_size
+        blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
+        for page in blocks:
+            self._hold_page(page)
+        child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
+        parent.children[tokens[pos]] = child
+        self._reindex(parent)
+        if self._listener is not None:
+            self._listener.stored(list(blocks), child.tokens)
+        return child
+
+    def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
+        """Cut `node` after `num_head_tokens`; return the new head (the parent).
+
+        The head gets the pages up to the cut (a straddled page is then held
+        by both); `node` keeps the tail, its slot and its identity, so
+        sequences locking it stay valid. The head is a tombstone.
+        """
+        block_size = self._block_size
+        first_index = node.start // block_size
+        cut = node.start + num_head_tokens
+        head_blocks = node.blocks[: -(-cut // block_size) - first_index]
+        tail_blocks = node.blocks[cut // block_size - first_index :]
+        if cut % block_size:
+            self._hold_page(node.blocks[cut // block_size - first_index])
+        parent = node.parent
+        head = self._new_node(
+            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks
+        )
+        head.lock_count = node.lock_count
+        head.last_access = node.last_access
+        parent.children[head.tokens[0]] = head
+        node.tokens = node.tokens[num_head_tokens:]
+        node.start = cut
+        node.blocks = tail_blocks
+        node.parent = head
+        head.children[node.tokens[0]] = node
+        return head
+
+    def _try_merge(self, node: TrieNode | None) -> None:
+        """Merge a non-snapshot node into its only child when locks agree."""
+        if node is None or node.parent is None or node.slot is not None:
+            return
+        if len(node.children) != 1:
+            return
+        (child,) = node.children.values()
+        if child.lock_count != node.lock_count:
+            return
+        if child.start % self._block_size:
+            self._drop_page(node.blocks[-1])  # the child's page supersedes it
+            head_blocks = node.blocks[:-1]
+        else:
+            head_blocks = node.blocks
+        child.blocks = head_blocks + child.blocks
+        child.tokens = node.tokens + child.tokens
+        child.start = node.start
+        child.parent = node.parent
+        child.last_access = max(child.last_access, node.last_access)
+        node.parent.children[child.tokens[0]] = child
+        self._detach(node)
+        self._reindex(child)
+
+    # ---------------------------------------------------------------- eviction
+
+    def can_free_pages(self, num_pages: int) -> bool:
+        """Could evicting unlocked entries free `num_pages` pages? Pure.
+
+        Walks unlocked leaves (and parents they expose) until enough pages
+        would drop to refcount 0: O(nodes visited).
+        """
+        if num_pages <= 0:
+            return True
+        num_freed = 0
+        pending: dict[int, int] = {}
+        children_left: dict[int, int] = {}
+        exposed: list[TrieNode] = []
+        leaves = iter(self._leaf_lru)
+        while num_freed < num_pages:
+            if exposed:
+                node = exposed.pop()
+            else:
+                key = next(leaves, None)
+                if key is None:
+                    return False
+                node = self._nodes[key[1]]
+            for page in node.blocks:
+                count = pending.get(page, 0) + 1
+                pending[page] = count
+                if count == self._pages.refcount(page):
+                    num_freed += 1
+            parent = node.parent
+            if parent.parent is None or parent.lock_count:
+                continue
+            left = children_left.get(parent.node_id, len(parent.children)) - 1
+            children_left[parent.node_id] = left
+            if left == 0:
+                exposed.append(parent)
+        return True
+
+    def evict_pages(self, num_free_wanted: int) -> None:
+        """Evict LRU unlocked leaves until the page pool has `num_free_wanted` free."""
+        pages = self._pages
+        while pages.num_free < num_free_wanted and self._leaf_lru:
+            self._evict(self._nodes[self._leaf_lru[0][1]])
+
+    def can_free_slots(self, num_slots: int, protect: int | None = None) -> bool:
+        """Could dropping unlocked snapshots free `num_slots` slots? Pure."""
+        if num_slots <= 0:
+            return True
+        num_freed = 0
+        for _, node_id in self._slot_lru:
+            slot = self._nodes[node_id].slot
+            if slot != protect and self._slots.refcount(slot) == 1:
+                num_freed += 1
+                if num_freed >= num_slots:
+                    return True
+        return False
+
+    def evict_slots(self, num_free_wanted: int, protect: int | None = None) -> None:
+        """Drop LRU unlocked snapshots until the slot pool has enough free.
+
+        An interior node becomes a tombstone and keeps its pages; a leaf is
+        evicted whole (no leaf is a tombstone).
+        """
+        slots = self._slots
+        index = 0
+        while slots.num_free < num_free_wanted and index < len(self._slot_lru):
+            node = self._nodes[self._slot_lru[index][1]]
+            if node.slot == protect:
+                index += 1
+                continue
+            if node.children:
+                self._drop_snapshot(node)
+            else:
+                self._evict(node)
+
+    def reset(self) -> None:
+        """Evict every unlocked entry."""
+        while self._leaf_lru:
+            self._evict(self._nodes[self._leaf_lru[0][1]])
+
+    def _drop_snapshot(self, node: TrieNode) -> None:
+        slot = node.slot
+        node.slot = None
+        self._slots.release(slot)
+        self._reindex(node)
+        self._try_merge(node)
+
+    def _evict(self, node: TrieNode) -> None:
+        """Remove an unlocked leaf; cascade to a parent left a tombstone leaf."""
+        while True:
+            parent = node.parent
+            del parent.children[node.tokens[0]]
+            num_freed = 0
+            for page in node.blocks:
+                num_freed += self._drop_page(page)
+            if node.slot is not None:
+                self._slots.release(node.slot)
+                node.slot = None
+            self.num_evicted_pages += num_freed
+            self.num_evicted_nodes += 1
+            if self._listener is not None:
+                self._listener.removed(list(node.blocks))
+            self._detach(node)
+            if parent.parent is None:
+                if not parent.children:
+                    del self._roots[parent.namespace]
+                return
+            self._reindex(parent)
+            if (
+                self._hybrid
+                and not parent.children
+                and parent.slot is None
+                and parent.lock_count == 0
+            ):
+                node = parent  # a tombstone leaf is useless: evict it too
+                continue
+            self._try_merge(parent)
+            return
+
+    # ------------------------------------------------------------- internals
+
+    def _new_node(
+        self,
+        namespace: Hashable,
+        tokens: list[int],
+        start: int,
+        parent: TrieNode | None,
+        blocks: list[int],
+    ) -> TrieNode:
+        node = TrieNode(self._next_node_id, namespace, tokens, start, parent, blocks)
+        self._next_node_id += 1
+        if parent is not None:
+            self._nodes[node.node_id] = node
+        return node
+
+    def _detach(self, node: TrieNode) -> None:
+        node.parent = None
+        node.children = {}
+        self._reindex(node)
+        del self._nodes[node.node_id]
+
+    def _hold_page(self, page: int) -> None:
+        self._pages.incref(page)
+        refs = self._page_trie_refs
+        refs[page] += 1
+        if refs[page] == 1:
+            self.num_pages_held += 1
+
+    def _drop_page(self, page: int) -> int:
+        refs = self._page_trie_refs
+        refs[page] -= 1
+        if refs[page] == 0:
+            self.num_pages_held -= 1
+        return 1 if self._pages.release(page) else 0
+
+    # --------------------------------------------------------------- checking
+
+    def debug_state(self) -> tuple:
+        """Every node and counter as plain values (see `BlockManager.debug_state`)."""
+        nodes = tuple(
+            (
+                node.node_id,
+                node.namespace,
+                tuple(node.tokens),
+                node.start,
+                node.parent.node_id if not node.parent.is_root else None,
+                tuple(node.blocks),
+                node.slot,
+                node.lock_count,
+                node.last_access,
+                node.leaf_key,
+                node.slot_key,
+                tuple(sorted(child.node_id for child in node.children.values())),
+            )
+            for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
+        )
+        counters = (
+            self._clock,
+            self._next_node_id,
+            self.num_pages_held,
+            self.num_evicted_pages,
+            self.num_evicted_nodes,
+        )
+        roots = tuple(
+            (namespace, tuple(sorted(c.node_id for c in root.children.values())))
+            for namespace, root in self._roots.items()
+        )
+        return nodes, roots, counters, tuple(self._page_trie_refs)
+
+    def add_references(self, page_refs: list[int], slot_refs: list[int] | None) -> None:
+        """Add the trie's page and slot references to the given counters."""
+        for node in self._nodes.values():
+            for page in node.blocks:
+                page_refs[page] += 1
+            if node.slot is not None:
+                slot_refs[node.slot] += 1
+
+    def check_integrity(self, expected_locks: dict[int, int]) -> None:
+        """Raise `IntegrityError` if a trie invariant is broken.
+
+        `expected_locks` maps node id to the number of live sequences whose
+        locked path contains that node.
+        """
+        seen: set[int] = set()
+        held_refs = [0] * len(self._page_trie_refs)
+        for namespace, root in self._roots.items():
+            if root.parent is not None or root.tokens or root.blocks or root.slot is not None:
+                raise IntegrityError(f"root of namespace {namespace!r} is not empty")
+            if not root.children:
+                raise IntegrityError(f"namespace {namespace!r} has an empty root")
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                self._check_node(node, namespace, expected_locks, held_refs)
+                seen.add(node.node_id)
+                stack.extend(node.children.values())
+        if seen != set(self._nodes):
+            raise IntegrityError("the node index and the trie disagree")
+        if held_refs != self._page_trie_refs:
+            raise IntegrityError("per-page trie reference counts are wrong")
+        if self.num_pages_held != sum(1 for refs in held_refs if refs):
+            raise IntegrityError("num_pages_held is wrong")
+        leaf_keys = sorted(n.leaf_key for n in self._nodes.values() if n.leaf_key)
+        slot_keys = sorted(n.slot_key for n in self._nodes.values() if n.slot_key)
+        if leaf_keys != list(self._leaf_lru) or slot_keys != list(self._slot_lru):
+            raise IntegrityError("the LRU lists and the nodes disagree")
+
+    def _check_node(
+        self,
+        node: TrieNode,
+        namespace: Hashable,
+        expected_locks: dict[int, int],
+        held_refs: list[int],
+    ) -> None:
+        parent = node.parent
+        where = f"node {node.node_id} [{node.start}, {node.end})"
+        if not node.tokens:
+            raise IntegrityError(f"{where} has no tokens")
+        if node.namespace != namespace:
+            raise IntegrityError(f"{where} is in the wrong namespace")
+        if parent.children.get(node.tokens[0]) is not node:
+            raise IntegrityError(f"{where} is not filed under its first token")
+        if node.start != parent.end:
+            raise IntegrityError(f"{where} does not start where its parent ends")
+        block_size = self._block_size
+        num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
+        if len(node.blocks) != num_blocks:
+            raise IntegrityError(f"{where} holds {len(node.blocks)} pages, needs {num_blocks}")
+        for page in node.blocks:
+            held_refs[page] += 1
+        if node.lock_count != expected_locks.get(node.node_id, 0):
+            raise IntegrityError(
+                f"{where} lock count {node.lock_count}, "
+                f"expected {expected_locks.get(node.node_id, 0)}"
+            )
+        if self._hybrid and not node.children and node.slot is None:
+            raise IntegrityError(f"{where} is a tombstone leaf")
+        if not self._hybrid and node.slot is not None:
+            raise IntegrityError(f"{where} holds a slot without recurrent state")
+        if node.slot is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            if child.lock_count == node.lock_count:
+                raise IntegrityError(f"{where} should have been merged into its child")
+        key = (node.last_access, node.node_id)
+        unlocked = node.lock_count == 0
+        want_leaf = key if unlocked and not node.children else None
+        want_slot = key if unlocked and node.slot is not None else None
+        if node.leaf_key != want_leaf or node.slot_key != want_slot:
+            raise IntegrityError(f"{where} has stale LRU keys")

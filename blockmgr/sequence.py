@@ -1,0 +1,51 @@
+"""Records of the block manager: a live sequence and an allocation result."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from blockmgr.ops import MemoryOp
+from blockmgr.prefix_trie import TrieNode
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A live sequence: its tokens, the pages holding them, its slot.
+
+    block_table[j] holds token positions [j * block_size, (j + 1) * block_size);
+    with a sliding window the first `num_released` entries are None (released).
+    locked_node is the deepest trie node this sequence keeps from eviction.
+    """
+
+    seq_id: Hashable
+    namespace: Hashable
+    tokens: list[int]
+    block_table: list[int | None]
+    slot: int | None = None
+    locked_node: TrieNode | None = None
+    num_released: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Allocation:
+    """What `BlockManager.allocate` did.
+
+    block_table: pages for every prompt token (a copy; the manager's own
+        table changes as the sequence grows).
+    slot: the sequence's recurrent slot (None for attention-only models).
+    ops: the memory-op plan to apply before the next forward pass.
+    num_cached_tokens: tokens already computed (reused from the prefix trie);
+        always at most len(tokens) - 1, so there is a token to compute.
+    branch_point: hybrid models only: where the prompt leaves the cached
+        prefix when no recurrent snapshot exists there. End a prefill chunk at
+        this position and `cache_prefix` it, and the next prompt sharing the
+        prefix hits it. None when there is nothing to gain.
+    """
+
+    seq_id: Hashable
+    block_table: list[int]
+    slot: int | None
+    ops: tuple[MemoryOp, ...]
+    num_cached_tokens: int
+    branch_point: int | None = None

@@ -1,0 +1,87 @@
+"""Shadow storage: replays memory-op plans on token ids instead of tensors.
+
+A numpy array stands for the page pool (one token id per position) and a list
+for the slot pool (the token prefix whose recurrent state the slot holds).
+"Computing" a token writes its id where the block table says; the recurrent
+state of a slot must be exactly the prefix computed so far. Reading a
+sequence back through its block table must give its own tokens: any
+copy-on-write, sharing or eviction mistake shows up as a wrong id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from blockmgr import BlockManager, CopyBlock, CopySlot, ZeroSlot
+
+UNWRITTEN = -1
+
+
+class ShadowStorage:
+    def __init__(self, bm: BlockManager) -> None:
+        config = bm.config
+        self.bm = bm
+        self.block_size = config.block_size
+        self.pages = np.full((config.num_blocks, config.block_size), UNWRITTEN, np.int64)
+        self.slots: list[tuple[int, ...] | None] = [None] * config.num_slots
+        self.computed: dict[object, int] = {}
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                assert op.src != op.dst
+                self.pages[op.dst] = self.pages[op.src]
+            elif isinstance(op, CopySlot):
+                assert op.src != op.dst
+                self.slots[op.dst] = self.slots[op.src]
+            elif isinstance(op, ZeroSlot):
+                self.slots[op.slot] = ()
+            else:
+                raise AssertionError(f"unknown op {op!r}")
+
+    def compute(self, seq_id, upto: int | None = None) -> None:
+        """Run the 'forward pass' over the sequence's uncomputed tokens."""
+        tokens = self.bm.tokens(seq_id)
+        table = self.bm.block_table(seq_id)
+        start = self.computed[seq_id]
+        upto = len(tokens) if upto is None else upto
+        window = self.bm.config.sliding_window
+        if window is not None:
+            # The first new token attends to keys (start - W, start]: still held.
+            for pos in range(max(0, start - window + 1), start):
+                assert table[pos // self.block_size] is not None, (
+                    f"{seq_id}: position {pos} is inside the window but was released"
+                )
+        slot = self.bm.slot(seq_id)
+        if slot is not None:
+            assert self.slots[slot] == tuple(tokens[:start]), (
+                f"{seq_id}: slot {slot} holds the wrong recurrent state before position {start}"
+            )
+        for pos in range(start, upto):
+            page = table[pos // self.block_size]
+            assert page is not None, f"{seq_id}: writing into a released page"
+            self.pages[page, pos % self.block_size] = tokens[pos]
+        if slot is not None:
+            self.slots[slot] = tuple(tokens[:upto])
+        self.computed[seq_id] = upto
+
+    def check_reads_back(self, seq_id) -> None:
+        """Every computed, still-held position holds the sequence's own token."""
+        tokens = self.bm.tokens(seq_id)
+        table = self.bm.block_table(seq_id)
+        bs = self.block_size
+        for pos in range(self.computed[seq_id]):
+            page = table[pos // bs]
+            if page is None:
+                continue
+            got = self.pages[page, pos % bs]
+            assert got == tokens[pos], (
+                f"{seq_id}: position {pos} reads {got}, expected {tokens[pos]} (page {page})"
+            )
+        slot = self.bm.slot(seq_id)
+        if slot is not None and self.computed[seq_id] == len(tokens):
+            assert self.slots[slot] == tuple(tokens), f"{seq_id}: slot state is wrong"
+
+    def check_all(self) -> None:
+        for seq_id in self.computed:
+            self.check_reads_back(seq_id)
