@@ -1,0 +1,383 @@
+"""`PagedCache`: the page pools and block managers of one mlx-lm model.
+
+Layers are grouped by attention window: full-attention layers share one
+`BlockManager` (and its page ids), each distinct sliding window gets its own
+manager with ``sliding_window`` set, so pages that fall out of the window are
+released. Recurrent layers (``ArraysCache``) use slots of the first group's
+manager; their storage is an injected backend (see `RecurrentBackend`), since
+`cache` does not import `recurrent`.
+
+Every sequence call has the manager's meaning; the memory-op plans it returns
+are queued and applied in one batched op per layer before the next forward
+(`flush`, called by the views when a step starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
+
+import mlx.core as mx
+
+from blockmgr import Allocation, BlockManager, BlockManagerConfig
+from blockmgr.errors import InvalidArgument, OutOfBlocks, UnknownSequence
+from blockmgr.ops import CopyBlock, MemoryOp
+from cache.layers import LayerKind, LayerSpec, layer_specs
+from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
+from cache.step_plan import StepPlan, plan_step
+from cache.views import AttentionView, BatchState
+
+
+class RecurrentBackend(Protocol):
+    """Slot storage for recurrent layers (e.g. `recurrent.RecurrentPools`)."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    def apply_plan(self, ops: Iterable[MemoryOp]) -> None: ...
+    def views(self, slots: Sequence[int], lengths: Sequence[int] | None = None) -> Mapping[int, Any]: ...
+
+
+@dataclass(slots=True)
+class _Group:
+    """Layers sharing one block manager (same window)."""
+
+    window: int | None
+    layers: list[int]
+    bm: BlockManager
+    pools: dict[int, PagePool] = field(default_factory=dict)
+    pending: list[CopyBlock] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _SeqState:
+    computed: int  # tokens whose K/V are written
+    known: int  # leading tokens whose ids are real (views may add placeholders)
+
+
+class PagedCache:
+    """Paged KV storage + block managers for one model; see the module doc.
+
+    Tokens given to `allocate`/`append` get pages reserved; the next forward
+    through `views` computes them (all pending tokens, or the first N when
+    the input has N < pending tokens: chunked prefill). A forward over a
+    sequence with nothing pending reserves pages for its N input tokens
+    itself (mlx-lm's `generate_step`); their ids are unknown, so they never
+    enter the prefix trie.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        num_slots: int = 0,
+        enable_prefix_cache: bool = True,
+        watermark: float = 0.0,
+        window_blocks: int | None = None,
+        recurrent: RecurrentBackend | None = None,
+    ) -> None:
+        """`window_blocks`: pages of each sliding-window group (default num_blocks)."""
+        specs = list(specs)
+        has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
+        if has_recurrent and (recurrent is None or num_slots < 1):
+            raise InvalidArgument("recurrent layers need num_slots > 0 and a recurrent backend")
+        self.specs = specs
+        self.block_size = block_size
+        self._recurrent = recurrent if has_recurrent else None
+        self._slot_ops: list[MemoryOp] = []
+        self._seqs: dict[Hashable, _SeqState] = {}
+        windows = sorted({s.window for s in specs if s.kind is not LayerKind.RECURRENT},
+                         key=lambda w: (w is not None, w or 0))
+        if not windows or windows[0] is not None:
+            windows.insert(0, None)  # group 0 always exists: it holds tokens and slots
+        self._groups: list[_Group] = []
+        self._group_of: dict[int, int] = {}
+        for gi, w in enumerate(windows):
+            cfg = BlockManagerConfig(
+                num_blocks=num_blocks if w is None else (window_blocks or num_blocks),
+                block_size=block_size,
+                num_slots=num_slots if gi == 0 else 0,
+                enable_prefix_cache=enable_prefix_cache,
+                watermark=watermark,
+                sliding_window=w,
+            )
+            layers = [i for i, s in enumerate(specs)
+                      if s.kind is not LayerKind.RECURRENT and s.window == w]
+            self._groups.append(_Group(w, layers, BlockManager(cfg)))
+            for i in layers:
+                self._group_of[i] = gi
+
+    @classmethod
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, **kwargs) -> PagedCache:
+        """A cache laid out for `model` (layer kinds from `model.make_cache()`)."""
+        return cls(layer_specs(model), num_blocks, block_size, **kwargs)
+
+    # --- inspection ----------------------------------------------------------
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The full-attention group's manager (tokens, slots, prefix trie)."""
+        return self._groups[0].bm
+
+    @property
+    def block_managers(self) -> tuple[BlockManager, ...]:
+        return tuple(g.bm for g in self._groups)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.block_manager.num_tokens(seq_id)
+
+    def num_computed(self, seq_id: Hashable) -> int:
+        """Tokens of `seq_id` whose K/V have been written by a forward pass."""
+        return self._state(seq_id).computed
+
+    def block_table(self, seq_id: Hashable, layer: int | None = None) -> list[int | None]:
+        """Page table of `seq_id` in `layer`'s group (default: full attention)."""
+        group = 0 if layer is None else self._group_of[layer]
+        return self._groups[group].bm.block_table(seq_id)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every allocated pool array (all pages, used or not)."""
+        return sum(p.nbytes for g in self._groups for p in g.pools.values())
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the pages currently held (by sequences or the prefix trie)."""
+        total = 0
+        for g in self._groups:
+            used = g.bm.config.num_blocks - g.bm.num_free_blocks
+            total += used * sum(p.shape.page_nbytes for p in g.pools.values())
+        return total
+
+    # --- sequence calls (the manager's meaning; plans applied by flush) -------
+
+    def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
+        tokens = list(tokens)
+        return all(g.bm.can_allocate(tokens, namespace) for g in self._groups)
+
+    def allocate(self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None) -> Allocation:
+        """Reserve pages for a prompt; reuse the longest prefix every group holds.
+
+        When groups hit different lengths (a sliding-window group keeps no
+        prefix once it has released pages), every group is cut to the
+        shortest hit. Raises like `BlockManager.allocate`; on failure no
+        group keeps the sequence.
+        """
+        tokens = list(tokens)
+        allocs: list[Allocation] = []
+        try:
+            for g in self._groups:
+                allocs.append(g.bm.allocate(seq_id, tokens, namespace))
+        except Exception:
+            for g, _ in zip(self._groups, allocs):
+                g.bm.free(seq_id, num_computed=0)
+            raise
+        cached = min(a.num_cached_tokens for a in allocs)
+        for gi, (g, a) in enumerate(zip(self._groups, allocs)):
+            self._queue(gi, a.ops)
+            if a.num_cached_tokens > cached:
+                self._queue(gi, g.bm.truncate(seq_id, cached))
+                self._queue(gi, g.bm.append(seq_id, tokens[cached:]))
+        self._seqs[seq_id] = _SeqState(cached, len(tokens))
+        first = allocs[0]
+        return Allocation(
+            seq_id, self.block_manager.block_table(seq_id), first.slot, first.ops,
+            cached, first.branch_point,
+        )
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        return all(g.bm.can_append(seq_id, num_tokens) for g in self._groups)
+
+    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> None:
+        """Reserve pages for tokens the next forward computes. Raises
+        `OutOfBlocks` (nothing changed) when any group lacks pages."""
+        self._append(seq_id, list(new_tokens), known=True)
+
+    def _append(self, seq_id: Hashable, tokens: list, known: bool) -> None:
+        state = self._state(seq_id)
+        if not tokens:
+            return
+        if not self.can_append(seq_id, len(tokens)):
+            raise OutOfBlocks(f"no pages for {len(tokens)} more tokens of {seq_id!r}")
+        num_before = self.num_tokens(seq_id)
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.append(seq_id, tokens))
+        if known and state.known == num_before:
+            state.known += len(tokens)
+
+    def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> None:
+        """`new_seq_id` shares `seq_id`'s pages (and slot) copy-on-write.
+        Fork once every reserved token of `seq_id` is computed."""
+        state = self._state(seq_id)
+        done: list[_Group] = []
+        try:
+            for gi, g in enumerate(self._groups):
+                self._queue(gi, g.bm.fork(seq_id, new_seq_id))
+                done.append(g)
+        except Exception:
+            for g in done:
+                g.bm.free(new_seq_id, num_computed=0)
+            raise
+        self._seqs[new_seq_id] = _SeqState(state.computed, state.known)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Roll `seq_id` back to its first `num_tokens` tokens (speculative
+        decoding: keep the accepted prefix). Raises like the manager's
+        truncate (e.g. rolling back into released window pages)."""
+        state = self._state(seq_id)
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.num_tokens(seq_id):
+            raise InvalidArgument(f"cannot truncate {seq_id!r} to {num_tokens!r} tokens")
+        # Checks first so that no group is cut when another would refuse.
+        for g in self._groups:
+            if not g.bm.can_truncate(seq_id, num_tokens):
+                # Refused: the manager's truncate raises its precise error
+                # (InvalidArgument, NoSnapshot, OutOfSlots) and changes nothing.
+                g.bm.truncate(seq_id, num_tokens)
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.truncate(seq_id, num_tokens))
+        state.computed = min(state.computed, num_tokens)
+        state.known = min(state.known, num_tokens)
+
+    def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> None:
+        """Snapshot computed tokens (None: all computed ones) into the trie."""
+        n = self._trie_count(seq_id, num_tokens)
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.cache_prefix(seq_id, n))
+
+    def free(self, seq_id: Hashable, num_computed: int | None = None) -> None:
+        """End `seq_id`; its computed tokens (None: all) enter the trie."""
+        n = self._trie_count(seq_id, num_computed)
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.free(seq_id, n))
+        del self._seqs[seq_id]
+
+    def _trie_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
+        state = self._state(seq_id)
+        limit = min(state.computed, state.known)
+        if num_tokens is None:
+            return limit
+        if not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens > state.computed:
+            raise InvalidArgument(f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}")
+        return min(num_tokens, limit)
+
+    # --- views -----------------------------------------------------------------
+
+    def views(self, seq_ids: Sequence[Hashable], num_new: Sequence[int] | None = None) -> list:
+        """One mlx-lm cache object per layer for the batch `seq_ids` (row order).
+
+        Inputs are right-padded: row b's new tokens first. `num_new[b]`
+        (first step only) says how many of the N input tokens of row b are
+        real; default: min(pending tokens, N). Views live as long as the
+        batch does (e.g. a whole `generate_step` run).
+        """
+        seq_ids = list(seq_ids)
+        if not seq_ids or len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument(f"need distinct sequence ids, got {seq_ids!r}")
+        for s in seq_ids:
+            self._state(s)
+        if num_new is not None and len(num_new) != len(seq_ids):
+            raise InvalidArgument("num_new needs one entry per sequence")
+        batch = BatchState(self, seq_ids, None if num_new is None else list(num_new))
+        out: list = [None] * len(self.specs)
+        for i, spec in enumerate(self.specs):
+            if spec.kind is not LayerKind.RECURRENT:
+                out[i] = AttentionView(batch, self._group_of[i], i, self._pool_for, spec.window)
+        if self._recurrent is not None:
+            slots = [self.block_manager.slot(s) for s in seq_ids]
+            pending = [self.num_tokens(s) - self._seqs[s].computed for s in seq_ids]
+            lengths = pending if len(set(pending)) > 1 else None
+            for i, view in self._recurrent.views(slots, lengths).items():
+                out[i] = view
+        return out
+
+    def flush(self) -> None:
+        """Apply every queued memory op: one gather + one scatter per pool array
+        per batch of copies (usually one), one evaluation for all layers."""
+        for g in self._groups:
+            if not g.pending or not g.pools:
+                g.pending.clear()
+                continue
+            for src, dst in copy_waves(g.pending):
+                # Read every layer's sources, evaluate once, then write (see
+                # PagePool.read_pages for why the read is evaluated first).
+                reads = {layer: pool.read_pages(page_rows(pool, src))
+                         for layer, pool in g.pools.items()}
+                mx.eval(list(reads.values()))
+                for layer, (k, v) in reads.items():
+                    pool = g.pools[layer]
+                    pool.write_pages(page_rows(pool, dst), k, v)
+            g.pending.clear()
+        if self._slot_ops:
+            ops, self._slot_ops = self._slot_ops, []
+            self._recurrent.apply_plan(ops)
+
+    # --- StepSource (used by the views) ----------------------------------------
+
+    def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]:
+        states = [self._state(s) for s in seq_ids]
+        pending = [self.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
+        if num_new is not None:
+            if any(not 0 <= k <= min(p, n) for k, p in zip(num_new, pending)):
+                raise InvalidArgument(f"num_new {num_new} exceeds pending {pending} or N={n}")
+            new = list(num_new)
+        elif not any(pending):
+            # Nothing reserved (generate_step feeds tokens itself): reserve N each.
+            for s in seq_ids:
+                self._append(s, [None] * n, known=False)
+            new = [n] * len(seq_ids)
+        else:
+            new = [min(p, n) for p in pending]
+        self.flush()
+        offsets = [st.computed for st in states]
+        plans = {}
+        for gi, g in enumerate(self._groups):
+            tables = [g.bm.block_table(s) for s in seq_ids]
+            plans[gi] = plan_step(tables, offsets, new, n, self.block_size,
+                                  g.bm.config.num_blocks, g.window)
+        for st, k in zip(states, new):
+            st.computed += k
+        return plans
+
+    def _computed(self, seq_ids: Sequence) -> list[int]:
+        return [self._state(s).computed for s in seq_ids]
+
+    def _trim_batch(self, seq_ids: Sequence, n: int) -> int:
+        n = min([n] + self._computed(seq_ids))
+        for s in seq_ids:
+            self.truncate(s, self._state(s).computed - n)
+        return n
+
+    def _held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
+        g = self._groups[group]
+        pool = g.pools.get(layer)
+        if pool is None:
+            return 0
+        pages = {p for s in seq_ids for p in g.bm.block_table(s) if p is not None}
+        return len(pages) * pool.shape.page_nbytes
+
+    def _pool_for(self, layer: int, keys: mx.array | None, values: mx.array | None) -> PagePool | None:
+        """The layer's pool, created on its first write from the K/V shapes."""
+        g = self._groups[self._group_of[layer]]
+        pool = g.pools.get(layer)
+        if pool is None and keys is not None:
+            shape = PoolShape(g.bm.config.num_blocks, self.block_size, keys.shape[1],
+                              keys.shape[-1], values.shape[-1], keys.dtype)
+            pool = g.pools[layer] = PagePool(shape)
+        return pool
+
+    # --- internals -------------------------------------------------------------
+
+    def _queue(self, group: int, ops: Iterable[MemoryOp]) -> None:
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                self._groups[group].pending.append(op)
+            else:
+                self._slot_ops.append(op)
+
+    def _state(self, seq_id: Hashable) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no live sequence {seq_id!r}") from None
+

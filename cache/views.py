@@ -1,0 +1,157 @@
+"""Per-layer views over the page pools, following mlx-lm's cache protocol.
+
+`PagedCache.views(ids)` returns one view per layer; all attention views of
+one call share a `BatchState`, which starts a step (reserves pages if
+needed, applies pending memory ops, plans indices once per page group) the
+first time any layer of a forward pass touches the cache. A view therefore
+costs one scatter and one gather per pool array per step.
+
+mlx-lm reads ``cache.offset`` before ``update_and_fetch`` (RoPE) and calls
+``make_mask`` once per forward, before the layers; both see the offsets from
+before the step until the layer has written it, as with `KVCache`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import mlx.core as mx
+
+from cache.page_pool import PagePool
+from cache.step_plan import StepPlan
+
+
+class StepSource(Protocol):
+    """What a `BatchState` needs from its owner (the `PagedCache`)."""
+
+    def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]: ...
+    def _computed(self, seq_ids: Sequence) -> list[int]: ...
+    def _trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
+    def _held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
+
+
+class BatchState:
+    """Step bookkeeping shared by the views of one `views()` call."""
+
+    __slots__ = ("owner", "seq_ids", "steps", "trims", "last_trim", "plans", "_num_new")
+
+    def __init__(self, owner: StepSource, seq_ids: Sequence, num_new=None) -> None:
+        self.owner = owner
+        self.seq_ids = tuple(seq_ids)
+        self.steps = 0  # steps started
+        self.trims = 0  # trims performed
+        self.last_trim = 0
+        self.plans: dict[int, StepPlan] = {}
+        self._num_new = num_new  # explicit chunk lengths for the first step only
+
+    def plan(self, calls: int, group: int, n: int) -> StepPlan:
+        """The plan of the view's next step, starting the step if it is the first."""
+        if calls == self.steps:
+            self.plans = self.owner._begin_step(self.seq_ids, n, self._num_new)
+            self._num_new = None
+            self.steps += 1
+        return self.plans[group]
+
+
+class AttentionView:
+    """One attention layer's cache for a batch of sequences (mlx-lm protocol).
+
+    `offset`: int for one sequence, else an int32 ``mx.array`` of per-sequence
+    offsets. `update_and_fetch(keys, values)` with keys ``[B, n_kv_heads, N,
+    head_dim]`` (right-padded when rows have fewer new tokens) writes the new
+    K/V into their pages in place and returns the gathered history
+    ``[B, n_kv_heads, T, head_dim]``; `make_mask` masks causality, padding
+    and the sliding window. `trim(n)` rolls every sequence back n tokens
+    through the manager's truncate.
+    """
+
+    __slots__ = ("_batch", "_group", "_layer", "_pool_for", "_window", "_calls", "_trims")
+
+    def __init__(
+        self,
+        batch: BatchState,
+        group: int,
+        layer: int,
+        pool_for: Callable[[int, mx.array, mx.array], PagePool],
+        window: int | None,
+    ) -> None:
+        self._batch = batch
+        self._group = group
+        self._layer = layer
+        self._pool_for = pool_for
+        self._window = window
+        self._calls = 0
+        self._trims = 0
+
+    def __bool__(self) -> bool:  # mlx-lm tests `if cache` before make_mask
+        return True
+
+    @property
+    def offset(self) -> int | mx.array:
+        batch = self._batch
+        if self._calls < batch.steps:  # step started, this layer not written yet
+            return batch.plans[self._group].offset_value(after=False)
+        offs = batch.owner._computed(batch.seq_ids)
+        return offs[0] if len(offs) == 1 else mx.array(offs, dtype=mx.int32)
+
+    @property
+    def max_size(self) -> int | None:
+        """The sliding window (RotatingKVCache's name for it), else None."""
+        return self._window
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        plan = self._batch.plan(self._calls, self._group, keys.shape[2])
+        pool = self._pool_for(self._layer, keys, values)
+        h = keys.shape[1]
+        src, rows, cols = plan.write_index(h)
+        k = keys.reshape(-1, keys.shape[-1])
+        v = values.reshape(-1, values.shape[-1])
+        if src is not None:  # padded rows: keep real tokens only
+            k, v = mx.take(k, src, axis=0), mx.take(v, src, axis=0)
+        pool.write(rows, cols, k, v)
+        k_hist, v_hist = pool.gather(plan.gather_rows(h), plan.batch, plan.length)
+        self._calls += 1
+        if plan.exact:
+            start, stop = plan.history_slice()
+            if start or stop != plan.length:
+                k_hist, v_hist = k_hist[:, :, start:stop], v_hist[:, :, start:stop]
+        return k_hist, v_hist
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        plan = self._batch.plan(self._calls, self._group, N)
+        return plan.mask(N, window_size, return_array)
+
+    # --- the rest of the protocol ------------------------------------------
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The layer's pool arrays, for `mx.eval` only (see `PagePool.arrays`)."""
+        pool = self._pool_for(self._layer, None, None)
+        return () if pool is None else pool.arrays()
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens of every sequence (once per batch, not per layer)."""
+        batch = self._batch
+        if self._trims == batch.trims:
+            batch.last_trim = batch.owner._trim_batch(batch.seq_ids, n)
+            batch.trims += 1
+        self._trims += 1
+        return batch.last_trim
+
+    def size(self) -> int:
+        offs = self._batch.owner._computed(self._batch.seq_ids)
+        return max(offs)
+
+    def empty(self) -> bool:
+        return self.size() == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages these sequences hold in this layer (shared counted once)."""
+        return self._batch.owner._held_bytes(self._group, self._layer, self._batch.seq_ids)
+
+    def __repr__(self) -> str:
+        return f"AttentionView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
