@@ -1,0 +1,173 @@
+"""The slot pools of every recurrent layer of one model.
+
+`RecurrentPools` maps each recurrent layer index (a layer whose mlx-lm
+`make_cache()` entry is an `ArraysCache`) to its `StatePool`. It is what the
+paged cache holds for hybrid models:
+
+* `apply_plan(ops)` folds a block-manager plan once and applies it to every
+  layer: one gather + one scatter per state array, and a single evaluation of
+  all gathered rows for the whole model;
+* `views(slots, lengths)` gives one `RecurrentView` per recurrent layer for
+  a batch, to put in the model's cache list in place of its `ArraysCache`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from blockmgr.errors import InvalidArgument
+from blockmgr.ops import MemoryOp
+
+from .batch import make_batch
+from .plan import compile_slot_plan
+from .state_pool import ArraySpec, StatePool
+from .views import RecurrentView
+
+
+def is_recurrent_cache(cache: Any) -> bool:
+    """True for an mlx-lm `ArraysCache`-like layer cache (list of state arrays)."""
+    return (
+        isinstance(getattr(cache, "cache", None), list)
+        and hasattr(cache, "advance")
+        and hasattr(cache, "make_mask")
+        and not hasattr(cache, "update_and_fetch")
+    )
+
+
+def probe_specs(model: Any) -> dict[int, list[ArraySpec | None]]:
+    """Per-slot specs of every recurrent layer, read after a 1-token forward.
+
+    Runs `model` once on token 0 with fresh `make_cache()` caches (cost: one
+    tiny forward pass). Arrays a layer leaves unset stay `None`.
+    """
+    caches = model.make_cache()
+    logits = model(mx.array([[0]], dtype=mx.int32), cache=caches)
+    mx.eval(logits)
+    specs: dict[int, list[ArraySpec | None]] = {}
+    for layer, c in enumerate(caches):
+        if is_recurrent_cache(c):
+            specs[layer] = [
+                None if a is None else ArraySpec(tuple(a.shape[1:]), a.dtype) for a in c.cache
+            ]
+    return specs
+
+
+class RecurrentPools:
+    """`StatePool`s of a model's recurrent layers, all with `num_slots` slots.
+
+    Slots are the block manager's recurrent slots: slot `s` of every layer
+    together is one sequence's (or snapshot's) recurrent state.
+    """
+
+    __slots__ = ("_num_slots", "_pools")
+
+    def __init__(
+        self,
+        num_slots: int,
+        layer_sizes: Mapping[int, int],
+        specs: Mapping[int, Sequence[ArraySpec | None]] | None = None,
+    ) -> None:
+        """`layer_sizes[layer]` = number of state arrays of that layer.
+
+        `specs[layer]` optionally preallocates its arrays (see `StatePool`).
+        """
+        specs = specs or {}
+        unknown = set(specs) - set(layer_sizes)
+        if unknown:
+            raise InvalidArgument(f"specs for non-recurrent layers {sorted(unknown)}")
+        self._num_slots = num_slots
+        self._pools: dict[int, StatePool] = {
+            layer: StatePool(num_slots, size, specs.get(layer))
+            for layer, size in sorted(layer_sizes.items())
+        }
+
+    @classmethod
+    def for_model(cls, model: Any, num_slots: int, *, probe: bool = True) -> RecurrentPools:
+        """Pools for every `ArraysCache` layer of `model.make_cache()`.
+
+        `probe=True` preallocates the arrays from a 1-token forward
+        (`probe_specs`), so memory is taken up front and `bytes_per_slot` is
+        known; `probe=False` allocates each array on its first write.
+        """
+        sizes = {
+            layer: len(c.cache)
+            for layer, c in enumerate(model.make_cache())
+            if is_recurrent_cache(c)
+        }
+        specs = probe_specs(model) if probe and sizes else None
+        return cls(num_slots, sizes, specs)
+
+    # ---- structure -----------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Indices of the recurrent layers, ascending."""
+        return tuple(self._pools)
+
+    def pool(self, layer: int) -> StatePool:
+        try:
+            return self._pools[layer]
+        except KeyError:
+            raise InvalidArgument(f"layer {layer!r} is not a recurrent layer") from None
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self._pools
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._pools.values())
+
+    @property
+    def bytes_per_slot(self) -> int | None:
+        """Bytes of one slot over all layers; `None` while some shape is unknown."""
+        per = [p.bytes_per_slot for p in self._pools.values()]
+        return None if any(b is None for b in per) else sum(per)
+
+    # ---- plans and views -------------------------------------------------------
+
+    def apply_plan(self, ops: Iterable[MemoryOp]) -> None:
+        """Apply the slot ops of a plan (in order) to every layer.
+
+        One fold of the plan, one gather + one scatter per state array, one
+        evaluation for the gathered rows of all layers. `CopyBlock` ops are
+        ignored. Raises `InvalidArgument` on a bad op or slot, before any
+        pool is touched.
+        """
+        remap = compile_slot_plan(ops, self._num_slots)
+        if remap is None:
+            return
+        rows = {layer: p.remap_rows(remap) for layer, p in self._pools.items()}
+        mx.eval([r for rs in rows.values() for r in rs if r is not None])
+        for layer, p in self._pools.items():
+            p.write_remap(remap, rows[layer])
+
+    def views(
+        self,
+        slots: Sequence[int],
+        lengths: Sequence[int] | mx.array | None = None,
+    ) -> dict[int, RecurrentView]:
+        """One view per recurrent layer for the batch `slots` (row b -> slots[b]).
+
+        `lengths[b]` = real tokens of row b in this step (right padding);
+        `None` when every row is full. Views serve one forward pass.
+        """
+        batch = make_batch(slots, lengths, self._num_slots)
+        return {layer: RecurrentView(p, batch) for layer, p in self._pools.items()}
+
+    def flush(self) -> None:
+        """Evaluate pending state writes of all layers (after the forward's outputs)."""
+        for p in self._pools.values():
+            p.flush()
+
+    def __repr__(self) -> str:
+        return f"RecurrentPools(num_slots={self._num_slots}, layers={self.layers})"
