@@ -12,11 +12,23 @@ from blockmgr.errors import (
     InvalidArgument,
     NoSnapshot,
     OutOfBlocks,
+    OutOfHostMemory,
     OutOfSlots,
+    SequenceSwapped,
     UnknownSequence,
 )
 from blockmgr.manager import BlockManager
-from blockmgr.ops import NO_OPS, CopyBlock, CopySlot, MemoryOp, ZeroSlot
+from blockmgr.ops import (
+    NO_OPS,
+    CopyBlock,
+    CopySlot,
+    MemoryOp,
+    SwapIn,
+    SwapInSlot,
+    SwapOut,
+    SwapOutSlot,
+    ZeroSlot,
+)
 from blockmgr.prefix_trie import PrefixCacheListener
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PrefixCacheStats
@@ -35,9 +47,15 @@ __all__ = [
     "NO_OPS",
     "NoSnapshot",
     "OutOfBlocks",
+    "OutOfHostMemory",
     "OutOfSlots",
     "PrefixCacheListener",
     "PrefixCacheStats",
+    "SequenceSwapped",
+    "SwapIn",
+    "SwapInSlot",
+    "SwapOut",
+    "SwapOutSlot",
     "UnknownSequence",
     "ZeroSlot",
 ]

@@ -19,6 +19,8 @@ class BlockManagerConfig:
         sequences to grow into (admission control, as in vLLM).
     sliding_window: attention window W in tokens; pages wholly outside the
         last W tokens are released as a sequence grows.
+    num_host_blocks / num_host_slots: host-memory pages and slots that
+        preemption by swap copies sequences into (0: no swapping).
     """
 
     num_blocks: int
@@ -27,6 +29,8 @@ class BlockManagerConfig:
     enable_prefix_cache: bool = True
     watermark: float = 0.0
     sliding_window: int | None = None
+    num_host_blocks: int = 0
+    num_host_slots: int = 0
 
     def __post_init__(self) -> None:
         _require_int("num_blocks", self.num_blocks, minimum=1)
@@ -42,6 +46,10 @@ class BlockManagerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.sliding_window is not None:
             _require_int("sliding_window", self.sliding_window, minimum=1)
+        _require_int("num_host_blocks", self.num_host_blocks, minimum=0)
+        _require_int("num_host_slots", self.num_host_slots, minimum=0)
+        if self.num_host_slots and not self.num_slots:
+            raise ValueError("num_host_slots needs num_slots > 0")
 
     @property
     def is_hybrid(self) -> bool:

@@ -31,6 +31,14 @@ class DuplicateSequence(BlockManagerError):
     """A live sequence already has this id."""
 
 
+class SequenceSwapped(BlockManagerError):
+    """The sequence is swapped out to host memory; swap it in first."""
+
+
+class OutOfHostMemory(BlockManagerError):
+    """Not enough host pages or slots to swap a sequence out."""
+
+
 class InvalidArgument(BlockManagerError, ValueError):
     """An argument is out of range or of the wrong kind."""
 

@@ -29,10 +29,22 @@ from blockmgr.errors import (
     InvalidArgument,
     NoSnapshot,
     OutOfBlocks,
+    OutOfHostMemory,
     OutOfSlots,
+    SequenceSwapped,
     UnknownSequence,
 )
-from blockmgr.ops import NO_OPS, CopyBlock, CopySlot, MemoryOp, ZeroSlot
+from blockmgr.ops import (
+    NO_OPS,
+    CopyBlock,
+    CopySlot,
+    MemoryOp,
+    SwapIn,
+    SwapInSlot,
+    SwapOut,
+    SwapOutSlot,
+    ZeroSlot,
+)
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch, PrefixTrie
 from blockmgr.sequence import Allocation, Sequence
@@ -59,6 +71,8 @@ class BlockManager:
         self._window = config.sliding_window
         self._pages = RefCountedPool(config.num_blocks)
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
+        self._host_pages = RefCountedPool(config.num_host_blocks)
+        self._host_slots = RefCountedPool(config.num_host_slots)
         self._trie = (
             PrefixTrie(config.block_size, self._pages, self._slots, listener)
             if config.enable_prefix_cache
@@ -106,6 +120,14 @@ class BlockManager:
     @property
     def num_free_slots(self) -> int:
         return self._slots.num_free if self._slots is not None else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._host_pages.num_free
+
+    @property
+    def num_free_host_slots(self) -> int:
+        return self._host_slots.num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -214,7 +236,7 @@ class BlockManager:
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         _check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
         return self._can_reserve(num_pages + copy_page, copy_slot)
@@ -226,7 +248,7 @@ class BlockManager:
         copied first (CoW). With a sliding window, pages no longer visible to
         the new tokens are released. O(1) amortised per token.
         """
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         new_tokens = _token_list(new_tokens)
         if not new_tokens:
             return NO_OPS
@@ -289,7 +311,7 @@ class BlockManager:
         Fork once every reserved token of `seq_id` is computed; the first
         write of either sequence copies what it shares. O(pages).
         """
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         self._check_new_id(new_seq_id)
         table = list(seq.block_table)
         self._pages.incref_all(page for page in table if page is not None)
@@ -315,7 +337,7 @@ class BlockManager:
 
         Bad arguments still raise, as in `truncate`.
         """
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return True
@@ -335,7 +357,7 @@ class BlockManager:
         (shared, CoW) and `NoSnapshot` is raised when there is none. With a
         sliding window, rolling back past released pages is refused.
         """
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return NO_OPS
@@ -407,7 +429,7 @@ class BlockManager:
         copied (`CopySlot`). A no-op without a prefix cache. Raises
         `OutOfSlots` when no slot can be had for the snapshot.
         """
-        seq = self._get(seq_id)
+        seq = self._resident(seq_id)
         num_tokens = self._computed_count(seq, num_tokens)
         trie = self._trie
         if trie is None or num_tokens == 0 or seq.num_released:
@@ -435,11 +457,15 @@ class BlockManager:
 
         None means every token was computed. The slot (state after the last
         computed token) is handed to the trie with no copy; tokens already
-        cached are not stored twice. Never fails for a live id.
+        cached are not stored twice. Never fails for a live id. A swapped-out
+        sequence just gives its host memory back.
         """
         seq = self._get(seq_id)
         num_computed = self._computed_count(seq, num_computed)
         del self._seqs[seq_id]
+        if seq.swapped:
+            self._release_host_copy(seq)
+            return NO_OPS
         trie = self._trie
         if seq.locked_node is not None:
             trie.unlock(seq.locked_node)
@@ -454,6 +480,81 @@ class BlockManager:
             self._slots.release(seq.slot)
         return NO_OPS
 
+    # ------------------------------------------------------------------ swap
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._get(seq_id).swapped
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        """Is there host memory to swap the sequence out? Changes nothing."""
+        seq = self._resident(seq_id)
+        num_pages = len(seq.block_table) - seq.num_released
+        num_slots = 1 if seq.slot is not None else 0
+        return self._host_pages.can_take(num_pages) and self._host_slots.can_take(num_slots)
+
+    def swap_out(self, seq_id: Hashable) -> Plan:
+        """Copy the sequence's pages (and slot) to host memory and release them.
+
+        The sequence stays live but frozen until `swap_in`; it leaves the trie
+        alone (its lock is dropped). Raises `OutOfHostMemory`, changing
+        nothing, when host memory is short. O(pages).
+        """
+        if not self.can_swap_out(seq_id):
+            raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
+        seq = self._seqs[seq_id]
+        ops: list[MemoryOp] = []
+        table = seq.block_table
+        for index in range(seq.num_released, len(table)):
+            host_page = self._host_pages.take_one()
+            ops.append(SwapOut(table[index], host_page))
+            self._pages.release(table[index])
+            table[index] = host_page
+        if seq.slot is not None:
+            host_slot = self._host_slots.take_one()
+            ops.append(SwapOutSlot(seq.slot, host_slot))
+            self._slots.release(seq.slot)
+            seq.slot = host_slot
+        if seq.locked_node is not None:
+            self._trie.unlock(seq.locked_node)
+            seq.locked_node = None
+        seq.swapped = True
+        return tuple(ops)
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        """Are there device pages (and a slot) to swap it back in? Changes nothing."""
+        seq = self._swapped(seq_id)
+        num_pages = len(seq.block_table) - seq.num_released
+        return self._can_reserve(num_pages, 1 if seq.slot is not None else 0)
+
+    def swap_in(self, seq_id: Hashable) -> Plan:
+        """Bring a swapped-out sequence back to fresh device pages (and slot).
+
+        May evict cache entries; raises `OutOfBlocks` / `OutOfSlots`,
+        changing nothing, when device memory is short. O(pages).
+        """
+        seq = self._swapped(seq_id)
+        num_pages = len(seq.block_table) - seq.num_released
+        self._reserve(num_pages, 1 if seq.slot is not None else 0)
+        ops: list[MemoryOp] = []
+        table = seq.block_table
+        for index in range(seq.num_released, len(table)):
+            page = self._pages.take_one()
+            ops.append(SwapIn(table[index], page))
+            self._host_pages.release(table[index])
+            table[index] = page
+        if seq.slot is not None:
+            slot = self._slots.take_one()
+            ops.append(SwapInSlot(seq.slot, slot))
+            self._host_slots.release(seq.slot)
+            seq.slot = slot
+        seq.swapped = False
+        return tuple(ops)
+
+    def _release_host_copy(self, seq: Sequence) -> None:
+        self._host_pages.release_all(seq.block_table[seq.num_released :])
+        if seq.slot is not None:
+            self._host_slots.release(seq.slot)
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence is using."""
         if self._trie is not None:
@@ -466,6 +567,19 @@ class BlockManager:
             return self._seqs[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
+
+    def _resident(self, seq_id: Hashable) -> Sequence:
+        """The live sequence, which must not be swapped out."""
+        seq = self._get(seq_id)
+        if seq.swapped:
+            raise SequenceSwapped(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return seq
+
+    def _swapped(self, seq_id: Hashable) -> Sequence:
+        seq = self._get(seq_id)
+        if not seq.swapped:
+            raise InvalidArgument(f"sequence {seq_id!r} is not swapped out")
+        return seq
 
     def _check_new_id(self, seq_id: Hashable) -> None:
         try:
@@ -558,13 +672,20 @@ class BlockManager:
         """
         page_refs = [0] * self._pages.num_items
         slot_refs = [0] * self._slots.num_items if self._slots is not None else None
+        host_page_refs = [0] * self._host_pages.num_items
+        host_slot_refs = [0] * self._host_slots.num_items
         locks: dict[int, int] = {}
         for seq in self._seqs.values():
-            self._check_sequence(seq, page_refs, slot_refs, locks)
+            if seq.swapped:
+                self._check_sequence(seq, host_page_refs, host_slot_refs, locks)
+            else:
+                self._check_sequence(seq, page_refs, slot_refs, locks)
         if self._trie is not None:
             self._trie.add_references(page_refs, slot_refs)
             self._trie.check_integrity(locks)
         self._pages.check_integrity(page_refs, "page")
+        self._host_pages.check_integrity(host_page_refs, "host page")
+        self._host_slots.check_integrity(host_slot_refs, "host slot")
         if self._slots is not None:
             self._slots.check_integrity(slot_refs, "slot")
 
@@ -588,8 +709,10 @@ class BlockManager:
                 page_refs[page] += 1
         if seq.num_released and self._window is None:
             raise IntegrityError(f"{where} released pages without a sliding window")
-        if (seq.slot is None) != (slot_refs is None):
+        if (seq.slot is None) != (self._slots is None):
             raise IntegrityError(f"{where} slot {seq.slot} does not fit the model kind")
+        if seq.swapped and seq.locked_node is not None:
+            raise IntegrityError(f"{where} is swapped out but locks the trie")
         if seq.slot is not None:
             slot_refs[seq.slot] += 1
         node = seq.locked_node
@@ -611,6 +734,7 @@ class BlockManager:
                 seq.slot,
                 seq.locked_node.node_id if seq.locked_node is not None else None,
                 seq.num_released,
+                seq.swapped,
             )
             for seq_id, seq in self._seqs.items()
         )
@@ -619,6 +743,10 @@ class BlockManager:
             tuple(self._pages.refcounts()),
             tuple(self._slots.free_items()) if self._slots is not None else None,
             tuple(self._slots.refcounts()) if self._slots is not None else None,
+            tuple(self._host_pages.free_items()),
+            tuple(self._host_pages.refcounts()),
+            tuple(self._host_slots.free_items()),
+            tuple(self._host_slots.refcounts()),
         )
         counters = (
             self._num_queries,

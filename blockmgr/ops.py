@@ -40,7 +40,39 @@ class ZeroSlot:
     slot: int
 
 
-MemoryOp = Union[CopyBlock, CopySlot, ZeroSlot]
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Copy device page `src` into host page `dst` (preemption by swap)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """Copy host page `src` back into device page `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOutSlot:
+    """Copy device slot `src` into host slot `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapInSlot:
+    """Copy host slot `src` back into device slot `dst`."""
+
+    src: int
+    dst: int
+
+
+MemoryOp = Union[CopyBlock, CopySlot, ZeroSlot, SwapOut, SwapIn, SwapOutSlot, SwapInSlot]
 
 #: The plan returned when no storage work is needed (shared, never mutated).
 NO_OPS: tuple[MemoryOp, ...] = ()

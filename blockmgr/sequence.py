@@ -16,6 +16,7 @@ class Sequence:
     block_table[j] holds token positions [j * block_size, (j + 1) * block_size);
     with a sliding window the first `num_released` entries are None (released).
     locked_node is the deepest trie node this sequence keeps from eviction.
+    While `swapped`, block_table and slot name host pages and a host slot.
     """
 
     seq_id: Hashable
@@ -25,6 +26,7 @@ class Sequence:
     slot: int | None = None
     locked_node: TrieNode | None = None
     num_released: int = 0
+    swapped: bool = False
 
 
 @dataclass(slots=True, frozen=True)

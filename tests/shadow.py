@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from blockmgr import BlockManager, CopyBlock, CopySlot, ZeroSlot
+from blockmgr import (
+    BlockManager,
+    CopyBlock,
+    CopySlot,
+    SwapIn,
+    SwapInSlot,
+    SwapOut,
+    SwapOutSlot,
+    ZeroSlot,
+)
 
 UNWRITTEN = -1
 
@@ -24,6 +33,8 @@ class ShadowStorage:
         self.block_size = config.block_size
         self.pages = np.full((config.num_blocks, config.block_size), UNWRITTEN, np.int64)
         self.slots: list[tuple[int, ...] | None] = [None] * config.num_slots
+        self.host_pages = np.full((config.num_host_blocks, config.block_size), UNWRITTEN, np.int64)
+        self.host_slots: list[tuple[int, ...] | None] = [None] * config.num_host_slots
         self.computed: dict[object, int] = {}
 
     def apply(self, ops) -> None:
@@ -36,6 +47,14 @@ class ShadowStorage:
                 self.slots[op.dst] = self.slots[op.src]
             elif isinstance(op, ZeroSlot):
                 self.slots[op.slot] = ()
+            elif isinstance(op, SwapOut):
+                self.host_pages[op.dst] = self.pages[op.src]
+            elif isinstance(op, SwapIn):
+                self.pages[op.dst] = self.host_pages[op.src]
+            elif isinstance(op, SwapOutSlot):
+                self.host_slots[op.dst] = self.slots[op.src]
+            elif isinstance(op, SwapInSlot):
+                self.slots[op.dst] = self.host_slots[op.src]
             else:
                 raise AssertionError(f"unknown op {op!r}")
 
@@ -70,17 +89,20 @@ class ShadowStorage:
         tokens = self.bm.tokens(seq_id)
         table = self.bm.block_table(seq_id)
         bs = self.block_size
+        swapped = self.bm.is_swapped(seq_id)
+        pages = self.host_pages if swapped else self.pages
         for pos in range(self.computed[seq_id]):
             page = table[pos // bs]
             if page is None:
                 continue
-            got = self.pages[page, pos % bs]
+            got = pages[page, pos % bs]
             assert got == tokens[pos], (
                 f"{seq_id}: position {pos} reads {got}, expected {tokens[pos]} (page {page})"
             )
         slot = self.bm.slot(seq_id)
+        slots = self.host_slots if swapped else self.slots
         if slot is not None and self.computed[seq_id] == len(tokens):
-            assert self.slots[slot] == tuple(tokens), f"{seq_id}: slot state is wrong"
+            assert slots[slot] == tuple(tokens), f"{seq_id}: slot state is wrong"
 
     def check_all(self) -> None:
         for seq_id in self.computed:

@@ -23,6 +23,7 @@ from blockmgr import (
     BlockManagerConfig,
     NoSnapshot,
     OutOfBlocks,
+    OutOfHostMemory,
     OutOfSlots,
 )
 from tests.shadow import ShadowStorage
@@ -38,7 +39,7 @@ namespaces = st.sampled_from([None, "tenant-b"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    config = BlockManagerConfig(num_blocks=24, block_size=4)
+    config = BlockManagerConfig(num_blocks=24, block_size=4, num_host_blocks=10)
 
     @initialize()
     def start(self) -> None:
@@ -55,9 +56,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def live(self) -> list[str]:
         return sorted(self.shadow.computed)
 
+    def resident(self) -> list[str]:
+        """Live sequences that are not swapped out."""
+        return [s for s in self.live() if not self.bm.is_swapped(s)]
+
     def settled(self) -> list[str]:
-        """Sequences whose reserved tokens are all computed."""
-        return [s for s in self.live() if self.shadow.computed[s] == self.bm.num_tokens(s)]
+        """Resident sequences whose reserved tokens are all computed."""
+        return [s for s in self.resident() if self.shadow.computed[s] == self.bm.num_tokens(s)]
+
+    def swapped(self) -> list[str]:
+        return [s for s in self.live() if self.bm.is_swapped(s)]
 
     def refused(self, call, *errors) -> bool:
         """Run `call`; if it raises one of `errors`, the state must not move."""
@@ -88,10 +96,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.shadow.computed[seq_id] = alloc.num_cached_tokens
         self.shadow.check_reads_back(seq_id)  # a hit must hold real data
 
-    @precondition(lambda self: self.live())
+    @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def compute(self, data) -> None:
-        seq_id = data.draw(st.sampled_from(self.live()))
+        seq_id = data.draw(st.sampled_from(self.resident()))
         start, end = self.shadow.computed[seq_id], self.bm.num_tokens(seq_id)
         self.shadow.compute(seq_id, data.draw(st.integers(start, end)))
 
@@ -126,10 +134,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.shadow.apply(self.result)
         self.shadow.computed[seq_id] = target
 
-    @precondition(lambda self: self.live())
+    @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def cache_prefix(self, data) -> None:
-        seq_id = data.draw(st.sampled_from(self.live()))
+        seq_id = data.draw(st.sampled_from(self.resident()))
         computed = self.shadow.computed[seq_id]
         # Recurrent state exists only at the computed end; KV at any prefix.
         upto = computed if self.config.num_slots else data.draw(st.integers(0, computed))
@@ -142,6 +150,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, data) -> None:
         seq_id = data.draw(st.sampled_from(self.live()))
         self.shadow.apply(self.bm.free(seq_id, self.shadow.computed.pop(seq_id)))
+
+    @precondition(lambda self: self.settled())
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        seq_id = data.draw(st.sampled_from(self.settled()))
+        expect_ok = self.bm.can_swap_out(seq_id)
+        if self.refused(lambda: self.bm.swap_out(seq_id), OutOfHostMemory):
+            assert not expect_ok
+            return
+        assert expect_ok
+        self.shadow.apply(self.result)
+
+    @precondition(lambda self: self.swapped())
+    @rule(data=st.data())
+    def swap_in(self, data) -> None:
+        seq_id = data.draw(st.sampled_from(self.swapped()))
+        expect_ok = self.bm.can_swap_in(seq_id)
+        if self.refused(lambda: self.bm.swap_in(seq_id), OutOfBlocks, OutOfSlots):
+            assert not expect_ok
+            return
+        assert expect_ok
+        self.shadow.apply(self.result)
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -168,14 +198,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity()
         assert self.bm.num_free_blocks == self.bm.config.num_blocks
         assert self.bm.num_free_slots == self.bm.config.num_slots
+        assert self.bm.num_free_host_blocks == self.bm.config.num_host_blocks
+        assert self.bm.num_free_host_slots == self.bm.config.num_host_slots
 
 
 class HybridMachine(BlockManagerMachine):
-    config = BlockManagerConfig(num_blocks=24, block_size=4, num_slots=6)
+    config = BlockManagerConfig(
+        num_blocks=24, block_size=4, num_slots=6, num_host_blocks=8, num_host_slots=2
+    )
 
 
 class SlidingWindowMachine(BlockManagerMachine):
-    config = BlockManagerConfig(num_blocks=24, block_size=4, sliding_window=6)
+    config = BlockManagerConfig(num_blocks=24, block_size=4, sliding_window=6, num_host_blocks=6)
 
 
 class NoPrefixCacheMachine(BlockManagerMachine):
