@@ -1,0 +1,402 @@
+"""Unit tests of the block manager, one operation at a time, error paths included.
+
+Every refused call must leave `debug_state()` exactly as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from blockmgr import (
+    BlockManager,
+    BlockManagerConfig,
+    BlockManagerError,
+    CopyBlock,
+    CopySlot,
+    DuplicateSequence,
+    IntegrityError,
+    InvalidArgument,
+    NoSnapshot,
+    OutOfBlocks,
+    OutOfHostMemory,
+    OutOfSlots,
+    SequenceSwapped,
+    UnknownSequence,
+    ZeroSlot,
+)
+from blockmgr.pool import RefCountedPool
+from tests.shadow import ShadowStorage
+
+
+def make(num_blocks=16, block_size=4, **kwargs) -> BlockManager:
+    return BlockManager(BlockManagerConfig(num_blocks=num_blocks, block_size=block_size, **kwargs))
+
+
+def assert_refused(bm: BlockManager, error: type[Exception], call) -> None:
+    before = bm.debug_state()
+    with pytest.raises(error):
+        call()
+    assert bm.debug_state() == before
+    bm.check_integrity()
+
+
+def pages_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+# ---------------------------------------------------------------- config/pool
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_blocks=0),
+        dict(num_blocks=4, block_size=0),
+        dict(num_blocks=4, num_slots=-1),
+        dict(num_blocks=4, watermark=1.0),
+        dict(num_blocks=4, watermark=-0.1),
+        dict(num_blocks=4, watermark="0.1"),
+        dict(num_blocks=4, sliding_window=0),
+        dict(num_blocks=4.0),
+        dict(num_blocks=True),
+        dict(num_blocks=4, enable_prefix_cache=1),
+        dict(num_blocks=4, num_host_slots=2),
+        dict(num_blocks=4, num_host_blocks=-1),
+    ],
+)
+def test_config_rejects_nonsense(kwargs):
+    with pytest.raises(ValueError):
+        BlockManagerConfig(**kwargs)
+
+
+def test_manager_needs_a_config():
+    with pytest.raises(InvalidArgument):
+        BlockManager({"num_blocks": 4})
+
+
+def test_pool_take_release_roundtrip():
+    pool = RefCountedPool(5)
+    taken = pool.take(3)
+    assert sorted(taken) == taken and len(set(taken)) == 3
+    assert pool.num_free == 2 and all(pool.refcount(i) == 1 for i in taken)
+    pool.incref(taken[0])
+    assert pool.release_all(taken) == 2  # the increfed one stays
+    assert pool.refcount(taken[0]) == 1
+    assert pool.release(taken[0]) is True
+    assert pool.num_free == 5
+    with pytest.raises(ValueError):
+        pool.take(6)
+    assert pool.num_free == 5
+
+
+def test_pool_hands_back_the_last_released_id_first():
+    pool = RefCountedPool(4)
+    first, second = pool.take(2)
+    pool.release(first)
+    assert pool.take_one() == first
+
+
+# ------------------------------------------------------------------ allocate
+
+
+def test_allocate_reserves_pages_for_every_token():
+    bm = make(block_size=4)
+    alloc = bm.allocate("a", range(10))
+    assert len(alloc.block_table) == pages_for(10, 4)
+    assert len(set(alloc.block_table)) == len(alloc.block_table)
+    assert alloc.num_cached_tokens == 0 and alloc.ops == () and alloc.slot is None
+    assert bm.num_tokens("a") == 10 and bm.block_table("a") == alloc.block_table
+    assert bm.num_free_blocks == 16 - 3
+    assert bm.usage == pytest.approx(3 / 16)
+    bm.check_integrity()
+
+
+def test_allocate_errors_change_nothing():
+    bm = make(num_blocks=4, block_size=4)
+    bm.allocate("a", range(5))
+    assert_refused(bm, DuplicateSequence, lambda: bm.allocate("a", [1]))
+    assert_refused(bm, InvalidArgument, lambda: bm.allocate("b", []))
+    assert_refused(bm, InvalidArgument, lambda: bm.allocate("b", 7))
+    assert_refused(bm, InvalidArgument, lambda: bm.allocate("b", "abc"))
+    assert_refused(bm, InvalidArgument, lambda: bm.allocate("b", [1], namespace=[1]))
+    assert_refused(bm, InvalidArgument, lambda: bm.allocate(["unhashable"], [1]))
+    assert not bm.can_allocate(range(100, 113))
+    assert_refused(bm, OutOfBlocks, lambda: bm.allocate("b", range(100, 113)))
+    assert bm.can_allocate(range(100, 108))
+
+
+def test_bad_arguments_are_value_errors_and_blockmanager_errors():
+    assert issubclass(InvalidArgument, ValueError)
+    assert issubclass(InvalidArgument, BlockManagerError)
+    for error in (OutOfBlocks, OutOfSlots, UnknownSequence, DuplicateSequence, NoSnapshot):
+        assert issubclass(error, BlockManagerError)
+
+
+def test_hybrid_allocate_zeroes_a_fresh_slot_and_runs_out_of_slots():
+    bm = make(num_slots=2)
+    a = bm.allocate("a", [1, 2])
+    assert a.ops == (ZeroSlot(a.slot),)
+    b = bm.allocate("b", [3])
+    assert b.slot != a.slot
+    assert bm.num_free_slots == 0
+    assert not bm.can_allocate([4])
+    assert_refused(bm, OutOfSlots, lambda: bm.allocate("c", [4]))
+
+
+def test_watermark_keeps_pages_back_for_running_sequences():
+    bm = make(num_blocks=10, block_size=1, watermark=0.3)
+    assert bm.can_allocate(range(7)) and not bm.can_allocate(range(8))
+    assert_refused(bm, OutOfBlocks, lambda: bm.allocate("big", range(8)))
+    bm.allocate("a", range(7))
+    bm.append("a", [7, 8, 9])  # growth may use the watermark pages
+    assert bm.num_free_blocks == 0
+
+
+# -------------------------------------------------------------------- append
+
+
+def test_append_grows_one_page_at_each_boundary():
+    bm = make(block_size=4)
+    bm.allocate("a", range(3))
+    for num_tokens in range(4, 14):
+        ops = bm.append("a", [num_tokens])
+        assert ops == ()
+        assert len(bm.block_table("a")) == pages_for(num_tokens, 4)
+    bm.check_integrity()
+    assert bm.append("a", []) == ()
+
+
+def test_append_into_a_shared_partial_page_copies_it_first():
+    bm = make(block_size=4, enable_prefix_cache=False)
+    bm.allocate("a", range(6))
+    bm.fork("a", "b")
+    shared_last = bm.block_table("a")[-1]
+    ops = bm.append("b", [99])
+    (op,) = ops
+    assert op == CopyBlock(shared_last, bm.block_table("b")[-1])
+    assert bm.block_table("a")[-1] == shared_last  # the parent keeps its page
+    assert bm.block_table("b")[:-1] == bm.block_table("a")[:-1]
+    assert bm.append("a", [7]) == ()  # no longer shared: written in place
+    bm.check_integrity()
+
+
+def test_append_after_a_full_shared_page_needs_no_copy():
+    bm = make(block_size=4, enable_prefix_cache=False)
+    bm.allocate("a", range(8))
+    bm.fork("a", "b")
+    assert bm.append("b", [1]) == ()
+    assert bm.block_table("b")[:2] == bm.block_table("a")
+    bm.check_integrity()
+
+
+def test_append_errors_change_nothing():
+    bm = make(num_blocks=3, block_size=2, enable_prefix_cache=False)
+    bm.allocate("a", range(4))
+    bm.fork("a", "b")
+    assert_refused(bm, UnknownSequence, lambda: bm.append("zz", [1]))
+    assert_refused(bm, InvalidArgument, lambda: bm.append("a", 5))
+    assert not bm.can_append("a", 5)
+    assert_refused(bm, OutOfBlocks, lambda: bm.append("a", range(5)))
+    assert bm.can_append("a", 2)
+    with pytest.raises(InvalidArgument):
+        bm.can_append("a", -1)
+
+
+def test_hybrid_fork_shares_the_slot_and_the_first_write_copies_it():
+    bm = make(num_slots=3, enable_prefix_cache=False)
+    a = bm.allocate("a", range(4))
+    bm.fork("a", "b")
+    assert bm.slot("b") == a.slot
+    ops = bm.append("b", [5])
+    assert ops == (CopySlot(a.slot, bm.slot("b")),)
+    assert bm.slot("b") != a.slot and bm.slot("a") == a.slot
+    assert bm.append("a", [6]) == ()  # sole owner again: no copy
+    bm.check_integrity()
+
+
+def test_unknown_sequence_everywhere():
+    bm = make()
+    calls = [
+        lambda: bm.append("x", [1]),
+        lambda: bm.fork("x", "y"),
+        lambda: bm.truncate("x", 0),
+        lambda: bm.cache_prefix("x"),
+        lambda: bm.free("x"),
+        lambda: bm.block_table("x"),
+        lambda: bm.num_tokens("x"),
+        lambda: bm.slot("x"),
+        lambda: bm.can_append("x"),
+        lambda: bm.swap_out("x"),
+    ]
+    for call in calls:
+        assert_refused(bm, UnknownSequence, call)
+    assert isinstance(UnknownSequence("x"), KeyError)
+
+
+# ---------------------------------------------------------------------- fork
+
+
+def test_fork_shares_every_page_and_checks_ids():
+    bm = make(block_size=4)
+    bm.allocate("a", range(9))
+    free_before = bm.num_free_blocks
+    bm.fork("a", "b")
+    assert bm.block_table("b") == bm.block_table("a")
+    assert bm.tokens("b") == bm.tokens("a")
+    assert bm.num_free_blocks == free_before
+    assert_refused(bm, DuplicateSequence, lambda: bm.fork("a", "b"))
+    bm.free("a")
+    bm.free("b")
+    bm.check_integrity()
+
+
+# ------------------------------------------------------------------ truncate
+
+
+def test_truncate_releases_the_pages_past_the_new_end():
+    bm = make(block_size=4, enable_prefix_cache=False)
+    bm.allocate("a", range(10))
+    assert bm.truncate("a", 5) == ()
+    assert bm.num_tokens("a") == 5 and len(bm.block_table("a")) == 2
+    assert bm.num_free_blocks == 16 - 2
+    assert bm.truncate("a", 5) == ()
+    bm.truncate("a", 0)
+    assert bm.block_table("a") == [] and bm.num_free_blocks == 16
+    bm.append("a", [1, 2])
+    bm.check_integrity()
+
+
+def test_truncate_rejects_bad_targets():
+    bm = make()
+    bm.allocate("a", range(5))
+    assert_refused(bm, InvalidArgument, lambda: bm.truncate("a", 6))
+    assert_refused(bm, InvalidArgument, lambda: bm.truncate("a", -1))
+    assert_refused(bm, InvalidArgument, lambda: bm.truncate("a", 2.0))
+
+
+def test_hybrid_truncate_needs_a_snapshot():
+    bm = make(num_slots=4)
+    bm.allocate("a", range(6))
+    assert not bm.can_truncate("a", 4)
+    assert_refused(bm, NoSnapshot, lambda: bm.truncate("a", 4))
+    ops = bm.cache_prefix("a")  # snapshot at 6, then speculate 3 drafts
+    assert len(ops) == 1 and isinstance(ops[0], CopySlot)
+    snapshot_slot = ops[0].dst
+    bm.append("a", [7, 8, 9])
+    assert bm.can_truncate("a", 6)
+    assert bm.truncate("a", 6) == ()
+    assert bm.slot("a") == snapshot_slot  # shared with the trie ...
+    ops = bm.append("a", [10])
+    assert ops == (CopySlot(snapshot_slot, bm.slot("a")),)  # ... copied on write
+    bm.check_integrity()
+
+
+def test_hybrid_truncate_to_zero_zeroes_the_slot():
+    bm = make(num_slots=2)
+    a = bm.allocate("a", range(3))
+    assert bm.truncate("a", 0) == (ZeroSlot(a.slot),)
+    bm.check_integrity()
+
+
+# ------------------------------------------------------------------ sliding window
+
+
+def test_sliding_window_releases_pages_the_next_token_cannot_see():
+    window, block_size = 6, 4
+    bm = make(block_size=block_size, sliding_window=window)
+    bm.allocate("a", [0])
+    for num_tokens in range(1, 40):
+        bm.append("a", [num_tokens])
+        table = bm.block_table("a")
+        # The token just appended (position num_tokens) sees (p - W, p].
+        first_visible = max(0, num_tokens - window + 1)
+        for index, page in enumerate(table):
+            page_end = (index + 1) * block_size - 1
+            visible = page_end >= first_visible
+            if visible:
+                assert page is not None, (num_tokens, index)
+        held = sum(page is not None for page in table)
+        assert held <= pages_for(window, block_size) + 1
+    bm.check_integrity()
+    assert_refused(bm, InvalidArgument, lambda: bm.truncate("a", 3))
+    bm.free("a")
+    assert bm.num_free_blocks == 16
+
+
+# ---------------------------------------------------------------------- free
+
+
+def test_free_checks_num_computed_and_returns_every_page():
+    bm = make(enable_prefix_cache=False)
+    bm.allocate("a", range(9))
+    assert_refused(bm, InvalidArgument, lambda: bm.free("a", 10))
+    assert_refused(bm, InvalidArgument, lambda: bm.free("a", -1))
+    bm.free("a", 4)
+    assert bm.num_free_blocks == 16 and "a" not in bm
+    bm.check_integrity()
+
+
+# ---------------------------------------------------------------------- swap
+
+
+def test_swap_out_and_in_round_trips_the_data():
+    bm = make(num_blocks=6, block_size=2, num_host_blocks=4, num_slots=2, num_host_slots=1)
+    shadow = ShadowStorage(bm)
+    alloc = bm.allocate("a", range(7))
+    shadow.apply(alloc.ops)
+    shadow.computed["a"] = 0
+    shadow.compute("a")
+    shadow.apply(bm.swap_out("a"))
+    assert bm.is_swapped("a") and bm.num_free_blocks == 6 - bm.num_cached_blocks
+    assert_refused(bm, SequenceSwapped, lambda: bm.append("a", [1]))
+    assert_refused(bm, SequenceSwapped, lambda: bm.fork("a", "b"))
+    assert_refused(bm, SequenceSwapped, lambda: bm.swap_out("a"))
+    shadow.check_reads_back("a")  # from host memory
+    shadow.apply(bm.swap_in("a"))
+    assert not bm.is_swapped("a")
+    shadow.check_reads_back("a")
+    assert_refused(bm, InvalidArgument, lambda: bm.swap_in("a"))
+    bm.check_integrity()
+
+
+def test_swap_out_without_host_memory_changes_nothing():
+    bm = make(num_host_blocks=1)
+    bm.allocate("a", range(9))
+    assert not bm.can_swap_out("a")
+    assert_refused(bm, OutOfHostMemory, lambda: bm.swap_out("a"))
+
+
+def test_free_of_a_swapped_sequence_returns_host_memory():
+    bm = make(num_host_blocks=4)
+    bm.allocate("a", range(9))
+    bm.swap_out("a")
+    bm.free("a")
+    assert bm.num_free_host_blocks == 4 and bm.num_cached_blocks == 0
+    bm.check_integrity()
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def test_check_integrity_catches_a_wrong_refcount():
+    bm = make()
+    bm.allocate("a", range(5))
+    bm._pages.incref(bm.block_table("a")[0])
+    with pytest.raises(IntegrityError):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_a_page_both_free_and_used():
+    bm = make()
+    bm.allocate("a", range(5))
+    bm._pages._free.append(bm.block_table("a")[0])
+    with pytest.raises(IntegrityError):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_a_table_that_does_not_cover_the_tokens():
+    bm = make(block_size=4)
+    bm.allocate("a", range(5))
+    bm._seqs["a"].tokens.extend(range(10))
+    with pytest.raises(IntegrityError):
+        bm.check_integrity()
