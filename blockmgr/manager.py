@@ -156,6 +156,16 @@ class BlockManager:
 
     # --------------------------------------------------------------- allocate
 
+    def cached_prefix_length(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
+        """How many tokens `allocate` would reuse right now. Changes nothing.
+
+        For admission control that counts only new tokens against a budget.
+        O(matched tokens + depth).
+        """
+        tokens = _prompt_list(tokens)
+        _check_namespace(namespace)
+        return self._match(namespace, tokens).num_tokens
+
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
         """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
         tokens = _prompt_list(tokens)

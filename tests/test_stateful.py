@@ -83,6 +83,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def allocate(self, tokens, namespace) -> None:
         seq_id = self.new_id()
         expect_ok = self.bm.can_allocate(tokens, namespace)
+        expect_cached = self.bm.cached_prefix_length(tokens, namespace)
         if self.refused(
             lambda: self.bm.allocate(seq_id, tokens, namespace), OutOfBlocks, OutOfSlots
         ):
@@ -91,6 +92,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert expect_ok, "can_allocate said no but allocate succeeded"
         alloc = self.result
         assert alloc.num_cached_tokens < len(tokens)
+        # Eviction to make room never touches the matched (locked) prefix.
+        assert alloc.num_cached_tokens == expect_cached
         assert alloc.block_table == self.bm.block_table(seq_id)
         self.shadow.apply(alloc.ops)
         self.shadow.computed[seq_id] = alloc.num_cached_tokens
