@@ -79,6 +79,7 @@ class BlockManager:
             else None
         )
         self._seqs: dict[Hashable, Sequence] = {}
+        self._num_watermark_blocks = config.num_watermark_blocks
         self._num_queries = 0
         self._num_hits = 0
         self._num_query_tokens = 0
@@ -207,7 +208,9 @@ class BlockManager:
         table = self._share_matched_pages(match, ops)
         table.extend(self._pages.take(-(-len(tokens) // self._block_size) - len(table)))
         slot = self._new_sequence_slot(match.slot, ops)
-        self._seqs[seq_id] = Sequence(seq_id, namespace, tokens, table, slot, match.node)
+        seq = Sequence(seq_id, namespace, tokens, table, slot, match.node)
+        seq.anchored = match.node is not None and match.node.end == num_cached
+        self._seqs[seq_id] = seq
         self._count_query(len(tokens), num_cached)
         return Allocation(
             seq_id, list(table), slot, tuple(ops), num_cached, match.branch_point
@@ -217,7 +220,7 @@ class BlockManager:
         """The sequence's first pages: the matched ones, the last copied if partial."""
         table = match.pages
         if not table:
-            return table
+            return []
         if match.num_tokens % self._block_size:
             # The next token goes into this page, which the trie keeps: copy.
             self._pages.incref_all(table[:-1])
@@ -337,6 +340,7 @@ class BlockManager:
             seq.slot,
             seq.locked_node,
             seq.num_released,
+            anchored=seq.anchored,
         )
         return NO_OPS
 
@@ -382,6 +386,8 @@ class BlockManager:
         self._pages.release_all(page for page in table[keep:] if page is not None)
         del table[keep:]
         del seq.tokens[num_tokens:]
+        if seq.locked_node is not None and num_tokens < seq.locked_node.end:
+            seq.anchored = False  # new tokens may differ from the node's
         seq.num_released = min(seq.num_released, keep)
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
@@ -460,6 +466,7 @@ class BlockManager:
         if seq.locked_node is not None:
             trie.unlock(seq.locked_node)
         seq.locked_node = node
+        seq.anchored = node.end == num_tokens
         return ops
 
     def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
@@ -477,11 +484,13 @@ class BlockManager:
             self._release_host_copy(seq)
             return NO_OPS
         trie = self._trie
-        if seq.locked_node is not None:
-            trie.unlock(seq.locked_node)
+        node = seq.locked_node
         if trie is not None and num_computed and not seq.num_released:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
-            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot)
+            start = node if seq.anchored and node.end <= num_computed else None
+            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start)
+        if node is not None:
+            trie.unlock(node)
         table = seq.block_table
         if seq.num_released:
             table = table[seq.num_released :]
@@ -527,6 +536,7 @@ class BlockManager:
         if seq.locked_node is not None:
             self._trie.unlock(seq.locked_node)
             seq.locked_node = None
+            seq.anchored = False
         seq.swapped = True
         return tuple(ops)
 
@@ -611,7 +621,7 @@ class BlockManager:
 
     def _match(self, namespace: Hashable, tokens: list[int]) -> PrefixMatch:
         if self._trie is None:
-            return PrefixMatch()
+            return _NO_MATCH
         return self._trie.match(namespace, tokens, limit=len(tokens) - 1)
 
     def _num_new_pages(self, num_tokens: int, num_cached: int) -> int:
@@ -621,7 +631,7 @@ class BlockManager:
         return -(-num_tokens // block_size) - num_shared + copy_last
 
     def _watermark(self) -> int:
-        return self.config.num_watermark_blocks
+        return self._num_watermark_blocks
 
     def _with_lock(self, match: PrefixMatch, check, *args) -> bool:
         """Run a feasibility check with the matched path locked (as allocate does)."""
@@ -728,9 +738,19 @@ class BlockManager:
         node = seq.locked_node
         if node is not None and node.parent is None:
             raise IntegrityError(f"{where} locks a node that left the trie")
+        if seq.anchored and (node is None or self._path_tokens(node) != seq.tokens[: node.end]):
+            raise IntegrityError(f"{where} is anchored at a node that spells other tokens")
         while node is not None and node.parent is not None:
             locks[node.node_id] = locks.get(node.node_id, 0) + 1
             node = node.parent
+
+    @staticmethod
+    def _path_tokens(node) -> list[int]:
+        runs = []
+        while node.parent is not None:
+            runs.append(node.tokens)
+            node = node.parent
+        return [token for run in reversed(runs) for token in run]
 
     def debug_state(self) -> tuple:
         """Everything observable, as plain values: equal before and after any
@@ -745,6 +765,7 @@ class BlockManager:
                 seq.locked_node.node_id if seq.locked_node is not None else None,
                 seq.num_released,
                 seq.swapped,
+                seq.anchored,
             )
             for seq_id, seq in self._seqs.items()
         )
@@ -766,6 +787,10 @@ class BlockManager:
         )
         trie = self._trie.debug_state() if self._trie is not None else None
         return seqs, pools, counters, trie
+
+
+#: The match of a manager without a prefix cache (never mutated: empty pages).
+_NO_MATCH = PrefixMatch()
 
 
 def _prompt_list(tokens: Iterable[int]) -> list[int]:

@@ -105,7 +105,8 @@ def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
     slice equality instead of a per-token Python loop.
     """
     limit = min(len(edge), len(tokens) - pos)
-    if edge[:limit] == tokens[pos : pos + limit]:
+    head = edge if limit == len(edge) else edge[:limit]
+    if head == tokens[pos : pos + limit]:
         return limit
     lo, hi = 0, limit - 1  # edge[:lo] matches; edge[:hi + 1] does not
     while lo < hi:
@@ -296,6 +297,7 @@ class PrefixTrie:
         tokens: list[int],
         pages: list[int],
         slot: int | None = None,
+        start: TrieNode | None = None,
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -303,14 +305,20 @@ class PrefixTrie:
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
         already there); the caller keeps and later drops its own. Returns the
         deepest node covering `tokens` and whether the slot was taken.
-        O(len(tokens) + depth).
+        `start`, a node known to spell `tokens[:start.end]`, skips comparing
+        that part again. O(len(tokens) + depth).
         """
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._new_node(namespace, [], 0, None, [])
-            self._roots[namespace] = root
-        node, pos, num_tokens = root, 0, len(tokens)
-        path: list[TrieNode] = []
+        if start is not None:
+            node, pos = start, start.end
+            path = self._path_to(start)
+        else:
+            root = self._roots.get(namespace)
+            if root is None:
+                root = self._new_node(namespace, [], 0, None, [])
+                self._roots[namespace] = root
+            node, pos = root, 0
+            path = []
+        num_tokens = len(tokens)
         while pos < num_tokens:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -329,7 +337,7 @@ class PrefixTrie:
             node = child
             path.append(node)
             pos += num_common
-        took_slot = slot is not None and node.slot is None and node is not root
+        took_slot = slot is not None and node.slot is None and node.parent is not None
         if took_slot:
             self._slots.incref(slot)
             node.slot = slot
@@ -343,8 +351,7 @@ class PrefixTrie:
     ) -> TrieNode:
         block_size = self._block_size
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
-        for page in blocks:
-            self._hold_page(page)
+        self._hold_pages(blocks)
         child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
         parent.children[tokens[pos]] = child
         self._reindex(parent)
@@ -365,7 +372,7 @@ class PrefixTrie:
         head_blocks = node.blocks[: -(-cut // block_size) - first_index]
         tail_blocks = node.blocks[cut // block_size - first_index :]
         if cut % block_size:
-            self._hold_page(node.blocks[cut // block_size - first_index])
+            self._hold_pages([node.blocks[cut // block_size - first_index]])
         parent = node.parent
         head = self._new_node(
             node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks
@@ -380,6 +387,16 @@ class PrefixTrie:
         head.children[node.tokens[0]] = node
         return head
 
+    @staticmethod
+    def _path_to(node: TrieNode) -> list[TrieNode]:
+        """The nodes from below the root down to `node`. O(depth)."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
     def _try_merge(self, node: TrieNode | None) -> None:
         """Merge a non-snapshot node into its only child when locks agree."""
         if node is None or node.parent is None or node.slot is not None:
@@ -390,7 +407,7 @@ class PrefixTrie:
         if child.lock_count != node.lock_count:
             return
         if child.start % self._block_size:
-            self._drop_page(node.blocks[-1])  # the child's page supersedes it
+            self._drop_pages([node.blocks[-1]])  # the child's page supersedes it
             head_blocks = node.blocks[:-1]
         else:
             head_blocks = node.blocks
@@ -413,6 +430,8 @@ class PrefixTrie:
         """
         if num_pages <= 0:
             return True
+        if self._leaf_lru and self._sole_pages(self._leaf_lru[0][1]) >= num_pages:
+            return True  # the common case: the LRU leaf alone is enough
         num_freed = 0
         pending: dict[int, int] = {}
         children_left: dict[int, int] = {}
@@ -439,6 +458,11 @@ class PrefixTrie:
             if left == 0:
                 exposed.append(parent)
         return True
+
+    def _sole_pages(self, node_id: int) -> int:
+        """Pages of a node that nothing else references."""
+        refcount = self._pages.refcount
+        return len({page for page in self._nodes[node_id].blocks if refcount(page) == 1})
 
     def evict_pages(self, num_free_wanted: int) -> None:
         """Evict LRU unlocked leaves until the page pool has `num_free_wanted` free."""
@@ -494,9 +518,7 @@ class PrefixTrie:
         while True:
             parent = node.parent
             del parent.children[node.tokens[0]]
-            num_freed = 0
-            for page in node.blocks:
-                num_freed += self._drop_page(page)
+            num_freed = self._drop_pages(node.blocks)
             if node.slot is not None:
                 self._slots.release(node.slot)
                 node.slot = None
@@ -543,19 +565,27 @@ class PrefixTrie:
         self._reindex(node)
         del self._nodes[node.node_id]
 
-    def _hold_page(self, page: int) -> None:
-        self._pages.incref(page)
+    def _hold_pages(self, pages: list[int]) -> None:
+        """Take the trie's reference to each page. O(len(pages))."""
+        self._pages.incref_all(pages)
         refs = self._page_trie_refs
-        refs[page] += 1
-        if refs[page] == 1:
-            self.num_pages_held += 1
+        num_new = 0
+        for page in pages:
+            refs[page] += 1
+            if refs[page] == 1:
+                num_new += 1
+        self.num_pages_held += num_new
 
-    def _drop_page(self, page: int) -> int:
+    def _drop_pages(self, pages: list[int]) -> int:
+        """Drop the trie's reference to each page; return how many became free."""
         refs = self._page_trie_refs
-        refs[page] -= 1
-        if refs[page] == 0:
-            self.num_pages_held -= 1
-        return 1 if self._pages.release(page) else 0
+        num_gone = 0
+        for page in pages:
+            refs[page] -= 1
+            if refs[page] == 0:
+                num_gone += 1
+        self.num_pages_held -= num_gone
+        return self._pages.release_all(pages)
 
     # --------------------------------------------------------------- checking
 

@@ -15,7 +15,9 @@ class Sequence:
 
     block_table[j] holds token positions [j * block_size, (j + 1) * block_size);
     with a sliding window the first `num_released` entries are None (released).
-    locked_node is the deepest trie node this sequence keeps from eviction.
+    locked_node is the deepest trie node this sequence keeps from eviction;
+    `anchored` says that node spells exactly tokens[:locked_node.end], so
+    `free` can insert from there without comparing that prefix again.
     While `swapped`, block_table and slot name host pages and a host slot.
     """
 
@@ -27,9 +29,10 @@ class Sequence:
     locked_node: TrieNode | None = None
     num_released: int = 0
     swapped: bool = False
+    anchored: bool = False
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Allocation:
     """What `BlockManager.allocate` did.
 
