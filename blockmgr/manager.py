@@ -193,42 +193,51 @@ class BlockManager:
         match = self._match(namespace, tokens)
         num_cached = match.num_tokens
         num_pages = self._num_new_pages(len(tokens), num_cached)
-        trie = self._trie
-        if match.node is not None:
-            trie.lock(match.node)
+        self._hold_match(match)
         try:
             self._reserve(num_pages + self._watermark(), 1)
         except (OutOfBlocks, OutOfSlots):
-            if match.node is not None:
-                trie.unlock(match.node)
+            self._release_match(match)
             raise
-        if match.node is not None:
-            trie.touch(match.path)
+        if match.path:
+            self._trie.touch(match.path)
         ops: list[MemoryOp] = []
-        table = self._share_matched_pages(match, ops)
+        table = self._own_matched_pages(match, ops)
         table.extend(self._pages.take(-(-len(tokens) // self._block_size) - len(table)))
         slot = self._new_sequence_slot(match.slot, ops)
         seq = Sequence(seq_id, namespace, tokens, table, slot, match.node)
-        seq.anchored = match.node is not None and match.node.end == num_cached
+        seq.anchored = match.node is not None  # it ends inside the matched prefix
         self._seqs[seq_id] = seq
         self._count_query(len(tokens), num_cached)
         return Allocation(
             seq_id, list(table), slot, tuple(ops), num_cached, match.branch_point
         )
 
-    def _share_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
-        """The sequence's first pages: the matched ones, the last copied if partial."""
+    def _hold_match(self, match: PrefixMatch) -> None:
+        """Keep the matched pages alive through eviction: the sequence's own
+        references, and a lock on the nodes wholly inside the hit (a node the
+        hit ends inside stays evictable past the hit)."""
+        self._pages.incref_all(match.pages)
+        if match.node is not None:
+            self._trie.lock(match.node)
+
+    def _release_match(self, match: PrefixMatch) -> None:
+        """Undo `_hold_match` (the trie still holds the pages: none is freed)."""
+        if match.node is not None:
+            self._trie.unlock(match.node)
+        self._pages.release_all(match.pages)
+
+    def _own_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
+        """The sequence's first pages: the held matched ones, the last copied
+        if the hit ends inside it (the next token goes there)."""
         table = match.pages
         if not table:
             return []
         if match.num_tokens % self._block_size:
-            # The next token goes into this page, which the trie keeps: copy.
-            self._pages.incref_all(table[:-1])
             src = table[-1]
             table[-1] = self._pages.take_one()
+            self._pages.release(src)  # after the take: src cannot be handed out here
             ops.append(CopyBlock(src, table[-1]))
-        else:
-            self._pages.incref_all(table)
         return table
 
     def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int | None:
@@ -462,12 +471,20 @@ class BlockManager:
             self._slots.release(snapshot)  # the trie holds its own reference
             if took_slot:
                 ops = (CopySlot(seq.slot, snapshot),)
-        trie.lock(node)
-        if seq.locked_node is not None:
-            trie.unlock(seq.locked_node)
-        seq.locked_node = node
-        seq.anchored = node.end == num_tokens
+        self._move_lock(seq, node)
         return ops
+
+    def _move_lock(self, seq: Sequence, node) -> None:
+        """Lock `node` (on the sequence's own path) instead of the current
+        lock, unless the current one is deeper on that same path."""
+        old = seq.locked_node
+        if node is None or (old is not None and seq.anchored and old.end > node.end):
+            return
+        self._trie.lock(node)
+        if old is not None:
+            self._trie.unlock(old)
+        seq.locked_node = node
+        seq.anchored = True
 
     def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
         """End the sequence; its first `num_computed` tokens go into the trie.
@@ -634,14 +651,12 @@ class BlockManager:
         return self._num_watermark_blocks
 
     def _with_lock(self, match: PrefixMatch, check, *args) -> bool:
-        """Run a feasibility check with the matched path locked (as allocate does)."""
-        if match.node is None:
-            return check(*args)
-        self._trie.lock(match.node)
+        """Run a feasibility check with the match held (as allocate does)."""
+        self._hold_match(match)
         try:
             return check(*args)
         finally:
-            self._trie.unlock(match.node)
+            self._release_match(match)
 
     def _can_reserve(self, num_pages: int, num_slots: int) -> bool:
         """Are `num_pages` pages and `num_slots` slots free or reclaimable? Pure."""

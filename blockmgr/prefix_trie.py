@@ -83,7 +83,10 @@ class PrefixMatch:
     num_tokens: tokens whose KV (and, in hybrid mode, recurrent state) can be
         reused; never more than the `limit` asked for.
     pages: the pages holding them, one per page index `0 .. ceil(n/bs) - 1`.
-    node: the deepest node those pages come from (to lock), None on a miss.
+    node: the deepest node wholly inside the usable prefix (to lock), or
+        None. A hit may end inside a further node: its pages are shared but
+        it stays unlocked, so the part past the hit can still be evicted
+        (the sequence's own page references keep what it uses alive).
     slot: in hybrid mode, the snapshot slot at `num_tokens`.
     branch_point: in hybrid mode, where the prompt leaves the trie when that
         is beyond `num_tokens` (a checkpoint there makes siblings hit).
@@ -231,7 +234,9 @@ class PrefixTrie:
             return PrefixMatch(branch_point=branch_point)
         pages = self._pages_along(path)
         del pages[-(-num_tokens // self._block_size) :]
-        return PrefixMatch(num_tokens, pages, path[-1], slot, branch_point, path)
+        covered = [node for node in path if node.end <= num_tokens]
+        lock = covered[-1] if covered else None
+        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path)
 
     def _pages_along(self, path: list[TrieNode]) -> list[int]:
         """One page per index; at a straddled index the deeper node's page."""
@@ -304,7 +309,8 @@ class PrefixTrie:
         The trie takes its own references to the pages it keeps (and to
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
         already there); the caller keeps and later drops its own. Returns the
-        deepest node covering `tokens` and whether the slot was taken.
+        deepest node wholly inside `tokens` (None if that is the root) and
+        whether the slot was taken.
         `start`, a node known to spell `tokens[:start.end]`, skips comparing
         that part again. O(len(tokens) + depth).
         """
@@ -325,13 +331,14 @@ class PrefixTrie:
                 node = self._add_child(node, tokens, pos, pages)
                 path.append(node)
                 pos = num_tokens
+                # The new leaf may extend a snapshot-less leaf: fold them.
+                self._try_merge(node.parent)
                 break
             num_common = common_prefix_length(child.tokens, tokens, pos)
             if num_common < len(child.tokens):
                 if pos + num_common == num_tokens and slot is None:
                     path.append(child)  # ends inside: nothing new to store
                     pos = num_tokens
-                    node = child
                     break
                 child = self._split(child, num_common)
             node = child
@@ -342,9 +349,7 @@ class PrefixTrie:
             self._slots.incref(slot)
             node.slot = slot
         self.touch(path)
-        if path:
-            self._try_merge(path[-1].parent)
-        return node, took_slot
+        return (node if node.parent is not None else None), took_slot
 
     def _add_child(
         self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int]

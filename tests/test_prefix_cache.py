@@ -274,3 +274,18 @@ def test_stats_count_queries_and_hits():
     assert stats.num_query_tokens == 2 * (len(SYSTEM) + 1)
     assert stats.num_hit_tokens == len(SYSTEM)
     assert stats.hit_rate == pytest.approx(len(SYSTEM) / (2 * (len(SYSTEM) + 1)))
+
+
+def test_a_hit_inside_a_node_leaves_the_rest_of_it_evictable():
+    # 8 pages of 4 tokens; the cache holds one 28-token prompt (7 pages).
+    h = Harness(num_blocks=8, block_size=4)
+    h.run("a", list(range(28)))
+    h.finish("a")
+    # Shares 8 tokens (2 pages) and needs 4 more pages with 1 free: only the
+    # unshared tail of the cached node can make room, and it must.
+    prompt = list(range(8)) + [99] * 16
+    assert h.bm.can_allocate(prompt)
+    alloc = h.run("b", prompt)
+    assert alloc.num_cached_tokens == 8
+    assert h.bm.stats.num_evicted_pages >= 3
+    h.finish("b")
