@@ -5,7 +5,9 @@ Run: python benchmarks/compare_cache.py [--steps 30]
 * decode step of a tiny llama (4 layers, hidden 256) at 1k and 4k context:
   PagedCache views vs mlx-lm KVCache (target ratio <= 1.25);
 * batched decode of 8 sequences of lengths 200..4000: tokens/s vs mlx-lm
-  BatchKVCache (target >= 1.0) and KV bytes held (target <= 0.6);
+  BatchKVCache (target >= 1.0) and KV bytes held (target <= 0.6); also the
+  same step as 2 or 3 forwards over length buckets (`cache.buckets`), which
+  paged views allow and a padded BatchKVCache does not;
 * gather throughput as a fraction of a plain copy of the same bytes.
 
 Both sides run with the same MLX buffer-cache limit (1 GiB, set below): the
@@ -26,6 +28,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from cache import PagedCache
+from cache.buckets import length_buckets
 
 BLOCK = 16
 
@@ -50,6 +53,10 @@ def prefill(model, cache, n, chunk=512):
 
 
 def time_steps(step, steps):
+    # Start every measured phase with an empty MLX buffer cache: buffers left
+    # by prefill (other sizes) otherwise fill it to the limit, and each large
+    # per-step temporary is then fresh memory, page-faulted in (both sides).
+    mx.clear_cache()
     for _ in range(3):
         step()
     t0 = time.perf_counter()
@@ -91,7 +98,7 @@ def decode_batch(model, lengths, steps):
     ref_bytes = sum(c.nbytes for c in batch)
     del batch
 
-    need = sum(-(-(n + steps + 8) // BLOCK) for n in lengths) + B
+    need = sum(-(-(n + 4 * (steps + 8)) // BLOCK) for n in lengths) + B
     pc = PagedCache.for_model(model, num_blocks=need, block_size=BLOCK)
     ids = [f"s{i}" for i in range(B)]
     for sid, n in zip(ids, lengths):
@@ -104,7 +111,19 @@ def decode_batch(model, lengths, steps):
         mx.eval(model(y, cache=pc.views(ids)))
 
     t_paged = time_steps(paged_step, steps)
-    return t_ref, t_paged, ref_bytes, pc.kv_bytes_in_use, pc.nbytes, pc
+
+    def bucketed_step(groups):
+        for sid in ids:
+            pc.append(sid, [1])
+        outs = [model(mx.ones((len(g), 1), dtype=mx.int32), cache=pc.views([ids[i] for i in g]))
+                for g in groups]
+        mx.eval(outs)
+
+    t_buckets = {}
+    for k in (2, 3):
+        groups = length_buckets([pc.num_tokens(sid) for sid in ids], k)
+        t_buckets[k] = time_steps(lambda: bucketed_step(groups), steps)
+    return t_ref, t_paged, t_buckets, ref_bytes, pc.kv_bytes_in_use, pc.nbytes, pc
 
 
 def gather_vs_copy(pc, ids, reps=30):
@@ -138,11 +157,14 @@ def main():
         t_ref, t_paged = decode_single(model, ctx, a.steps)
         print(f"| {ctx} ctx | {t_ref * 1e3:.2f} ms | {t_paged * 1e3:.2f} ms | {t_paged / t_ref:.2f} |")
     lengths = np.linspace(200, 4000, 8).astype(int).tolist()
-    t_ref, t_paged, ref_bytes, held, pool_bytes, pc = decode_batch(model, lengths, a.steps)
+    t_ref, t_paged, t_buckets, ref_bytes, held, pool_bytes, pc = decode_batch(model, lengths, a.steps)
     B = len(lengths)
     print(f"\n| batched decode, 8 seqs {lengths[0]}..{lengths[-1]} | mlx-lm BatchKVCache | paged views | ratio |")
     print("|---|---|---|---|")
     print(f"| tokens/s (target ratio >= 1.0) | {B / t_ref:.0f} | {B / t_paged:.0f} | {t_ref / t_paged:.2f} |")
+    for k, t in t_buckets.items():
+        print(f"| tokens/s, paged in {k} length buckets ({k} forwards) | {B / t_ref:.0f} "
+              f"| {B / t:.0f} | {t_ref / t:.2f} |")
     print(f"| KV bytes held (target <= 0.6) | {ref_bytes / 1e6:.1f} MB | {held / 1e6:.1f} MB "
           f"| {held / ref_bytes:.2f} |")
     print(f"| pool arrays allocated | | {pool_bytes / 1e6:.1f} MB | {pool_bytes / ref_bytes:.2f} |")

@@ -3,25 +3,35 @@
 * `page_pool`: `PagePool`, one attention layer's K/V pages (head-major).
 * `layers`: which cache kind each model layer needs.
 * `step_plan`: per-step scatter/gather indices and masks for a page group.
-* `views`: `AttentionView`, mlx-lm's cache protocol over the pools.
+* `views`: `AttentionView` / `RecurrentLayerView`, mlx-lm's cache protocol
+  over the pools (recurrent layers forward to an injected backend).
+* `host_pool`: `HostPagePool`, host copies of pages (swap space).
+* `buckets`: `length_buckets`, decode batches split by length.
 * `paged_cache`: `PagedCache`, pools + block managers for one model.
 
-Imports go one way: `cache` -> `blockmgr`.
+Imports go one way: `cache` -> `blockmgr`. The one exception is
+`PagedCache.for_model` for hybrid models, which builds the default
+recurrent backend (`recurrent.RecurrentPools`) with a lazy import.
 """
 
+from cache.buckets import length_buckets
+from cache.host_pool import HostPagePool
 from cache.layers import LayerKind, LayerSpec, layer_specs
 from cache.page_pool import PagePool, PoolShape, copy_waves
 from cache.paged_cache import PagedCache, RecurrentBackend
-from cache.views import AttentionView
+from cache.views import AttentionView, RecurrentLayerView
 
 __all__ = [
     "AttentionView",
+    "HostPagePool",
     "LayerKind",
     "LayerSpec",
     "PagePool",
     "PagedCache",
     "PoolShape",
     "RecurrentBackend",
+    "RecurrentLayerView",
     "copy_waves",
+    "length_buckets",
     "layer_specs",
 ]

@@ -4,8 +4,11 @@ Layers are grouped by attention window: full-attention layers share one
 `BlockManager` (and its page ids), each distinct sliding window gets its own
 manager with ``sliding_window`` set, so pages that fall out of the window are
 released. Recurrent layers (``ArraysCache``) use slots of the first group's
-manager; their storage is an injected backend (see `RecurrentBackend`), since
-`cache` does not import `recurrent`.
+manager; their storage is a backend (see `RecurrentBackend`) injected into
+the constructor. `for_model` builds the default backend
+(`recurrent.RecurrentPools`) when the model has recurrent layers and none is
+given: the only reference from `cache` to `recurrent`, a lazy import in that
+convenience constructor (module imports of `cache` never load `recurrent`).
 
 Every sequence call has the manager's meaning; the memory-op plans it returns
 are queued and applied in one batched op per layer before the next forward
@@ -20,16 +23,28 @@ from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 import mlx.core as mx
 
 from blockmgr import Allocation, BlockManager, BlockManagerConfig
-from blockmgr.errors import InvalidArgument, OutOfBlocks, UnknownSequence
-from blockmgr.ops import CopyBlock, MemoryOp
+from blockmgr.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    OutOfHostMemory,
+    SequenceSwapped,
+    UnknownSequence,
+)
+from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
+from cache.host_pool import HostPagePool
 from cache.layers import LayerKind, LayerSpec, layer_specs
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
-from cache.views import AttentionView, BatchState
+from cache.views import AttentionView, BatchState, RecurrentLayerView
 
 
 class RecurrentBackend(Protocol):
-    """Slot storage for recurrent layers (e.g. `recurrent.RecurrentPools`)."""
+    """Slot storage for recurrent layers (e.g. `recurrent.RecurrentPools`).
+
+    `apply_plan` gets every slot op (`ZeroSlot`, `CopySlot`, `SwapOutSlot`,
+    `SwapInSlot`) in call order; `views(slots, lengths)` gives one
+    ArraysCache-like view per recurrent layer for one forward pass.
+    """
 
     @property
     def layers(self) -> tuple[int, ...]: ...
@@ -45,7 +60,8 @@ class _Group:
     layers: list[int]
     bm: BlockManager
     pools: dict[int, PagePool] = field(default_factory=dict)
-    pending: list[CopyBlock] = field(default_factory=list)
+    host: dict[int, HostPagePool] = field(default_factory=dict)
+    pending: list[CopyBlock | SwapOut | SwapIn] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -76,8 +92,12 @@ class PagedCache:
         watermark: float = 0.0,
         window_blocks: int | None = None,
         recurrent: RecurrentBackend | None = None,
+        num_host_blocks: int = 0,
+        num_host_slots: int = 0,
     ) -> None:
-        """`window_blocks`: pages of each sliding-window group (default num_blocks)."""
+        """`window_blocks`: pages of each sliding-window group (default num_blocks).
+        `num_host_blocks` / `num_host_slots`: swap space per group (host pages) and
+        for recurrent state (the backend must have as many host slots)."""
         specs = list(specs)
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
         if has_recurrent and (recurrent is None or num_slots < 1):
@@ -101,6 +121,8 @@ class PagedCache:
                 enable_prefix_cache=enable_prefix_cache,
                 watermark=watermark,
                 sliding_window=w,
+                num_host_blocks=num_host_blocks,
+                num_host_slots=num_host_slots if gi == 0 else 0,
             )
             layers = [i for i, s in enumerate(specs)
                       if s.kind is not LayerKind.RECURRENT and s.window == w]
@@ -109,9 +131,31 @@ class PagedCache:
                 self._group_of[i] = gi
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, **kwargs) -> PagedCache:
-        """A cache laid out for `model` (layer kinds from `model.make_cache()`)."""
-        return cls(layer_specs(model), num_blocks, block_size, **kwargs)
+    def for_model(
+        cls,
+        model: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        num_slots: int = 0,
+        recurrent: RecurrentBackend | None = None,
+        num_host_slots: int = 0,
+        **kwargs,
+    ) -> PagedCache:
+        """A cache laid out for `model` (layer kinds from `model.make_cache()`).
+
+        For a hybrid model (``ArraysCache`` layers) give `num_slots` > 0; the
+        recurrent storage defaults to ``recurrent.RecurrentPools.for_model(
+        model, num_slots)`` (one 1-token probe forward, every slot allocated
+        up front). Other keywords go to the constructor.
+        """
+        specs = layer_specs(model)
+        if recurrent is None and num_slots > 0 and any(
+            s.kind is LayerKind.RECURRENT for s in specs
+        ):
+            recurrent = default_recurrent_backend(model, num_slots, num_host_slots)
+        return cls(specs, num_blocks, block_size, num_slots=num_slots, recurrent=recurrent,
+                   num_host_slots=num_host_slots, **kwargs)
 
     # --- inspection ----------------------------------------------------------
 
@@ -123,6 +167,11 @@ class PagedCache:
     @property
     def block_managers(self) -> tuple[BlockManager, ...]:
         return tuple(g.bm for g in self._groups)
+
+    @property
+    def recurrent(self) -> RecurrentBackend | None:
+        """The recurrent-state backend (None for attention-only models)."""
+        return self._recurrent
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.block_manager.num_tokens(seq_id)
@@ -240,8 +289,21 @@ class PagedCache:
         state.known = min(state.known, num_tokens)
 
     def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> None:
-        """Snapshot computed tokens (None: all computed ones) into the trie."""
+        """Snapshot computed tokens (None: all computed ones) into the trie.
+
+        For a hybrid model the snapshot is the sequence's recurrent state, so
+        only the computed end can be snapshot (a prefill chunk's end: call it
+        between chunks); an earlier `num_tokens` raises `InvalidArgument`.
+        """
+        state = self._state(seq_id)
+        if self._recurrent is not None and num_tokens not in (None, state.computed):
+            raise InvalidArgument(
+                f"{seq_id!r}: recurrent state exists only after its {state.computed} "
+                f"computed tokens, not after {num_tokens!r}"
+            )
         n = self._trie_count(seq_id, num_tokens)
+        if n == 0:
+            return
         for gi, g in enumerate(self._groups):
             self._queue(gi, g.bm.cache_prefix(seq_id, n))
 
@@ -253,13 +315,65 @@ class PagedCache:
         del self._seqs[seq_id]
 
     def _trie_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
+        """Tokens the trie may take: computed, with known ids, and for a hybrid
+        model exactly the computed ones (the slot holds the state after the
+        last computed token and cannot be cut), else none."""
         state = self._state(seq_id)
         limit = min(state.computed, state.known)
         if num_tokens is None:
-            return limit
-        if not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens > state.computed:
+            n = limit
+        elif not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens > state.computed:
             raise InvalidArgument(f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}")
-        return min(num_tokens, limit)
+        else:
+            n = min(num_tokens, limit)
+        if self._recurrent is not None and n != state.computed:
+            return 0
+        return n
+
+    # --- swap (preemption to host memory) ------------------------------------------
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        self._state(seq_id)
+        return self.block_manager.is_swapped(seq_id)
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        """Is there host memory (pages in every group, a host slot) to swap it out?"""
+        self._state(seq_id)
+        return all(g.bm.can_swap_out(seq_id) for g in self._groups)
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        """Are there device pages (and a slot) to bring it back? Changes nothing."""
+        self._state(seq_id)
+        return all(g.bm.can_swap_in(seq_id) for g in self._groups)
+
+    def swap_out(self, seq_id: Hashable) -> None:
+        """Move `seq_id`'s pages (and recurrent slot) to host memory, releasing
+        the device copies; the sequence stays live but frozen until `swap_in`.
+
+        Raises `OutOfHostMemory` (nothing changed) when any group lacks host
+        space, `SequenceSwapped` when already out. The copies are applied by
+        the next `flush` (in call order, before the device pages are reused);
+        call `flush()` to free the memory now.
+        """
+        self._state(seq_id)
+        for g in self._groups:
+            if not g.bm.can_swap_out(seq_id):
+                raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.swap_out(seq_id))
+
+    def swap_in(self, seq_id: Hashable) -> None:
+        """Bring a swapped-out `seq_id` back to fresh device pages (and a slot).
+
+        Raises like the manager's `swap_in` (`OutOfBlocks` / `OutOfSlots`,
+        nothing changed); copies are applied by the next `flush`.
+        """
+        self._state(seq_id)
+        for g in self._groups:
+            if not g.bm.can_swap_in(seq_id):
+                g.bm.swap_in(seq_id)  # raises the manager's precise error, changes nothing
+        for gi, g in enumerate(self._groups):
+            self._queue(gi, g.bm.swap_in(seq_id))
 
     # --- views -----------------------------------------------------------------
 
@@ -276,19 +390,17 @@ class PagedCache:
             raise InvalidArgument(f"need distinct sequence ids, got {seq_ids!r}")
         for s in seq_ids:
             self._state(s)
+            if self.block_manager.is_swapped(s):
+                raise SequenceSwapped(f"sequence {s!r} is swapped out; swap it in first")
         if num_new is not None and len(num_new) != len(seq_ids):
             raise InvalidArgument("num_new needs one entry per sequence")
         batch = BatchState(self, seq_ids, None if num_new is None else list(num_new))
         out: list = [None] * len(self.specs)
         for i, spec in enumerate(self.specs):
-            if spec.kind is not LayerKind.RECURRENT:
+            if spec.kind is LayerKind.RECURRENT:
+                out[i] = RecurrentLayerView(batch, i)
+            else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self._pool_for, spec.window)
-        if self._recurrent is not None:
-            slots = [self.block_manager.slot(s) for s in seq_ids]
-            pending = [self.num_tokens(s) - self._seqs[s].computed for s in seq_ids]
-            lengths = pending if len(set(pending)) > 1 else None
-            for i, view in self._recurrent.views(slots, lengths).items():
-                out[i] = view
         return out
 
     def flush(self) -> None:
@@ -298,15 +410,11 @@ class PagedCache:
             if not g.pending or not g.pools:
                 g.pending.clear()
                 continue
-            for src, dst in copy_waves(g.pending):
-                # Read every layer's sources, evaluate once, then write (see
-                # PagePool.read_pages for why the read is evaluated first).
-                reads = {layer: pool.read_pages(page_rows(pool, src))
-                         for layer, pool in g.pools.items()}
-                mx.eval(list(reads.values()))
-                for layer, (k, v) in reads.items():
-                    pool = g.pools[layer]
-                    pool.write_pages(page_rows(pool, dst), k, v)
+            for kind, ops in _runs_by_kind(g.pending):
+                if kind is CopyBlock:
+                    _copy_blocks(g, ops)
+                else:
+                    self._swap_pages(g, kind, ops)
             g.pending.clear()
         if self._slot_ops:
             ops, self._slot_ops = self._slot_ops, []
@@ -339,6 +447,16 @@ class PagedCache:
             st.computed += k
         return plans
 
+    def _recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
+        """The backend's views for a started step: each row's slot (after the
+        step's appends), padded rows' real token counts."""
+        if self._recurrent is None:
+            return {}
+        slots = [self.block_manager.slot(s) for s in seq_ids]
+        n = plan.num_queries
+        lengths = list(plan.n_new) if any(k != n for k in plan.n_new) else None
+        return self._recurrent.views(slots, lengths)
+
     def _computed(self, seq_ids: Sequence) -> list[int]:
         return [self._state(s).computed for s in seq_ids]
 
@@ -368,9 +486,22 @@ class PagedCache:
 
     # --- internals -------------------------------------------------------------
 
+    def _swap_pages(self, g: _Group, kind: type, ops: list) -> None:
+        """Apply a run of SwapOut (device -> host) or SwapIn (host -> device)
+        ops to every layer of the group: one batched move per pool array."""
+        src, dst = [op.src for op in ops], [op.dst for op in ops]
+        for layer, pool in g.pools.items():
+            host = g.host.get(layer)
+            if host is None:
+                host = g.host[layer] = HostPagePool(g.bm.config.num_host_blocks)
+            if kind is SwapOut:
+                host.swap_out(pool, src, dst)
+            else:
+                host.swap_in(pool, src, dst)
+
     def _queue(self, group: int, ops: Iterable[MemoryOp]) -> None:
         for op in ops:
-            if isinstance(op, CopyBlock):
+            if isinstance(op, (CopyBlock, SwapOut, SwapIn)):
                 self._groups[group].pending.append(op)
             else:
                 self._slot_ops.append(op)
@@ -381,3 +512,34 @@ class PagedCache:
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
 
+
+
+def default_recurrent_backend(model: Any, num_slots: int, num_host_slots: int = 0) -> RecurrentBackend:
+    """``recurrent.RecurrentPools`` for `model`'s recurrent layers (lazy import:
+    `cache` depends on `recurrent` only when a hybrid model asks for it)."""
+    from recurrent import RecurrentPools
+
+    return RecurrentPools.for_model(model, num_slots, num_host_slots=num_host_slots)
+
+
+def _runs_by_kind(ops: Sequence[MemoryOp]) -> list[tuple[type, list]]:
+    """Maximal runs of consecutive ops of one type, in call order (each run
+    is applied as one batch; runs keep the plan's sequential meaning)."""
+    runs: list[tuple[type, list]] = []
+    for op in ops:
+        if runs and runs[-1][0] is type(op):
+            runs[-1][1].append(op)
+        else:
+            runs.append((type(op), [op]))
+    return runs
+
+
+def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
+    for src, dst in copy_waves(ops):
+        # Read every layer's sources, evaluate once, then write (see
+        # PagePool.read_pages for why the read is evaluated first).
+        reads = {layer: pool.read_pages(page_rows(pool, src)) for layer, pool in g.pools.items()}
+        mx.eval(list(reads.values()))
+        for layer, (k, v) in reads.items():
+            pool = g.pools[layer]
+            pool.write_pages(page_rows(pool, dst), k, v)

@@ -13,10 +13,11 @@ before the step until the layer has written it, as with `KVCache`.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
+from blockmgr.errors import InvalidArgument
 from cache.page_pool import PagePool
 from cache.step_plan import StepPlan
 
@@ -25,6 +26,7 @@ class StepSource(Protocol):
     """What a `BatchState` needs from its owner (the `PagedCache`)."""
 
     def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]: ...
+    def _recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
     def _computed(self, seq_ids: Sequence) -> list[int]: ...
     def _trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
     def _held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
@@ -33,7 +35,8 @@ class StepSource(Protocol):
 class BatchState:
     """Step bookkeeping shared by the views of one `views()` call."""
 
-    __slots__ = ("owner", "seq_ids", "steps", "trims", "last_trim", "plans", "_num_new")
+    __slots__ = ("owner", "seq_ids", "steps", "trims", "last_trim", "plans", "recurrent",
+                 "_num_new")
 
     def __init__(self, owner: StepSource, seq_ids: Sequence, num_new=None) -> None:
         self.owner = owner
@@ -42,12 +45,14 @@ class BatchState:
         self.trims = 0  # trims performed
         self.last_trim = 0
         self.plans: dict[int, StepPlan] = {}
+        self.recurrent: Mapping[int, Any] = {}  # backend views of the current step
         self._num_new = num_new  # explicit chunk lengths for the first step only
 
     def plan(self, calls: int, group: int, n: int) -> StepPlan:
         """The plan of the view's next step, starting the step if it is the first."""
         if calls == self.steps:
             self.plans = self.owner._begin_step(self.seq_ids, n, self._num_new)
+            self.recurrent = self.owner._recurrent_views(self.seq_ids, self.plans[0])
             self._num_new = None
             self.steps += 1
         return self.plans[group]
@@ -155,3 +160,81 @@ class AttentionView:
 
     def __repr__(self) -> str:
         return f"AttentionView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
+
+
+class RecurrentLayerView:
+    """One recurrent layer's cache for a batch (mlx-lm's ``ArraysCache`` protocol).
+
+    Lives as long as the batch, like `AttentionView`; each step it forwards to
+    the recurrent backend's view of that step (built when the step starts,
+    with the slots the sequences hold after any copy-on-write, and per-row
+    `lengths` when rows are padded). A step starts at the first `make_mask`
+    of a forward (mlx-lm's models build masks before running any layer) or
+    at an attention layer's first call. Cost per call: the backend view's.
+    """
+
+    __slots__ = ("_batch", "_layer", "_seen")
+
+    def __init__(self, batch: BatchState, layer: int) -> None:
+        self._batch = batch
+        self._layer = layer
+        self._seen = 0  # last step this layer took part in
+
+    def __bool__(self) -> bool:  # mlx-lm tests `if cache` to use the state at all
+        return True
+
+    def _view(self) -> Any:
+        batch = self._batch
+        if batch.steps == 0:
+            raise InvalidArgument(
+                f"recurrent layer {self._layer} used before the step started "
+                "(build the model's masks first, as mlx-lm's models do)"
+            )
+        self._seen = batch.steps
+        return batch.recurrent[self._layer]
+
+    def make_mask(self, n: int, **_: Any) -> mx.array | None:
+        """Right-padding mask ``[B, n]`` (None when no row is padded). Starts
+        a step when this layer already took part in the current one."""
+        batch = self._batch
+        if self._seen == batch.steps:
+            batch.plan(batch.steps, 0, n)
+        return self._view().make_mask(n)
+
+    def __getitem__(self, i: int) -> mx.array | None:
+        return self._view()[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self._view()[i] = value
+
+    @property
+    def lengths(self) -> mx.array | None:
+        return self._view().lengths
+
+    @lengths.setter
+    def lengths(self, value: mx.array | None) -> None:
+        self._view().lengths = value
+
+    def advance(self, n: int) -> None:
+        self._view().advance(n)
+
+    @property
+    def state(self) -> list:
+        """The batch's state arrays after the last step (empty before any step)."""
+        return self._view().state if self._batch.steps else []
+
+    def is_trimmable(self) -> bool:
+        return False  # recurrent state cannot be cut; see PagedCache.truncate
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's state for the batch's slots (one slot per row)."""
+        if not self._batch.steps:
+            return 0
+        return self._view().nbytes
+
+    def __repr__(self) -> str:
+        return f"RecurrentLayerView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"

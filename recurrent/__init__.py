@@ -9,12 +9,14 @@
 * `batch`: `SlotBatch`, a validated batch of slots shared by all layers.
 * `views`: `RecurrentView`, mlx-lm's `ArraysCache` protocol over a pool for
   one batch of slots.
+* `host_slots`: `HostSlots`, host copies of one layer's slots (swap space).
 * `pools`: `RecurrentPools`, the pools of all recurrent layers of a model.
 
 Imports go one way: `recurrent` -> `blockmgr` (ops and errors only).
 """
 
 from .batch import SlotBatch, make_batch
+from .host_slots import HostSlots
 from .ops import causal_conv1d, gated_delta, length_mask
 from .plan import SlotRemap, compile_slot_plan
 from .pools import RecurrentPools, is_recurrent_cache, probe_specs
@@ -23,6 +25,7 @@ from .views import RecurrentView
 
 __all__ = [
     "ArraySpec",
+    "HostSlots",
     "RecurrentPools",
     "RecurrentView",
     "SlotBatch",

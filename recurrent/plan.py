@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from blockmgr.errors import InvalidArgument
-from blockmgr.ops import CopyBlock, CopySlot, MemoryOp, ZeroSlot
+from blockmgr.ops import CopyBlock, CopySlot, MemoryOp, SwapIn, SwapOut, ZeroSlot
 
 # Marker for "this slot ends up zeroed" while folding; never escapes the module.
 _ZERO = object()
@@ -43,7 +43,8 @@ class SlotRemap:
 def compile_slot_plan(ops: Iterable[MemoryOp], num_slots: int) -> SlotRemap | None:
     """Fold a plan's slot ops into one `SlotRemap`; `None` when nothing changes.
 
-    `CopyBlock` ops are ignored (pages belong to the page pool). Raises
+    Page ops (`CopyBlock`, `SwapOut`, `SwapIn`) are ignored (pages belong to
+    the page pool); slot swaps are applied by `RecurrentPools`. Raises
     `InvalidArgument` for an unknown op or a slot outside `[0, num_slots)`;
     nothing is applied in that case (this function never mutates storage).
     Cost: O(len(ops)).
@@ -56,8 +57,8 @@ def compile_slot_plan(ops: Iterable[MemoryOp], num_slots: int) -> SlotRemap | No
             src = _check_slot(op.src, num_slots)
             dst = _check_slot(op.dst, num_slots)
             content[dst] = content.get(src, src)
-        elif not isinstance(op, CopyBlock):
-            raise InvalidArgument(f"not a memory op: {op!r}")
+        elif not isinstance(op, (CopyBlock, SwapOut, SwapIn)):
+            raise InvalidArgument(f"not a slot remap op: {op!r}")
     copy_dst, copy_src, zero = [], [], []
     for slot, origin in content.items():
         if origin is _ZERO:

@@ -19,9 +19,10 @@ from typing import Any
 import mlx.core as mx
 
 from blockmgr.errors import InvalidArgument
-from blockmgr.ops import MemoryOp
+from blockmgr.ops import MemoryOp, SwapInSlot, SwapOutSlot
 
 from .batch import make_batch
+from .host_slots import HostSlots
 from .plan import compile_slot_plan
 from .state_pool import ArraySpec, StatePool
 from .views import RecurrentView
@@ -62,17 +63,19 @@ class RecurrentPools:
     together is one sequence's (or snapshot's) recurrent state.
     """
 
-    __slots__ = ("_num_slots", "_pools")
+    __slots__ = ("_num_slots", "_pools", "_host")
 
     def __init__(
         self,
         num_slots: int,
         layer_sizes: Mapping[int, int],
         specs: Mapping[int, Sequence[ArraySpec | None]] | None = None,
+        num_host_slots: int = 0,
     ) -> None:
         """`layer_sizes[layer]` = number of state arrays of that layer.
 
         `specs[layer]` optionally preallocates its arrays (see `StatePool`).
+        `num_host_slots`: swap space (host copies, allocated on first use).
         """
         specs = specs or {}
         unknown = set(specs) - set(layer_sizes)
@@ -83,9 +86,15 @@ class RecurrentPools:
             layer: StatePool(num_slots, size, specs.get(layer))
             for layer, size in sorted(layer_sizes.items())
         }
+        self._host: dict[int, HostSlots] = (
+            {layer: HostSlots(num_host_slots, size) for layer, size in sorted(layer_sizes.items())}
+            if num_host_slots else {}
+        )
 
     @classmethod
-    def for_model(cls, model: Any, num_slots: int, *, probe: bool = True) -> RecurrentPools:
+    def for_model(
+        cls, model: Any, num_slots: int, *, probe: bool = True, num_host_slots: int = 0
+    ) -> RecurrentPools:
         """Pools for every `ArraysCache` layer of `model.make_cache()`.
 
         `probe=True` preallocates the arrays from a 1-token forward
@@ -98,7 +107,7 @@ class RecurrentPools:
             if is_recurrent_cache(c)
         }
         specs = probe_specs(model) if probe and sizes else None
-        return cls(num_slots, sizes, specs)
+        return cls(num_slots, sizes, specs, num_host_slots)
 
     # ---- structure -----------------------------------------------------------
 
@@ -138,11 +147,40 @@ class RecurrentPools:
     def apply_plan(self, ops: Iterable[MemoryOp]) -> None:
         """Apply the slot ops of a plan (in order) to every layer.
 
-        One fold of the plan, one gather + one scatter per state array, one
-        evaluation for the gathered rows of all layers. `CopyBlock` ops are
-        ignored. Raises `InvalidArgument` on a bad op or slot, before any
-        pool is touched.
+        `ZeroSlot`/`CopySlot` runs: one fold, one gather + one scatter per
+        state array, one evaluation for the gathered rows of all layers.
+        `SwapOutSlot`/`SwapInSlot` runs: one batched move per state array
+        (see `HostSlots`). Page ops are ignored. Runs are applied in call
+        order. Raises `InvalidArgument` on a bad op or slot; a remap run is
+        checked before any pool is touched.
         """
+        runs: list[tuple[type | None, list[MemoryOp]]] = []
+        for op in ops:
+            kind = type(op) if isinstance(op, (SwapOutSlot, SwapInSlot)) else None
+            if runs and runs[-1][0] is kind:
+                runs[-1][1].append(op)
+            else:
+                runs.append((kind, [op]))
+        for kind, run in runs:
+            if kind is None:
+                self._apply_remap(run)
+            else:
+                self._swap(kind, run)
+
+    def _swap(self, kind: type, ops: list[SwapOutSlot | SwapInSlot]) -> None:
+        """One batched host<->device move per layer for a run of slot swaps."""
+        if not self._host:
+            raise InvalidArgument(f"{ops[0]!r} but the pools have no host slots")
+        src, dst = [op.src for op in ops], [op.dst for op in ops]
+        for layer, pool in self._pools.items():
+            if kind is SwapOutSlot:
+                self._host[layer].swap_out(pool, src, dst)
+            else:
+                self._host[layer].swap_in(pool, src, dst)
+
+    def _apply_remap(self, ops: list[MemoryOp]) -> None:
+        if not ops:
+            return
         remap = compile_slot_plan(ops, self._num_slots)
         if remap is None:
             return

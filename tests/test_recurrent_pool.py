@@ -171,7 +171,9 @@ def test_mlx_copies_when_gather_and_scatter_share_one_evaluation():
         a[mx.array([1])] = a[mx.array([2])] + 1
         mx.eval(a)
 
-    assert _peak_during(naive) > a.nbytes // 2
+    # Whether MLX copies depends on scheduling (the gather may finish and drop
+    # its reference first); it usually does, so the pool must never rely on luck.
+    assert any(_peak_during(naive) > a.nbytes // 2 for _ in range(6))
 
 
 @pytest.mark.parametrize("row", [1024, 4096])  # indexed scatter / slice updates
