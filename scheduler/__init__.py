@@ -1,1 +1,44 @@
-"""Continuous-batching scheduler, engine and stress simulator."""
+"""Continuous-batching scheduler, engine and stress simulator.
+
+* `request`: `Request`, `SamplingParams`, `RequestStatus`, `RequestMetrics`.
+* `scheduler`: `Scheduler` and its records (bookkeeping only, no MLX).
+* `engine`: `Engine`, driving an mlx-lm model through the scheduler over a
+  `cache.PagedCache` (imported lazily: it needs MLX).
+"""
+
+from scheduler.request import RequestMetrics, Request, RequestStatus, SamplingParams
+from scheduler.scheduler import (
+    RequestOutput,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+_LAZY = {"Engine", "EngineConfig", "GenerationOutput"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from scheduler import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "GenerationOutput",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

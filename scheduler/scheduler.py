@@ -1,0 +1,853 @@
+"""Continuous-batching scheduler (vLLM v1 style), bookkeeping only.
+
+Each `schedule()` picks what the next forward pass computes under a token
+budget (`max_num_batched_tokens`) and a cap on live sequences
+(`max_num_seqs`):
+
+1. running sequences first, in queue order: each gets its remaining tokens
+   (a decode token, or the next prefill chunk) up to the budget. When the
+   KV store cannot grow a sequence, the lowest-ranked running sequence (the
+   last admitted under "fcfs", the lowest priority under "priority") is
+   preempted, by recompute (`free` with the computed count, so the trie
+   keeps what it can; recomputed later from the prompt and its outputs) or
+   by swap (pages copied to host memory, brought back later);
+2. then, if nothing was preempted, waiting sequences in policy order
+   (preempted ones first): admission asks the store (`can_allocate`, which
+   keeps the watermark of free pages), allocates the whole prompt and
+   counts only the tokens the prefix trie did not have against the budget.
+
+Prefills are chunked. For hybrid models (recurrent slots) a chunk that must
+be cut ends on a page boundary or at the allocation's `branch_point`, and
+every prefill chunk end is snapshotted (`cache_prefix`), so long prompts
+leave reusable recurrent checkpoints and siblings hit the shared prefix.
+
+`update()` takes the sampled tokens, applies stop conditions, forks a
+request with `n > 1` samples after its prompt (the prompt's pages are
+stored once) and frees finished sequences.
+
+The KV store `kv` is a `blockmgr.BlockManager` (the simulator) or a
+`cache.PagedCache` (the engine); plans returned by a `BlockManager` are
+collected, in call order, in `SchedulerOutput.ops` (a `PagedCache` applies
+its own). No MLX here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from blockmgr.errors import BlockManagerError, OutOfBlocks, OutOfSlots
+from scheduler.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Scheduling limits and policies; validated on construction (`ValueError`).
+
+    max_num_batched_tokens: token budget of one step (prefill + decode).
+    max_num_seqs: sequences running at once (a request with n samples
+        counts n from admission on).
+    policy: "fcfs" (arrival order) or "priority" (lower `Request.priority`
+        first, then arrival).
+    preemption: "recompute" or "swap" (falls back to recompute when host
+        memory is short).
+    long_prefill_token_threshold: cap on one sequence's prefill chunk per
+        step, so concurrent prefills share the budget (None: no cap).
+    max_num_partial_prefills: sequences that may be mid-prefill at once
+        (None: no limit); admission waits while the limit is reached.
+    checkpoint_prefill: snapshot every prefill chunk end into the prefix
+        trie (`cache_prefix`), so concurrent and later requests hit it.
+    max_model_len: a sample stops (FINISHED_LENGTH) when its sequence
+        reaches this many tokens (None: no limit).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    policy: str = "fcfs"
+    preemption: str = "recompute"
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int | None = None
+    checkpoint_prefill: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}"
+            )
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, 1)
+        if not isinstance(self.checkpoint_prefill, bool):
+            raise ValueError(f"checkpoint_prefill must be a bool, got {self.checkpoint_prefill!r}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's work in a step.
+
+    token_ids: the tokens to compute, at positions start_position, ...;
+    start_position: tokens of the sequence already computed (and stored);
+    is_prefill: the chunk is part of a prompt (or of a recompute);
+    sample: a token is sampled from the logits of the chunk's last token;
+    num_samples: tokens to sample then (n for a prompt with n samples, else 1);
+    sample_index: which sample this sequence is (None: a shared prompt).
+    """
+
+    seq_id: Hashable
+    request_id: Hashable
+    token_ids: list[int]
+    start_position: int
+    is_prefill: bool
+    sample: bool
+    num_samples: int = 1
+    sample_index: int | None = 0
+    request: Request | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes. `ops`: the `BlockManager` plans of this step's
+    bookkeeping (and of the previous `update`), in call order, to apply
+    before the forward pass (empty over a `PagedCache`, which applies its own)."""
+
+    step: int
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Hashable] = field(default_factory=list)
+    ops: tuple = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Tokens a request gained in one `update` (or its end).
+
+    new_tokens[i]: new tokens of sample i; finished: the whole request is
+    done; status: the request's status; finish_reasons[i]: per sample.
+    """
+
+    request_id: Hashable
+    new_tokens: dict[int, list[int]]
+    finished: bool
+    status: RequestStatus
+    finish_reasons: list[RequestStatus | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Metrics of the last step (counts) and running totals (`*_total`)."""
+
+    step: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    num_scheduled_seqs: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # cached tokens of this step's admissions
+    num_admitted: int = 0
+    num_preempted_recompute: int = 0
+    num_preempted_swap: int = 0
+    num_preempted_recompute_total: int = 0
+    num_preempted_swap_total: int = 0
+    num_prefix_hit_tokens_total: int = 0
+    num_finished_total: int = 0
+    num_aborted_total: int = 0
+    page_usage: float = 0.0
+    num_free_blocks: int = 0
+
+    @property
+    def num_preempted_total(self) -> int:
+        return self.num_preempted_recompute_total + self.num_preempted_swap_total
+
+
+# -------------------------------------------------------------- sequences
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """Scheduler state of one KV-store sequence (a prompt or one sample).
+
+    Its tokens are the prompt followed by the sample's outputs;
+    `num_computed` of them are stored, `num_reserved` have pages in the
+    store (0: not allocated). `key` orders it under the priority policy.
+    """
+
+    seq_id: Hashable
+    request: Request
+    index: int | None  # sample index; None: a prompt shared by n > 1 samples
+    key: tuple
+    num_computed: int = 0
+    num_reserved: int = 0
+    branch_point: int | None = None
+    swapped: bool = False
+    in_flight: bool = False  # scheduled in the last step, not yet updated
+    done: bool = False  # finished, aborted or replaced by its forks
+    queue_tag: int = 0  # which waiting-queue entry is current (lazy removal)
+
+    @property
+    def num_tokens(self) -> int:
+        req = self.request
+        if self.index is None:
+            return len(req.prompt_tokens)
+        return len(req.prompt_tokens) + len(req.outputs[self.index])
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        prompt = self.request.prompt_tokens
+        p = len(prompt)
+        if stop <= p:
+            return prompt[start:stop]
+        out = self.request.outputs[self.index]
+        if start >= p:
+            return out[start - p : stop - p]
+        return prompt[start:] + out[: stop - p]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1 or self.num_computed < len(
+            self.request.prompt_tokens
+        )
+
+
+class _WaitQueue:
+    """Waiting sequences: FIFO with a front for "fcfs", a heap for "priority".
+
+    Removal is lazy (a tag on the sequence marks its current entry), so
+    push, pop and remove are O(1) / O(log n).
+    """
+
+    __slots__ = ("_priority", "_deque", "_heap", "_len", "_tags")
+
+    def __init__(self, priority: bool) -> None:
+        self._priority = priority
+        self._deque: deque = deque()
+        self._heap: list = []
+        self._len = 0
+        self._tags = itertools.count(1)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push(self, seq: _Seq, front: bool = False) -> None:
+        seq.queue_tag = tag = next(self._tags)
+        if self._priority:
+            heapq.heappush(self._heap, (seq.key, tag, seq))
+        elif front:
+            self._deque.appendleft((tag, seq))
+        else:
+            self._deque.append((tag, seq))
+        self._len += 1
+
+    def peek(self) -> _Seq | None:
+        if self._priority:
+            heap = self._heap
+            while heap and heap[0][1] != heap[0][2].queue_tag:
+                heapq.heappop(heap)
+            return heap[0][2] if heap else None
+        dq = self._deque
+        while dq and dq[0][0] != dq[0][1].queue_tag:
+            dq.popleft()
+        return dq[0][1] if dq else None
+
+    def pop(self) -> _Seq:
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty waiting queue")
+        if self._priority:
+            heapq.heappop(self._heap)
+        else:
+            self._deque.popleft()
+        seq.queue_tag = 0
+        self._len -= 1
+        return seq
+
+    def remove(self, seq: _Seq) -> None:
+        """Drop `seq`'s entry (lazily). O(1)."""
+        if seq.queue_tag:
+            seq.queue_tag = 0
+            self._len -= 1
+
+    def __iter__(self):
+        entries = sorted(self._heap) if self._priority else self._deque
+        for entry in entries:
+            seq = entry[-1]
+            if seq.queue_tag == (entry[1] if self._priority else entry[0]):
+                yield seq
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """Decides each step's work over a KV store; see the module doc.
+
+    Not thread-safe. Per step the cost is O(scheduled sequences) plus the
+    store's own calls (a decode sequence: one `append`), plus O(running)
+    list upkeep in `update`.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: Any,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {config!r}")
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        bm = getattr(kv, "block_manager", kv)  # PagedCache -> its main manager
+        self._bm = bm
+        self._block_size = bm.config.block_size
+        self._hybrid = bm.config.num_slots > 0
+        self._prefix_cache = bm.config.enable_prefix_cache
+        self._priority = config.policy == "priority"
+        self._waiting = _WaitQueue(self._priority)
+        self._running: list[_Seq] = []
+        self._requests: dict[Hashable, Request] = {}
+        self._seqs_of: dict[Hashable, list[_Seq]] = {}
+        self._pending_ops: list = []
+        self._order = itertools.count()
+        self._step = 0
+        self._num_swapped = 0
+        self._own_ops = kv is bm  # a PagedCache applies its plans itself
+        self.stats = SchedulerStats()
+        self._totals = SchedulerStats()
+
+    # ------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running) or len(self._waiting) > 0
+
+    def get_request(self, request_id: Hashable) -> Request | None:
+        return self._requests.get(request_id)
+
+    def running_ids(self) -> list[Hashable]:
+        return [s.seq_id for s in self._running]
+
+    def waiting_ids(self) -> list[Hashable]:
+        return [s.seq_id for s in self._waiting]
+
+    # ------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (WAITING). O(log waiting).
+
+        Raises `ValueError` for an id that is already live.
+        """
+        if not isinstance(request, Request):
+            raise ValueError(f"expected a Request, got {request!r}")
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already live")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r} was already scheduled ({request.status.name})")
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        request.metrics.arrival_time = request.arrival_time
+        index = None if request.sampling.n > 1 else 0
+        key = (request.priority, request.arrival_time, next(self._order))
+        seq = _Seq(request.seq_id(index), request, index, key)
+        self._requests[rid] = request
+        self._seqs_of[rid] = [seq]
+        self._waiting.push(seq)
+
+    def abort(self, request_id: Hashable) -> RequestOutput | None:
+        """End a request wherever it is and free everything it holds.
+
+        Returns its final output (None for an unknown or finished id). Safe
+        between `schedule()` and `update()`: the aborted sequences' work in
+        that step is ignored (for a hybrid model such a sequence leaves
+        nothing in the trie, since its slot may or may not hold the step's
+        state). O(sequences of the request + running).
+        """
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        seqs = self._seqs_of.pop(request_id)
+        dropped = set()
+        for seq in seqs:
+            if seq.done:
+                continue
+            seq.done = True
+            self._waiting.remove(seq)
+            if seq.in_flight and self._hybrid:
+                # Between schedule() and update() the slot may or may not hold
+                # the step's state: give the trie nothing rather than a wrong one.
+                seq.num_computed = 0
+            self._release(seq)
+            dropped.add(id(seq))
+        if dropped:
+            self._running = [s for s in self._running if id(s) not in dropped]
+        for i, reason in enumerate(request.finish_reasons):
+            if reason is None:
+                request.finish_reasons[i] = RequestStatus.FINISHED_ABORTED
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.metrics.finish_time = self.clock()
+        self._totals.num_aborted_total += 1
+        return RequestOutput(
+            request_id, {}, True, request.status, list(request.finish_reasons)
+        )
+
+    # ------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; reserve its pages. See the module doc."""
+        self._step += 1
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        out = SchedulerOutput(self._step, [])
+        stats = SchedulerStats(step=self._step)
+        ops = self._pending_ops
+        self._pending_ops = []
+        budget = self._schedule_running(budget, out, stats, ops)
+        if not out.preempted:
+            self._schedule_waiting(budget, out, stats, ops)
+        out.ops = tuple(ops)
+        self._finish_stats(stats, out)
+        return out
+
+    def _schedule_running(self, budget, out, stats, ops) -> int:
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = self._chunk(seq, budget)
+            while not self._reserve(seq, seq.num_computed + num_new, ops):
+                victim = running.pop()
+                self._preempt(victim, out, stats, ops)
+                if victim is seq:
+                    return budget
+            self._emit(seq, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget, out, stats, ops) -> None:
+        cfg = self.config
+        waiting = self._waiting
+        running = self._running
+        partial = self._count_partial_prefills()
+        num_seqs = sum(_width(s) for s in running)  # an unforked prompt counts n
+        while budget > 0 and len(waiting):
+            seq = waiting.peek()
+            width = _width(seq)
+            if num_seqs + width > cfg.max_num_seqs:
+                break
+            if partial is not None and partial >= cfg.max_num_partial_prefills:
+                break
+            if not self._admit(seq, stats, ops):
+                if running or out.seqs or not self._drop_prefix_cache():
+                    break
+                if not self._admit(seq, stats, ops):
+                    break
+            waiting.pop()
+            num_seqs += width
+            seq.request.status = RequestStatus.RUNNING
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = self.clock()
+            self._insert_running(seq)
+            if partial is not None and seq.num_tokens - seq.num_computed > 1:
+                partial += 1
+            num_new = self._chunk(seq, budget)
+            if not self._reserve(seq, seq.num_computed + num_new, ops):
+                continue  # swapped back in but no page to grow: next step
+            self._emit(seq, num_new, out)
+            budget -= num_new
+
+    def _drop_prefix_cache(self) -> bool:
+        """Last resort when nothing runs and the head still does not fit: its
+        own prefix hit can pin cached pages it needs. Drops every cached
+        prefix; True if there was a cache to drop."""
+        managers = getattr(self.kv, "block_managers", (self._bm,))
+        if not any(bm.num_cached_blocks for bm in managers):
+            return False
+        for bm in managers:
+            bm.reset_prefix_cache()
+        return True
+
+    def _count_partial_prefills(self) -> int | None:
+        """Running sequences with more than one token left (None: no limit set)."""
+        if self.config.max_num_partial_prefills is None:
+            return None
+        return sum(1 for s in self._running if s.num_tokens - s.num_computed > 1)
+
+    def _admit(self, seq: _Seq, stats: SchedulerStats, ops: list) -> bool:
+        """Give a waiting sequence its pages (swap in, or allocate). False when
+        the store cannot; nothing changes then."""
+        kv = self.kv
+        if seq.swapped:
+            if not kv.can_swap_in(seq.seq_id):
+                return False
+            _extend(ops, kv.swap_in(seq.seq_id))
+            seq.swapped = False
+            self._num_swapped -= 1
+            return True
+        tokens = seq.tokens(0, seq.num_tokens)
+        namespace = seq.request.namespace
+        if not kv.can_allocate(tokens, namespace):
+            return False
+        try:
+            alloc = kv.allocate(seq.seq_id, tokens, namespace)
+        except (OutOfBlocks, OutOfSlots):
+            return False
+        if self._own_ops:
+            _extend(ops, alloc.ops)
+        seq.num_computed = alloc.num_cached_tokens
+        seq.num_reserved = len(tokens)
+        seq.branch_point = alloc.branch_point if self._hybrid else None
+        metrics = seq.request.metrics
+        if metrics.num_cached_tokens is None:
+            metrics.num_cached_tokens = alloc.num_cached_tokens
+        stats.num_prefix_hit_tokens += alloc.num_cached_tokens
+        stats.num_admitted += 1
+        return True
+
+    def _insert_running(self, seq: _Seq) -> None:
+        if self._priority:
+            bisect.insort(self._running, seq, key=_seq_key)
+        else:
+            self._running.append(seq)
+
+    def _chunk(self, seq: _Seq, budget: int) -> int:
+        """Tokens of `seq` to compute this step (>= 1 when budget >= 1)."""
+        start = seq.num_computed
+        remaining = seq.num_tokens - start
+        num_new = min(remaining, budget)
+        limit = self.config.long_prefill_token_threshold
+        if limit is not None and num_new > limit:
+            num_new = limit
+        if self._hybrid and remaining > 1:
+            num_new = self._snapshot_chunk(seq, start, num_new, remaining)
+        return num_new
+
+    def _snapshot_chunk(self, seq: _Seq, start: int, num_new: int, remaining: int) -> int:
+        """Hybrid models: end a chunk at the branch point, or on a page boundary
+        when the chunk is cut anyway, so its end is a reusable snapshot."""
+        bp = seq.branch_point
+        if bp is not None and start < bp < start + num_new:
+            return bp - start
+        if num_new < remaining:
+            end = start + num_new
+            aligned = end - end % self._block_size
+            if aligned > start:
+                return aligned - start
+        return num_new
+
+    def _reserve(self, seq: _Seq, end: int, ops: list) -> bool:
+        """Make sure the store holds `seq`'s tokens up to `end`. False (nothing
+        changed) when it has no room."""
+        if end <= seq.num_reserved:
+            return True
+        try:
+            plan = self.kv.append(seq.seq_id, seq.tokens(seq.num_reserved, end))
+        except (OutOfBlocks, OutOfSlots):
+            return False
+        if plan:
+            ops.extend(plan)
+        seq.num_reserved = end
+        return True
+
+    def _emit(self, seq: _Seq, num_new: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        end = start + num_new
+        sample = end == seq.num_tokens
+        seq.in_flight = True
+        prefill = seq.in_prefill
+        req = seq.request
+        out.seqs.append(
+            ScheduledSeq(
+                seq.seq_id,
+                req.request_id,
+                seq.tokens(start, end),
+                start,
+                prefill,
+                sample,
+                req.sampling.n if (sample and seq.index is None) else 1,
+                seq.index,
+                req,
+            )
+        )
+        out.num_batched_tokens += num_new
+        if prefill:
+            out.num_prefill_tokens += num_new
+        else:
+            out.num_decode_tokens += num_new
+
+    def _preempt(self, seq: _Seq, out: SchedulerOutput, stats: SchedulerStats, ops: list) -> None:
+        """Take a running sequence off the store (swap or recompute) and put
+        it at the front of the waiting queue."""
+        kv = self.kv
+        if self.config.preemption == "swap" and _can_swap_out(kv, seq.seq_id):
+            _extend(ops, kv.swap_out(seq.seq_id))
+            seq.swapped = True
+            self._num_swapped += 1
+            stats.num_preempted_swap += 1
+        else:
+            self._release(seq)
+            stats.num_preempted_recompute += 1
+        req = seq.request
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        out.preempted.append(seq.seq_id)
+        self._waiting.push(seq, front=True)
+
+    def _release(self, seq: _Seq) -> None:
+        """Free `seq` in the store (computed tokens go into the trie)."""
+        if seq.swapped:
+            self._num_swapped -= 1
+        if seq.num_reserved or seq.swapped:
+            _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=seq.num_computed))
+        seq.num_computed = 0
+        seq.num_reserved = 0
+        seq.branch_point = None
+        seq.swapped = False
+
+    # --------------------------------------------------------------- update
+
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[Hashable, int | Sequence[int]]
+    ) -> list[RequestOutput]:
+        """Record a computed step: `sampled[seq_id]` for every scheduled seq
+        with `sample` set (an int, or `num_samples` ints for a prompt with
+        n > 1 samples). Returns one output per request that gained tokens or
+        finished. O(scheduled + running)."""
+        now = self.clock()
+        results: dict[Hashable, RequestOutput] = {}
+        forks: dict[int, list[_Seq]] = {}
+        finished: set[int] = set()
+        for item in output.seqs:
+            seq = self._live_seq(item)
+            if seq is None:
+                continue
+            seq.in_flight = False
+            seq.num_computed += item.num_tokens
+            seq.request.metrics.num_computed_tokens += item.num_tokens
+            if item.is_prefill:
+                self._checkpoint(seq)
+            if not item.sample:
+                continue
+            tokens = sampled[item.seq_id]
+            if seq.index is None:
+                children = self._fork(seq, tokens, now, results)
+                forks[id(seq)] = children
+                finished.update(id(c) for c in children if c.done)
+            else:
+                token = tokens if isinstance(tokens, int) else tokens[0]
+                if self._add_token(seq, seq.index, int(token), now, results):
+                    finished.add(id(seq))
+        if forks or finished:
+            self._rebuild_running(forks, finished)
+        self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
+        return list(results.values())
+
+    def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
+        seqs = self._seqs_of.get(item.request_id)
+        if seqs is None:
+            return None  # aborted since
+        for seq in seqs:
+            if seq.seq_id == item.seq_id and not seq.done:
+                return seq
+        return None
+
+    def _checkpoint(self, seq: _Seq) -> None:
+        """Snapshot a prefill chunk end into the trie (best effort)."""
+        if not (self.config.checkpoint_prefill and self._prefix_cache):
+            return
+        if seq.num_computed > len(seq.request.prompt_tokens):
+            return  # recomputing outputs: the prompt's snapshot is what others share
+        try:
+            plan = self.kv.cache_prefix(seq.seq_id, seq.num_computed)
+        except (OutOfSlots, OutOfBlocks):
+            return
+        _extend(self._pending_ops, plan)
+
+    def _fork(self, parent: _Seq, tokens, now: float, results) -> list[_Seq]:
+        """The prompt of an n-sample request is done: one sequence per sample,
+        sharing the prompt's pages (and slot) copy-on-write."""
+        req = parent.request
+        n = req.sampling.n
+        if isinstance(tokens, int):
+            tokens = [tokens] * n
+        if len(tokens) != n:
+            raise ValueError(f"{parent.seq_id!r} needs {n} sampled tokens, got {len(tokens)}")
+        kv = self.kv
+        children = []
+        for i in range(n):
+            child = _Seq(req.seq_id(i), req, i, parent.key, parent.num_computed, parent.num_reserved)
+            _extend(self._pending_ops, kv.fork(parent.seq_id, child.seq_id))
+            children.append(child)
+        _extend(self._pending_ops, kv.free(parent.seq_id, num_computed=parent.num_computed))
+        parent.done = True
+        self._seqs_of[req.request_id] = children
+        for i, child in enumerate(children):
+            self._add_token(child, i, int(tokens[i]), now, results)
+        return children
+
+    def _add_token(self, seq: _Seq, index: int, token: int, now: float, results) -> bool:
+        """Append a sampled token to sample `index`; True if the sample ended."""
+        req = seq.request
+        req.outputs[index].append(token)
+        metrics = req.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        elif metrics.last_token_time is not None:
+            gap = now - metrics.last_token_time
+            if gap > metrics.max_token_gap:
+                metrics.max_token_gap = gap
+        metrics.last_token_time = now
+        metrics.num_generated_tokens += 1
+        out = results.get(req.request_id)
+        if out is None:
+            out = results[req.request_id] = RequestOutput(
+                req.request_id, {}, False, req.status, list(req.finish_reasons)
+            )
+        out.new_tokens.setdefault(index, []).append(token)
+        reason = self._stop_reason(req, index, token)
+        if reason is None:
+            return False
+        req.finish_reasons[index] = reason
+        out.finish_reasons = list(req.finish_reasons)
+        seq.done = True
+        _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=seq.num_computed))
+        seq.num_reserved = 0
+        if all(r is not None for r in req.finish_reasons):
+            self._finish_request(req, now)
+            out.finished = True
+        out.status = req.status
+        return True
+
+    def _stop_reason(self, req: Request, index: int, token: int) -> RequestStatus | None:
+        params = req.sampling
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        num_out = len(req.outputs[index])
+        if num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        limit = self.config.max_model_len
+        if limit is not None and len(req.prompt_tokens) + num_out >= limit:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_request(self, req: Request, now: float) -> None:
+        reasons = req.finish_reasons
+        stopped = any(r is RequestStatus.FINISHED_STOPPED for r in reasons)
+        all_stopped = all(r is RequestStatus.FINISHED_STOPPED for r in reasons)
+        req.status = (
+            RequestStatus.FINISHED_STOPPED
+            if all_stopped or (stopped and len(reasons) == 1)
+            else RequestStatus.FINISHED_LENGTH
+        )
+        req.metrics.finish_time = now
+        del self._requests[req.request_id]
+        del self._seqs_of[req.request_id]
+
+    def _rebuild_running(self, forks: dict[int, list[_Seq]], finished: set[int]) -> None:
+        running = []
+        for seq in self._running:
+            children = forks.get(id(seq))
+            if children is not None:
+                running.extend(c for c in children if not c.done)
+            elif not seq.done:
+                running.append(seq)
+        self._running = running
+
+    # ---------------------------------------------------------------- stats
+
+    def _finish_stats(self, stats: SchedulerStats, out: SchedulerOutput) -> None:
+        totals = self._totals
+        totals.num_preempted_recompute_total += stats.num_preempted_recompute
+        totals.num_preempted_swap_total += stats.num_preempted_swap
+        totals.num_prefix_hit_tokens_total += stats.num_prefix_hit_tokens
+        stats.num_preempted_recompute_total = totals.num_preempted_recompute_total
+        stats.num_preempted_swap_total = totals.num_preempted_swap_total
+        stats.num_prefix_hit_tokens_total = totals.num_prefix_hit_tokens_total
+        stats.num_finished_total = totals.num_finished_total
+        stats.num_aborted_total = totals.num_aborted_total
+        stats.num_waiting = len(self._waiting)
+        stats.num_running = len(self._running)
+        stats.num_swapped = self._num_swapped
+        stats.num_scheduled_seqs = len(out.seqs)
+        stats.num_scheduled_tokens = out.num_batched_tokens
+        stats.num_prefill_tokens = out.num_prefill_tokens
+        stats.num_decode_tokens = out.num_decode_tokens
+        stats.page_usage = self._bm.usage
+        stats.num_free_blocks = self._bm.num_free_blocks
+        self.stats = stats
+
+
+def _width(seq: _Seq) -> int:
+    return seq.request.sampling.n if seq.index is None else 1
+
+
+def _seq_key(seq: _Seq) -> tuple:
+    return seq.key
+
+
+def _extend(ops: list, plan) -> None:
+    if plan:
+        ops.extend(plan)
+
+
+def _can_swap_out(kv: Any, seq_id: Hashable) -> bool:
+    can = getattr(kv, "can_swap_out", None)
+    if can is None:
+        return False
+    try:
+        return can(seq_id)
+    except BlockManagerError:
+        return False
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+__all__ = [
+    "RequestOutput",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
