@@ -114,8 +114,11 @@ class AttentionView:
         if src is not None:  # padded rows: keep real tokens only
             k, v = mx.take(k, src, axis=0), mx.take(v, src, axis=0)
         pool.write(rows, cols, k, v)
-        k_hist, v_hist = pool.gather(plan.gather_rows(h), plan.batch, plan.length)
         self._calls += 1
+        if plan.exact and plan.offsets[0] == 0:
+            # A fresh prefill: the history is exactly the new keys, no gather.
+            return keys, values
+        k_hist, v_hist = pool.gather(plan.gather_rows(h), plan.batch, plan.length)
         if plan.exact:
             start, stop = plan.history_slice()
             if start or stop != plan.length:
