@@ -420,6 +420,14 @@ class PagedCache:
             ops, self._slot_ops = self._slot_ops, []
             self._recurrent.apply_plan(ops)
 
+    def eval_state(self) -> None:
+        """Evaluate the K/V (and recurrent state) writes of the last forward
+        without its outputs: for prefill chunks whose logits nobody samples,
+        this skips the final layers' tail and the LM head."""
+        mx.eval([pool.arrays() for g in self._groups for pool in g.pools.values()])
+        if self._recurrent is not None:
+            self._recurrent.flush()
+
     # --- StepSource (used by the views) ----------------------------------------
 
     def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -214,9 +214,25 @@ class Engine:
         if decode:
             sampled.update(self._forward(decode))
         k = self.prefill_batch
+        if k == 1:
+            for seq in prefill:
+                sampled.update(self._prefill_one(seq))
+            return sampled
         for i in range(0, len(prefill), k):
             sampled.update(self._forward(prefill[i : i + k]))
         return sampled
+
+    def _prefill_one(self, seq: ScheduledSeq) -> dict[Hashable, Any]:
+        """A chunk that samples runs as all-but-last (no logits) then the last
+        token, as mlx-lm's generate does: the LM head sees one position."""
+        if not seq.sample:
+            return self._forward([seq])
+        head = replace(seq, token_ids=seq.token_ids[:-1], sample=False)
+        tail = replace(
+            seq, token_ids=seq.token_ids[-1:], start_position=seq.start_position + head.num_tokens
+        )
+        self._forward([head])
+        return self._forward([tail])
 
     def _forward(self, group: list[ScheduledSeq]) -> dict[Hashable, Any]:
         lengths = [s.num_tokens for s in group]
@@ -227,8 +243,7 @@ class Engine:
         self.stats.num_forwards += 1
         picks = [b for b, s in enumerate(group) if s.sample]
         if not picks:
-            mx.eval(logits)
-            self._flush_state()
+            self.cache.eval_state()  # the logits are not needed
             return {}
         row_index, params, keys = [], [], []
         for b in picks:
