@@ -145,6 +145,7 @@ class PrefixTrie:
         self._slot_lru: SortedList = SortedList()
         self._page_trie_refs = [0] * pages.num_items
         self.num_pages_held = 0
+        self.num_slots_held = 0
         self.num_evicted_pages = 0
         self.num_evicted_nodes = 0
 
@@ -153,11 +154,6 @@ class PrefixTrie:
     @property
     def num_nodes(self) -> int:
         return len(self._nodes)
-
-    @property
-    def num_slots_held(self) -> int:
-        """Recurrent snapshots held. O(nodes)."""
-        return sum(1 for node in self._nodes.values() if node.slot is not None)
 
     def match(self, namespace: Hashable, tokens: list[int], limit: int) -> PrefixMatch:
         """Find the longest usable cached prefix of `tokens`, at most `limit`.
@@ -348,6 +344,7 @@ class PrefixTrie:
         if took_slot:
             self._slots.incref(slot)
             node.slot = slot
+            self.num_slots_held += 1
         self.touch(path)
         return (node if node.parent is not None else None), took_slot
 
@@ -514,6 +511,7 @@ class PrefixTrie:
     def _drop_snapshot(self, node: TrieNode) -> None:
         slot = node.slot
         node.slot = None
+        self.num_slots_held -= 1
         self._slots.release(slot)
         self._reindex(node)
         self._try_merge(node)
@@ -527,6 +525,7 @@ class PrefixTrie:
             if node.slot is not None:
                 self._slots.release(node.slot)
                 node.slot = None
+                self.num_slots_held -= 1
             self.num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
@@ -617,6 +616,7 @@ class PrefixTrie:
             self._clock,
             self._next_node_id,
             self.num_pages_held,
+            self.num_slots_held,
             self.num_evicted_pages,
             self.num_evicted_nodes,
         )
@@ -659,6 +659,8 @@ class PrefixTrie:
             raise IntegrityError("per-page trie reference counts are wrong")
         if self.num_pages_held != sum(1 for refs in held_refs if refs):
             raise IntegrityError("num_pages_held is wrong")
+        if self.num_slots_held != sum(1 for n in self._nodes.values() if n.slot is not None):
+            raise IntegrityError("num_slots_held is wrong")
         leaf_keys = sorted(n.leaf_key for n in self._nodes.values() if n.leaf_key)
         slot_keys = sorted(n.slot_key for n in self._nodes.values() if n.slot_key)
         if leaf_keys != list(self._leaf_lru) or slot_keys != list(self._slot_lru):
