@@ -104,7 +104,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
     num_computed_tokens: int = 0  # tokens run through the model (recompute included)
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # over all samples
+    num_samples: int = 1
     num_preemptions: int = 0
     max_token_gap: float = 0.0
 
@@ -116,10 +117,13 @@ class RequestMetrics:
 
     @property
     def time_per_output_token(self) -> float | None:
-        """Mean time between tokens after the first (None with < 2 tokens)."""
-        if self.num_generated_tokens < 2 or self.first_token_time is None:
+        """Mean time between one sample's tokens after its first (None with
+        < 2 tokens per sample). Samples decode side by side, so the tokens
+        per sample, not their total over samples, divide the time."""
+        tokens_per_sample = self.num_generated_tokens / self.num_samples
+        if tokens_per_sample < 2 or self.first_token_time is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+        return (self.last_token_time - self.first_token_time) / (tokens_per_sample - 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -171,6 +175,7 @@ class Request:
         self.outputs = [[] for _ in range(n)]
         self.finish_reasons = [None] * n
         self.metrics.num_prompt_tokens = len(self.prompt_tokens)
+        self.metrics.num_samples = n
 
     @property
     def num_prompt_tokens(self) -> int:

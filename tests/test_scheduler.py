@@ -334,3 +334,20 @@ def test_config_and_request_validation():
     s.add_request(req("a", 4))
     with pytest.raises(ValueError):
         s.add_request(req("a", 4))
+
+
+def test_time_per_output_token_is_per_sample():
+    """n samples decode side by side: their per-token time equals that of a
+    single-sample request run the same way, not 1/n of it."""
+    tpot = {}
+    for n in (1, 3):
+        now = [0.0]  # one time unit per step
+        bm = BlockManager(BlockManagerConfig(num_blocks=100, block_size=4))
+        s = Scheduler(SchedulerConfig(), bm, clock=lambda: now[0])
+        r = req("r", 10, max_tokens=6, n=n)
+        s.add_request(r)
+        while s.has_unfinished():
+            step(s, token=7)
+            now[0] += 1.0
+        tpot[n] = r.metrics.time_per_output_token
+    assert tpot[1] is not None and tpot[3] == pytest.approx(tpot[1])
