@@ -1,13 +1,429 @@
-"""The `blockmgr` command line."""
+"""The `blockmgr` command line.
+
+    blockmgr simulate [options]          one simulation, report folder
+    blockmgr simulate --sweep [GRID]     a grid of simulations in parallel
+
+Every option is validated; a bad one prints one line
+(``blockmgr simulate: error: ...``) and exits with status 2. A failed
+`--check` (integrity or leak) prints one line and exits with status 1. See
+design/simulator.md for the workloads and metrics.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from pathlib import Path
+
+from blockmgr.errors import IntegrityError
+from scheduler.simulator.lengths import LengthSpecError, parse_length
+from scheduler.simulator.runner import SimulationError
+from scheduler.simulator.workloads import WORKLOAD_KINDS
+
+DEFAULT_OUT = "blockmgr-report"
+DEFAULT_CHECK_EVERY = 256
+
+
+class UsageError(Exception):
+    """A bad command line; the message is printed on one line (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        raise UsageError(message)
+
+
+# ----------------------------------------------------------------- parsing
+
+
+def parse_mix(spec: str) -> dict[str, float]:
+    """``chat`` | ``chat,agent`` | ``chat=0.7,agent=0.3`` | ``all`` -> weights."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError("empty workload")
+    if spec.strip() == "all":
+        return {kind: 1.0 for kind in WORKLOAD_KINDS}
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, eq, weight = part.partition("=")
+        kind = kind.strip().lower()
+        if kind not in WORKLOAD_KINDS:
+            raise ValueError(f"unknown workload {kind!r} (one of {', '.join(WORKLOAD_KINDS)}, or all)")
+        try:
+            value = float(weight) if eq else 1.0
+        except ValueError:
+            raise ValueError(f"workload weight must be a number, got {weight!r}") from None
+        if not value >= 0:
+            raise ValueError(f"workload weight must be >= 0, got {weight!r}")
+        mix[kind] = mix.get(kind, 0.0) + value
+    return mix
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _length(text: str):
+    try:
+        return parse_length(text)
+    except LengthSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mix(text: str) -> dict[str, float]:
+    try:
+        mix = parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return mix
+
+
+def _costs(text: str) -> dict[str, float]:
+    from scheduler.simulator.cost_model import CostModel
+
+    known = CostModel.__dataclass_fields__
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in known:
+            raise argparse.ArgumentTypeError(
+                f"expected key=seconds with key in {', '.join(known)}, got {part!r}"
+            )
+        out[key] = _nonneg_float(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="blockmgr", description="Paged KV cache manager tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sim = sub.add_parser(
+        "simulate",
+        help="stress-simulate the scheduler and block manager on a workload",
+        description="Run the real scheduler and block manager on a synthetic or traced "
+        "workload, with a cost model instead of a model, and write a report.",
+    )
+    w = sim.add_argument_group("workload")
+    w.add_argument("--workload", type=_mix, metavar="MIX",
+                   help=f"kinds, optionally weighted: chat | chat,agent | chat=0.7,multiturn=0.3 | all "
+                        f"(kinds: {', '.join(WORKLOAD_KINDS)}; default chat)")
+    w.add_argument("-n", "--num-requests", type=_positive_int, metavar="N", help="requests in total (default 2000)")
+    w.add_argument("--seed", type=_nonneg_int, help="workload seed (default 0)")
+    w.add_argument("--arrival", choices=("poisson", "closed"), help="open-loop Poisson or closed loop")
+    w.add_argument("--rate", type=_positive_float, help="Poisson: new sessions per simulated second (default 8)")
+    w.add_argument("--concurrency", type=_positive_int, help="closed loop: clients (default 64)")
+    w.add_argument("--system-len", type=_length, metavar="DIST", help="system prompt length, e.g. fixed:512")
+    w.add_argument("--user-len", type=_length, metavar="DIST", help="user message length, e.g. lognormal:mean=120")
+    w.add_argument("--output-len", type=_length, metavar="DIST", help="output length (chat-like kinds)")
+    w.add_argument("--turns", type=_length, metavar="DIST", help="multiturn: turns per conversation")
+    w.add_argument("--agent-steps", type=_length, metavar="DIST", help="agent: steps per loop")
+    w.add_argument("--tool-output-len", type=_length, metavar="DIST", help="agent: tool output length")
+    w.add_argument("--think-time", type=_nonneg_float, metavar="S", help="multiturn: mean think time")
+    w.add_argument("--tool-time", type=_nonneg_float, metavar="S", help="agent: mean tool latency")
+    w.add_argument("--max-context", type=_positive_int, metavar="TOKENS", help="session context cap (default 8192)")
+    w.add_argument("--num-system-prompts", type=_positive_int, metavar="K")
+    w.add_argument("--num-tenants", type=_positive_int, metavar="K", help="tenants: namespaces")
+    w.add_argument("--samples", type=_positive_int, metavar="N", help="parallel: samples per request (default 4)")
+    w.add_argument("--trace", metavar="FILE", help="replay a JSONL trace instead of generating")
+    w.add_argument("--write-trace", metavar="FILE", help="write the generated workload as a trace")
+
+    m = sim.add_argument_group("block manager")
+    m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
+    m.add_argument("--block-size", type=_positive_int, help="tokens per page (default 16)")
+    m.add_argument("--hybrid", action="store_true", help="hybrid model: recurrent slots in play")
+    m.add_argument("--num-slots", type=_nonneg_int, help="recurrent slots (default with --hybrid: 2 x max seqs)")
+    m.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix trie")
+    m.add_argument("--watermark", type=_nonneg_float, help="fraction of pages kept free at admission")
+    m.add_argument("--sliding-window", type=_positive_int, metavar="TOKENS")
+    m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
+
+    s = sim.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=_positive_int)
+    s.add_argument("--max-batched-tokens", type=_positive_int)
+    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--preemption", choices=("recompute", "swap"))
+    s.add_argument("--long-prefill-threshold", type=_positive_int, metavar="TOKENS")
+    s.add_argument("--max-partial-prefills", type=_positive_int, metavar="N")
+
+    r = sim.add_argument_group("run and report")
+    r.add_argument("--cost", type=_costs, metavar="K=S,...",
+                   help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
+    r.add_argument("--check", nargs="?", const=DEFAULT_CHECK_EVERY, type=_positive_int, metavar="K",
+                   help=f"check_integrity() every K steps (default {DEFAULT_CHECK_EVERY}) and a leak check at the end")
+    r.add_argument("--sample-every", type=_positive_int, metavar="STEPS", help="memory snapshot interval (default 32)")
+    r.add_argument("--config", metavar="FILE", help="start from a config (or a report.json) and apply options")
+    r.add_argument("--out", metavar="DIR", help=f"report folder (default ./{DEFAULT_OUT})")
+    r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON (nothing else on stdout)")
+    r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
+                   help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
+    r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
+    return parser
+
+
+# ---------------------------------------------------------------- config
+
+
+def build_config(args):
+    """The SimulationConfig the options describe. Raises ValueError."""
+    from scheduler.simulator.config import SimulationConfig
+
+    data = SimulationConfig().to_dict() if args.config is None else _load_config(args.config)
+    data = {**SimulationConfig().to_dict(), **data}
+    wl, bm, sc = dict(data["workload"]), dict(data["block_manager"]), dict(data["scheduler"])
+    cost = dict(data["cost"])
+    for opt, key in (
+        ("workload", "mix"), ("num_requests", "num_requests"), ("seed", "seed"),
+        ("arrival", "arrival"), ("rate", "rate"), ("concurrency", "concurrency"),
+        ("think_time", "think_time"), ("tool_time", "tool_time"), ("max_context", "max_context"),
+        ("num_system_prompts", "num_system_prompts"), ("num_tenants", "num_tenants"),
+        ("samples", "n"),
+    ):
+        if getattr(args, opt) is not None:
+            wl[key] = getattr(args, opt)
+    for opt, key in (
+        ("system_len", "system_len"), ("user_len", "user_len"), ("output_len", "output_len"),
+        ("turns", "turns"), ("agent_steps", "agent_steps"), ("tool_output_len", "tool_output_len"),
+    ):
+        if getattr(args, opt) is not None:
+            wl[key] = getattr(args, opt).spec()
+    for opt, key in (
+        ("num_blocks", "num_blocks"), ("block_size", "block_size"), ("num_slots", "num_slots"),
+        ("watermark", "watermark"), ("sliding_window", "sliding_window"),
+        ("num_host_blocks", "num_host_blocks"),
+    ):
+        if getattr(args, opt) is not None:
+            bm[key] = getattr(args, opt)
+    if args.no_prefix_cache:
+        bm["enable_prefix_cache"] = False
+    for opt, key in (
+        ("max_num_seqs", "max_num_seqs"), ("max_batched_tokens", "max_num_batched_tokens"),
+        ("policy", "policy"), ("preemption", "preemption"),
+        ("long_prefill_threshold", "long_prefill_token_threshold"),
+        ("max_partial_prefills", "max_num_partial_prefills"),
+    ):
+        if getattr(args, opt) is not None:
+            sc[key] = getattr(args, opt)
+    if args.hybrid and args.num_slots is None and not bm.get("num_slots"):
+        bm["num_slots"] = 2 * sc["max_num_seqs"]
+    if args.hybrid and not bm.get("num_slots"):
+        raise ValueError("--hybrid needs --num-slots >= 2")
+    if sc["preemption"] == "swap" and not bm.get("num_host_blocks"):
+        bm["num_host_blocks"] = bm["num_blocks"]
+        if bm.get("num_slots") and "num_host_slots" in bm and not bm["num_host_slots"]:
+            bm["num_host_slots"] = bm["num_slots"]
+    if args.cost:
+        cost.update(args.cost)
+    data.update(workload=wl, block_manager=bm, scheduler=sc, cost=cost)
+    if args.check is not None:
+        data["check_every"] = args.check
+    if args.sample_every is not None:
+        data["sample_every"] = args.sample_every
+    if args.trace is not None:
+        if args.write_trace is not None:
+            raise ValueError("--trace and --write-trace cannot be combined")
+        if not Path(args.trace).is_file():
+            raise ValueError(f"trace file not found: {args.trace}")
+        data["trace"] = args.trace
+    return SimulationConfig.from_dict(data)
+
+
+def _load_config(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config {path} is not JSON: {exc.msg}") from None
+    if isinstance(data, dict) and "config" in data and "summary" in data:
+        data = data["config"]  # a report.json
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path} must be a JSON object")
+    return data
+
+
+# ------------------------------------------------------------------ running
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None, None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, dynamic_ncols=True)
+    state = {"done": 0}
+
+    def update(done: int, submitted: int, sim_time: float) -> None:
+        bar.update(done - state["done"])
+        state["done"] = done
+        bar.set_postfix_str(f"t={sim_time:,.0f}s sim", refresh=False)
+
+    return bar, update
+
+
+def _total_requests(config) -> int:
+    """Requests the run will submit (a trace is read, and validated, once more)."""
+    if config.trace is None:
+        return config.workload.num_requests
+    from scheduler.simulator.trace import read_trace
+
+    _, sessions = read_trace(config.trace)
+    return sum(len(session) for session in sessions)
+
+
+def cmd_simulate(args) -> int:
+    from scheduler.simulator.report import format_table, summary_rows, write_report
+    from scheduler.simulator.runner import run_simulation
+    from scheduler.simulator.trace import TraceError, write_trace
+    from scheduler.simulator.workloads import generate
+
+    config = build_config(args)
+    if args.sweep is not None:
+        return cmd_sweep(args, config)
+    if args.jobs is not None:
+        raise ValueError("--jobs only applies to --sweep")
+    if args.write_trace is not None:
+        try:
+            write_trace(args.write_trace, generate(config.workload),
+                        {"vocab_size": config.vocab_size, "workload": config.workload.to_dict()})
+        except OSError as exc:
+            raise ValueError(f"cannot write trace {args.write_trace}: {exc.strerror}") from None
+    show = not args.no_progress and sys.stderr.isatty()
+    try:
+        bar, update = _progress_bar(_total_requests(config), show) if show else (None, None)
+        try:
+            result = run_simulation(config, progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+    except TraceError as exc:
+        raise ValueError(str(exc)) from None
+    out_dir = Path(args.out or DEFAULT_OUT)
+    try:
+        folder, plots, note = write_report(result, out_dir, plots=not args.no_plots)
+    except OSError as exc:
+        raise ValueError(f"cannot write the report to {out_dir}: {exc.strerror}") from None
+    if note:
+        print(f"blockmgr: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.summary, indent=1))
+    else:
+        print(format_table(summary_rows(result.summary), "blockmgr simulate"))
+        print(f"report: {folder / 'report.md'} ({len(plots)} plots), {folder / 'report.json'}")
+    return 0
+
+
+def cmd_sweep(args, base) -> int:
+    from scheduler.simulator.sweep import (
+        DEFAULT_GRID, format_text_table, grid_points, parse_grid, run_sweep, table_rows, write_sweep,
+    )
+
+    if args.trace is None and args.write_trace is not None:
+        raise ValueError("--write-trace cannot be combined with --sweep")
+    spec = DEFAULT_GRID if args.sweep == "default" else args.sweep
+    grid = parse_grid(spec)
+    if args.num_requests is None and args.config is None and "num_requests" not in grid:
+        data = base.to_dict()
+        data["workload"]["num_requests"] = 1000  # a sweep runs many points
+        from scheduler.simulator.config import SimulationConfig
+
+        base = SimulationConfig.from_dict(data)
+    points = grid_points(base, grid, parse_mix)
+    jobs = args.jobs or 2
+    show = not args.no_progress and sys.stderr.isatty()
+    bar = None
+    if show:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(points), unit="run", desc="sweep", file=sys.stderr)
+        except ImportError:
+            bar = None
+    rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None)
+    if bar is not None:
+        bar.close()
+    params = list(grid)
+    out_dir = Path(args.out or DEFAULT_OUT)
+    folder, note = write_sweep(rows, params, out_dir, plots=not args.no_plots)
+    if note:
+        print(f"blockmgr: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([{"params": r["params"], "summary": r["summary"]} for r in rows], indent=1))
+    else:
+        header, body = table_rows(rows, params)
+        print(format_text_table(header, body))
+        print(f"sweep: {folder / 'sweep.md'}, {folder / 'sweep.json'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("blockmgr: the simulator is not available yet", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = "blockmgr"
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        prog = f"blockmgr {args.command}"
+        return cmd_simulate(args)
+    except UsageError as exc:
+        if argv and argv[0] == "simulate":
+            prog = "blockmgr simulate"
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except (SimulationError, IntegrityError) as exc:  # a failed check: a bug, not a usage error
+        print(f"{prog}: check failed: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

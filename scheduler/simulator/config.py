@@ -1,0 +1,127 @@
+"""The full configuration of one simulation, and its JSON form.
+
+A `SimulationConfig` bundles the workload, the block manager, the scheduler
+and the cost model. `to_dict()` goes into report.json; `from_dict()` of that
+dict runs the same simulation again (same seed, same result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from blockmgr import BlockManagerConfig
+from scheduler.scheduler import SchedulerConfig
+from scheduler.simulator.cost_model import CostModel
+from scheduler.simulator.workloads import WorkloadConfig
+
+
+@dataclass(slots=True)
+class SimulationConfig:
+    """One simulation; validated on construction (`ValueError`).
+
+    vocab_size: token ids are drawn from [0, vocab_size).
+    check_every: run `check_integrity()` every this many steps (and at the
+        end, plus the leak check); None: no checks.
+    sample_every: take a memory snapshot (fragmentation, sharing) every this
+        many steps.
+    trace: a trace file to replay instead of generating the workload (the
+        workload's arrival/concurrency settings still apply to requests
+        without arrival times).
+    """
+
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    block_manager: BlockManagerConfig = field(
+        default_factory=lambda: BlockManagerConfig(num_blocks=4096, block_size=16)
+    )
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    vocab_size: int = 32000
+    check_every: int | None = None
+    sample_every: int = 32
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("workload", WorkloadConfig),
+            ("block_manager", BlockManagerConfig),
+            ("scheduler", SchedulerConfig),
+            ("cost", CostModel),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}")
+        _int_at_least("vocab_size", self.vocab_size, 2)
+        _int_at_least("sample_every", self.sample_every, 1)
+        if self.check_every is not None:
+            _int_at_least("check_every", self.check_every, 1)
+        if self.trace is not None and not isinstance(self.trace, str):
+            raise ValueError(f"trace must be a path, got {self.trace!r}")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if self.trace is None and self.workload.max_context > capacity:
+            raise ValueError(
+                f"max_context {self.workload.max_context} tokens does not fit the pool "
+                f"({self.block_manager.num_blocks} pages x {self.block_manager.block_size} tokens)"
+            )
+        bm, sched = self.block_manager, self.scheduler
+        if bm.num_slots and bm.num_slots < 2:
+            raise ValueError("a hybrid simulation needs num_slots >= 2")
+        if sched.preemption == "swap" and getattr(bm, "num_host_blocks", 0) == 0:
+            raise ValueError("preemption 'swap' needs host pages (num_host_blocks > 0)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.to_dict(),
+            "block_manager": _fields(self.block_manager),
+            "scheduler": _fields(self.scheduler),
+            "cost": self.cost.to_dict(),
+            "vocab_size": self.vocab_size,
+            "check_every": self.check_every,
+            "sample_every": self.sample_every,
+            "trace": self.trace,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SimulationConfig":
+        """Inverse of `to_dict`; missing keys take defaults. Raises ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError("a simulation config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        if "workload" in data:
+            values["workload"] = WorkloadConfig.from_dict(data["workload"])
+        for name, kind in (
+            ("block_manager", BlockManagerConfig),
+            ("scheduler", SchedulerConfig),
+            ("cost", CostModel),
+        ):
+            if name in data:
+                values[name] = _build(kind, data[name], name)
+        for name in ("vocab_size", "check_every", "sample_every", "trace"):
+            if name in data:
+                values[name] = data[name]
+        return cls(**values)
+
+
+def _fields(obj) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _build(kind, data, name: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    known = {f.name for f in fields(kind)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} settings: {', '.join(unknown)}")
+    try:
+        return kind(**data)
+    except TypeError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _int_at_least(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

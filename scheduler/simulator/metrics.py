@@ -1,0 +1,346 @@
+"""Metrics of a simulation: per-step timeline, per-request records, summary.
+
+`MetricsRecorder` is fed by the runner (one `on_step` per scheduler step, one
+`on_finish` per finished request, a memory snapshot every few steps) and
+turns it into the summary dict of the report. Recording is O(1) per step and
+per request (plain Python arrays); the summary is O(steps + requests) numpy.
+
+Simulated times are seconds of the cost model's clock; `bookkeeping` figures
+are real (wall-clock) seconds spent in the scheduler and block manager.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.simulator.memory import MemorySnapshot
+
+PERCENTILES = (50, 90, 99)
+
+#: Per-step series (one value per scheduler step), in recording order.
+STEP_FIELDS = (
+    "time",  # simulated time at the end of the step
+    "step_time",  # simulated duration of the step
+    "prefill_tokens",
+    "decode_tokens",
+    "waiting",  # requests' sequences waiting (incl. preempted) after scheduling
+    "running",
+    "page_usage",  # fraction of pages used by sequences or the trie
+    "trie_pages",  # pages held by the prefix trie (some shared with sequences)
+    "trie_nodes",
+    "slots_used",  # recurrent slots in use (hybrid), sequences + trie
+    "preempted_recompute",  # cumulative
+    "preempted_swap",  # cumulative
+    "query_tokens",  # cumulative prompt tokens asked of the prefix cache
+    "hit_tokens",  # cumulative prompt tokens served by it
+    "finished",  # cumulative finished requests
+    "bookkeeping",  # real seconds in schedule() + update()
+)
+
+#: Memory series (one value per snapshot).
+MEMORY_FIELDS = (
+    "time",
+    "fragmentation",
+    "sharing_saved",
+    "logical_pages",
+    "physical_pages",
+    "contiguous_tokens",
+    "tokens",
+)
+
+#: Per-request series (one value per finished request).
+REQUEST_FIELDS = (
+    "arrival",
+    "ttft",
+    "tpot",  # per sample; NaN with fewer than 2 output tokens per sample
+    "e2e",
+    "queue",  # first scheduled - arrival
+    "max_gap",
+    "prompt_tokens",
+    "cached_tokens",  # prefix hit at first admission
+    "output_tokens",
+    "computed_tokens",
+    "preemptions",
+)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the runner reports for one finished request (simulated seconds)."""
+
+    workload: str
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finish: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+    computed_tokens: int
+    preemptions: int
+    max_gap: float
+    samples: int = 1
+    aborted: bool = False
+
+
+class MetricsRecorder:
+    """Accumulates series; `summary()` reduces them."""
+
+    def __init__(self) -> None:
+        self.steps = {name: array("d") for name in STEP_FIELDS}
+        self.memory = {name: array("d") for name in MEMORY_FIELDS}
+        self.requests = {name: array("d") for name in REQUEST_FIELDS}
+        self.workloads: list[str] = []
+        self.num_aborted = 0
+        self.num_integrity_checks = 0
+        self.peak_pages_used = 0
+        self.peak_memory: MemorySnapshot | None = None
+
+    # ------------------------------------------------------------ recording
+
+    def on_step(self, values: tuple) -> None:
+        """One value per `STEP_FIELDS` entry, in that order. O(1)."""
+        for series, value in zip(self.steps.values(), values):
+            series.append(value)
+
+    def on_memory(self, time: float, snap: MemorySnapshot) -> None:
+        mem = self.memory
+        mem["time"].append(time)
+        mem["fragmentation"].append(snap.fragmentation)
+        mem["sharing_saved"].append(snap.sharing_saved_fraction)
+        mem["logical_pages"].append(snap.logical_pages)
+        mem["physical_pages"].append(snap.physical_pages)
+        mem["contiguous_tokens"].append(snap.contiguous_tokens)
+        mem["tokens"].append(snap.tokens)
+        if self.peak_memory is None or snap.physical_pages > self.peak_memory.physical_pages:
+            self.peak_memory = snap
+
+    def on_finish(self, rec: RequestRecord) -> None:
+        if rec.aborted:
+            self.num_aborted += 1
+            return
+        r = self.requests
+        first = rec.first_token if rec.first_token is not None else rec.finish
+        r["arrival"].append(rec.arrival)
+        r["ttft"].append(first - rec.arrival)
+        per_sample = rec.output_tokens / rec.samples  # samples decode side by side
+        if per_sample >= 2 and rec.last_token is not None:
+            r["tpot"].append((rec.last_token - first) / (per_sample - 1))
+        else:
+            r["tpot"].append(float("nan"))
+        r["e2e"].append(rec.finish - rec.arrival)
+        scheduled = rec.first_scheduled if rec.first_scheduled is not None else first
+        r["queue"].append(scheduled - rec.arrival)
+        r["max_gap"].append(rec.max_gap)
+        r["prompt_tokens"].append(rec.prompt_tokens)
+        r["cached_tokens"].append(rec.cached_tokens or 0)
+        r["output_tokens"].append(rec.output_tokens)
+        r["computed_tokens"].append(rec.computed_tokens)
+        r["preemptions"].append(rec.preemptions)
+        self.workloads.append(rec.workload)
+
+    # ------------------------------------------------------------- reducing
+
+    def step_arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(series, dtype=np.float64) if len(series) else np.zeros(0)
+                for name, series in self.steps.items()}
+
+    def memory_arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(series, dtype=np.float64) if len(series) else np.zeros(0)
+                for name, series in self.memory.items()}
+
+    def request_arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(series, dtype=np.float64) if len(series) else np.zeros(0)
+                for name, series in self.requests.items()}
+
+    def summary(
+        self, *, num_blocks: int, block_size: int, num_slots: int, bm_stats, wall_seconds: float
+    ) -> dict:
+        """Every metric of the run as a JSON-ready dict (see design/simulator.md)."""
+        steps = self.step_arrays()
+        mem = self.memory_arrays()
+        req = self.request_arrays()
+        num_done = len(req["arrival"])
+        start = float(req["arrival"].min()) if num_done else 0.0
+        end = float(steps["time"][-1]) if len(steps["time"]) else 0.0
+        makespan = max(end - start, 0.0)
+        out_tokens = float(req["output_tokens"].sum())
+        prompt_tokens = float(req["prompt_tokens"].sum())
+        computed = float(steps["prefill_tokens"].sum() + steps["decode_tokens"].sum())
+        return {
+            "requests": {
+                "finished": num_done,
+                "aborted": self.num_aborted,
+                "by_workload": self._by_workload(req),
+                "prompt_tokens": int(prompt_tokens),
+                "output_tokens": int(out_tokens),
+            },
+            "throughput": {
+                "simulated_seconds": makespan,
+                "requests_per_s": _rate(num_done, makespan),
+                "output_tokens_per_s": _rate(out_tokens, makespan),
+                "prompt_tokens_per_s": _rate(prompt_tokens, makespan),
+                "computed_tokens_per_s": _rate(computed, makespan),
+            },
+            "latency": {
+                "ttft_s": _dist(req["ttft"]),
+                "tpot_s": _dist(req["tpot"]),
+                "e2e_s": _dist(req["e2e"]),
+                "queue_s": _dist(req["queue"]),
+                "max_token_gap_s": _dist(req["max_gap"]),
+            },
+            "prefix_cache": _prefix(bm_stats, req),
+            "memory": self._memory(steps, mem, num_blocks, block_size),
+            "slots": _slots(steps, num_slots, bm_stats),
+            "preemptions": {
+                "recompute": int(_last(steps["preempted_recompute"])),
+                "swap": int(_last(steps["preempted_swap"])),
+                "total": int(_last(steps["preempted_recompute"]) + _last(steps["preempted_swap"])),
+                "requests_preempted": int(np.count_nonzero(req["preemptions"])),
+                "recomputed_tokens": int(max(computed - _useful(req), 0)),
+            },
+            "evictions": {
+                "pages": bm_stats.num_evicted_pages,
+                "nodes": bm_stats.num_evicted_nodes,
+            },
+            "trie": {
+                "nodes_final": bm_stats.num_trie_nodes,
+                "pages_final": bm_stats.num_trie_pages,
+                "slots_final": bm_stats.num_trie_slots,
+                "nodes_peak": int(_max(steps["trie_nodes"])),
+                "pages_peak": int(_max(steps["trie_pages"])),
+            },
+            "steps": {
+                "count": len(steps["time"]),
+                "mean_step_time_s": _mean(steps["step_time"]),
+                "mean_batch_tokens": _mean(steps["prefill_tokens"] + steps["decode_tokens"]),
+                "mean_running": _mean(steps["running"]),
+                "mean_waiting": _mean(steps["waiting"]),
+                "max_waiting": int(_max(steps["waiting"])),
+            },
+            "bookkeeping": _bookkeeping(steps["bookkeeping"], num_done, wall_seconds),
+        }
+
+    def _by_workload(self, req) -> dict[str, dict]:
+        """Per workload kind: requests, first-admission hit rate, TTFT and e2e."""
+        names = np.array(self.workloads, dtype=object)
+        out = {}
+        for kind in sorted(set(self.workloads)):
+            mask = names == kind
+            prompt = float(req["prompt_tokens"][mask].sum())
+            ttft = req["ttft"][mask]
+            e2e = req["e2e"][mask]
+            out[kind] = {
+                "requests": int(mask.sum()),
+                "first_admission_hit_rate": float(req["cached_tokens"][mask].sum()) / prompt
+                if prompt else 0.0,
+                "mean_prompt_tokens": prompt / int(mask.sum()),
+                "ttft_p50_s": float(np.percentile(ttft, 50)),
+                "ttft_p99_s": float(np.percentile(ttft, 99)),
+                "e2e_p50_s": float(np.percentile(e2e, 50)),
+            }
+        return out
+
+    def _memory(self, steps, mem, num_blocks: int, block_size: int) -> dict:
+        usage = steps["page_usage"]
+        weights = steps["step_time"]
+        peak = self.peak_memory
+        contiguous = mem["contiguous_tokens"]
+        paged = mem["physical_pages"] * block_size
+        ratio = paged.sum() / contiguous.sum() if contiguous.sum() else None
+        return {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "page_usage_peak": _max(usage),
+            "page_usage_mean": float(np.average(usage, weights=weights)) if weights.sum() else 0.0,
+            "pages_used_peak": int(round(_max(usage) * num_blocks)),
+            "sequence_pages_peak": int(_max(mem["physical_pages"])),
+            "fragmentation_mean": _mean(mem["fragmentation"]),
+            "fragmentation_peak": _max(mem["fragmentation"]),
+            "sharing_saved_mean": _mean(mem["sharing_saved"]),
+            "sharing_saved_peak": _max(mem["sharing_saved"]),
+            "sharing_saved_pages_peak": int(_max(mem["logical_pages"] - mem["physical_pages"])),
+            "paged_vs_contiguous": None if ratio is None else float(ratio),
+            "snapshots": len(mem["time"]),
+            "at_peak": None if peak is None else {
+                "sequences": peak.num_sequences,
+                "logical_pages": peak.logical_pages,
+                "physical_pages": peak.physical_pages,
+                "wasted_slots": peak.wasted_slots,
+                "contiguous_tokens": peak.contiguous_tokens,
+            },
+        }
+
+
+def _slots(steps, num_slots: int, stats) -> dict | None:
+    """Recurrent-slot usage (hybrid runs only; None otherwise)."""
+    if not num_slots:
+        return None
+    used = steps["slots_used"]
+    return {
+        "num_slots": num_slots,
+        "used_peak": int(_max(used)),
+        "used_mean": _mean(used),
+        "trie_slots_final": stats.num_trie_slots,
+    }
+
+
+def _useful(req) -> float:
+    """Tokens a run without preemption would compute: uncached prompt + outputs."""
+    return float((req["prompt_tokens"] - req["cached_tokens"]).sum() + req["output_tokens"].sum())
+
+
+def _prefix(stats, req) -> dict:
+    prompt = float(req["prompt_tokens"].sum())
+    first = float(req["cached_tokens"].sum())
+    return {
+        "hit_rate": stats.hit_rate,
+        "hit_tokens": stats.num_hit_tokens,
+        "query_tokens": stats.num_query_tokens,
+        "queries": stats.num_queries,
+        "hits": stats.num_hits,
+        "first_admission_hit_rate": first / prompt if prompt else 0.0,
+    }
+
+
+def _bookkeeping(seconds: np.ndarray, num_done: int, wall: float) -> dict:
+    total = float(seconds.sum())
+    us = seconds * 1e6
+    return {
+        "seconds_total": total,
+        "per_step_us": _dist(us),
+        "per_request_us": total * 1e6 / num_done if num_done else None,
+        "wall_seconds": wall,
+        "share_of_wall": total / wall if wall > 0 else None,
+    }
+
+
+def _dist(values: np.ndarray) -> dict:
+    values = values[~np.isnan(values)] if len(values) else values
+    if not len(values):
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    pct = np.percentile(values, PERCENTILES)
+    out = {"count": int(len(values)), "mean": float(values.mean())}
+    out.update({f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)})
+    out["max"] = float(values.max())
+    return out
+
+
+def _rate(amount: float, seconds: float) -> float:
+    return float(amount / seconds) if seconds > 0 else 0.0
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else 0.0
+
+
+def _max(values: np.ndarray) -> float:
+    return float(values.max()) if len(values) else 0.0
+
+
+def _last(values: np.ndarray) -> float:
+    return float(values[-1]) if len(values) else 0.0

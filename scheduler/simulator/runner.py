@@ -1,0 +1,404 @@
+"""The simulation loop: real `Scheduler` + real `BlockManager`, simulated time.
+
+Each iteration admits the requests that have arrived, asks the scheduler for
+a step, "runs" it (the cost model gives its duration; the sampled tokens are
+the workload's deterministic outputs), and hands the result back with
+`update()`. Nothing here imports MLX; the cost per step is the scheduler's
+and block manager's bookkeeping plus O(scheduled sequences) of our own.
+
+Arrivals: a session head with an `arrival` time arrives then (open loop);
+one without waits for a free client (closed loop, `concurrency` clients;
+the client is busy until the session's last request finishes). A follow-up
+request arrives `think_time` after the request it follows finishes.
+
+A request that can never be admitted (its prompt does not fit the pool
+with nothing else running) is aborted and counted, so a run always ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from blockmgr import BlockManager, CopyBlock, CopySlot, ZeroSlot
+from blockmgr import ops as bm_ops
+from blockmgr.errors import BlockManagerError
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.simulator.config import SimulationConfig
+from scheduler.simulator.memory import snapshot
+from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
+from scheduler.simulator.tokens import TokenSource, derive_key
+from scheduler.simulator.trace import iter_sessions, read_trace
+from scheduler.simulator.workloads import RequestSpec, generate
+
+_SWAP_OPS = tuple(
+    getattr(bm_ops, name) for name in ("SwapOut", "SwapIn", "SwapOutSlot", "SwapInSlot")
+    if hasattr(bm_ops, name)
+)
+_SLOT_OPS = (CopySlot, ZeroSlot)
+
+ProgressFn = Callable[[int, int, float], None]
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot continue (a scheduler that makes no progress)."""
+
+
+class LeakError(SimulationError):
+    """After the last request, pages or slots are held by nobody."""
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """A finished run: its config, summary dict and raw series."""
+
+    config: SimulationConfig
+    summary: dict
+    metrics: MetricsRecorder
+    num_requests: int
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    spec: RequestSpec
+    session: list[RequestSpec]
+    index: int
+    request: Request
+    outputs: list[list[int]]
+    closed: bool  # holds a closed-loop client
+
+
+class Simulation:
+    """One run. `run()` once; not reusable. Deterministic for its config."""
+
+    def __init__(
+        self,
+        config: SimulationConfig,
+        sessions: Iterable[list[RequestSpec]] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.now = 0.0
+        self.bm = BlockManager(config.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
+        self.tokens = TokenSource(config.vocab_size)
+        self.metrics = MetricsRecorder()
+        self._sessions = iter(sessions) if sessions is not None else _sessions_of(config)
+        self._progress = progress
+        self._heap: list = []
+        self._order = itertools.count()
+        self._next_head: list[RequestSpec] | None = None
+        self._free_clients = config.workload.concurrency
+        self._live: dict[str, _Live] = {}
+        self._num_added = 0
+        self._num_done = 0
+        self._steps = 0
+        self._idle_steps = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    # ------------------------------------------------------------- arrivals
+
+    def _pull_heads(self) -> None:
+        """Move arrived open-loop heads, and closed-loop heads a client can
+        take, into the event heap."""
+        while True:
+            if self._next_head is None:
+                self._next_head = next(self._sessions, None)
+                if self._next_head is None:
+                    return
+            head = self._next_head[0]
+            if head.arrival is None:
+                if self._free_clients == 0:
+                    return
+                self._free_clients -= 1
+                self._push(self.now + head.think_time, self._next_head, 0, True)
+            else:
+                if head.arrival > self.now:
+                    return
+                self._push(head.arrival, self._next_head, 0, False)
+            self._next_head = None
+
+    def _push(self, when: float, session: list[RequestSpec], index: int, closed: bool) -> None:
+        heapq.heappush(self._heap, (when, next(self._order), session, index, closed))
+
+    def _next_event(self) -> float | None:
+        times = []
+        if self._heap:
+            times.append(self._heap[0][0])
+        if self._next_head is None:
+            self._next_head = next(self._sessions, None)
+        if self._next_head is not None:
+            head = self._next_head[0]
+            if head.arrival is not None:
+                times.append(head.arrival)
+            elif self._free_clients:
+                times.append(self.now + head.think_time)
+        return min(times) if times else None
+
+    def _admit_arrived(self) -> None:
+        self._pull_heads()
+        heap = self._heap
+        while heap and heap[0][0] <= self.now:
+            when, _, session, index, closed = heapq.heappop(heap)
+            self._add(when, session, index, closed)
+
+    def _add(self, when: float, session: list[RequestSpec], index: int, closed: bool) -> None:
+        spec = session[index]
+        text = self.tokens.text
+        prompt = list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)
+        request = Request(
+            spec.request_id,
+            prompt,
+            SamplingParams(max_tokens=spec.output_len, n=spec.n),
+            namespace=spec.namespace,
+            arrival_time=when,
+        )
+        outputs = [text(derive_key(spec.output_key, i), spec.output_len) for i in range(spec.n)]
+        self._live[spec.request_id] = _Live(spec, session, index, request, outputs, closed)
+        self.scheduler.add_request(request)
+        self._num_added += 1
+
+    # ----------------------------------------------------------------- loop
+
+    def run(self) -> SimulationResult:
+        """Run to the last request. Raises `SimulationError` (or, with checks
+        on, `IntegrityError` / `LeakError`) when an invariant breaks."""
+        wall_start = time.perf_counter()
+        while self._advance():
+            pass
+        return self._result(time.perf_counter() - wall_start)
+
+    def _advance(self) -> bool:
+        """Admit arrivals, then run one step, or move the clock to the next
+        arrival when nothing is queued. False once everything is done."""
+        self._admit_arrived()
+        if self.scheduler.has_unfinished():
+            self._step()
+            return True
+        upcoming = self._next_event()
+        if upcoming is None:
+            return False
+        self.now = max(self.now, upcoming)
+        return True
+
+    def _step(self) -> None:
+        """One scheduler step in simulated time; bookkeeping is timed."""
+        sched, perf = self.scheduler, time.perf_counter
+        t0 = perf()
+        out = sched.schedule()
+        t1 = perf()
+        if not out.seqs:
+            self._idle_steps += 1
+            if self._unstick(self._idle_steps):
+                return
+        else:
+            self._idle_steps = 0
+        sampled, context = self._sample(out)
+        dt = self.config.cost.step_time(
+            out.num_prefill_tokens, out.num_decode_tokens, context, *_count_ops(out.ops)
+        )
+        self.now += dt
+        t2 = perf()
+        results = sched.update(out, sampled)
+        t3 = perf()
+        for result in results:
+            if result.finished:
+                self._finish(result.request_id, aborted=False)
+        self._record(out, dt, (t1 - t0) + (t3 - t2))
+
+    def _record(self, out, dt: float, bookkeeping: float) -> None:
+        """Per-step series; memory snapshots, integrity checks and progress
+        at their intervals."""
+        self._steps += 1
+        step, bm, sched, cfg = self._steps, self.bm, self.scheduler, self.config
+        stats, sstats = bm.stats, sched.stats
+        self.metrics.on_step((
+            self.now, dt, out.num_prefill_tokens, out.num_decode_tokens,
+            sched.num_waiting, sched.num_running, bm.usage,
+            stats.num_trie_pages, stats.num_trie_nodes,
+            cfg.block_manager.num_slots - bm.num_free_slots,
+            sstats.num_preempted_recompute_total, sstats.num_preempted_swap_total,
+            stats.num_query_tokens, stats.num_hit_tokens, self._num_done, bookkeeping,
+        ))
+        if step % cfg.sample_every == 0:
+            self.metrics.on_memory(self.now, snapshot(bm))
+        if cfg.check_every is not None and step % cfg.check_every == 0:
+            bm.check_integrity()
+            self.metrics.num_integrity_checks += 1
+        if self._progress is not None and step % 64 == 0:
+            self._progress(self._num_done, self._num_added, self.now)
+
+    def _sample(self, out) -> tuple[dict, int]:
+        """The tokens the model would sample, and the attended context size."""
+        sampled = {}
+        context = 0
+        live = self._live
+        for item in out.seqs:
+            end = item.start_position + len(item.token_ids)
+            context += end
+            if not item.sample:
+                continue
+            entry = live[item.request_id]
+            position = end - len(entry.request.prompt_tokens)
+            outputs = entry.outputs
+            if item.sample_index is None:
+                sampled[item.seq_id] = [o[min(position, len(o) - 1)] for o in outputs]
+            else:
+                o = outputs[item.sample_index]
+                sampled[item.seq_id] = o[min(position, len(o) - 1)]
+        return sampled, context
+
+    def _unstick(self, idle_steps: int) -> bool:
+        """An empty step. Abort the head waiting request if nothing runs (it can
+        never fit); True if the loop should retry at once."""
+        sched = self.scheduler
+        if sched.num_running == 0 and sched.num_waiting:
+            seq_id = sched.waiting_ids()[0]
+            request_id = seq_id[0] if isinstance(seq_id, tuple) else seq_id
+            sched.abort(request_id)
+            self._finish(request_id, aborted=True)
+            return True
+        if idle_steps > 1000:
+            raise SimulationError(
+                f"the scheduler made no progress for {idle_steps} steps with "
+                f"{sched.num_running} running and {sched.num_waiting} waiting"
+            )
+        return False
+
+    def _finish(self, request_id: str, aborted: bool) -> None:
+        entry = self._live.pop(request_id)
+        spec, req = entry.spec, entry.request
+        m = req.metrics
+        self.metrics.on_finish(
+            RequestRecord(
+                workload=spec.workload,
+                arrival=m.arrival_time,
+                first_scheduled=m.first_scheduled_time,
+                first_token=m.first_token_time,
+                last_token=m.last_token_time,
+                finish=m.finish_time if m.finish_time is not None else self.now,
+                prompt_tokens=len(req.prompt_tokens),
+                cached_tokens=m.num_cached_tokens,
+                output_tokens=m.num_generated_tokens,
+                computed_tokens=m.num_computed_tokens,
+                preemptions=m.num_preemptions,
+                max_gap=m.max_token_gap,
+                samples=spec.n,
+                aborted=aborted,
+            )
+        )
+        self._num_done += 1
+        nxt = entry.index + 1
+        if nxt < len(entry.session):
+            follow = entry.session[nxt]
+            self._push(self.now + follow.think_time, entry.session, nxt, entry.closed)
+        elif entry.closed:
+            self._free_clients += 1
+
+    # --------------------------------------------------------------- ending
+
+    def _result(self, wall: float) -> SimulationResult:
+        cfg = self.config
+        bm = self.bm
+        stats = bm.stats
+        if self._progress is not None:
+            self._progress(self._num_done, self._num_added, self.now)
+        summary = self.metrics.summary(
+            num_blocks=cfg.block_manager.num_blocks,
+            block_size=cfg.block_manager.block_size,
+            num_slots=cfg.block_manager.num_slots,
+            bm_stats=stats,
+            wall_seconds=wall,
+        )
+        summary["requests"]["submitted"] = self._num_added
+        if cfg.check_every is not None:
+            bm.check_integrity()
+            self.metrics.num_integrity_checks += 1
+            summary["checks"] = {
+                "integrity_checks": self.metrics.num_integrity_checks,
+                "leaks": check_no_leaks(bm, self.scheduler),
+            }
+        return SimulationResult(cfg, summary, self.metrics, self._num_added)
+
+
+def check_no_leaks(bm: BlockManager, sched: Scheduler) -> str:
+    """After the last request: no live sequence, and every page and slot is
+    free or held by the prefix trie; dropping the trie frees everything.
+    Returns "ok" or raises `LeakError`. Changes the manager (drops the trie)."""
+    problems = []
+    if sched.has_unfinished():
+        problems.append(f"scheduler still has {sched.num_running} running, {sched.num_waiting} waiting")
+    if bm.num_sequences:
+        problems.append(f"{bm.num_sequences} sequences still live: {bm.sequence_ids()[:5]}")
+    cfg = bm.config
+    stats = bm.stats
+    used = cfg.num_blocks - bm.num_free_blocks
+    if used != stats.num_trie_pages:
+        problems.append(f"{used} pages in use but the trie holds {stats.num_trie_pages}")
+    if cfg.num_slots:
+        used_slots = cfg.num_slots - bm.num_free_slots
+        if used_slots != stats.num_trie_slots:
+            problems.append(f"{used_slots} slots in use but the trie holds {stats.num_trie_slots}")
+    for kind in ("blocks", "slots"):
+        host_free = getattr(bm, f"num_free_host_{kind}", None)
+        host_total = getattr(cfg, f"num_host_{kind}", 0)
+        if host_free is not None and host_free != host_total:
+            problems.append(f"{host_total - host_free} host {kind} still in use")
+    try:
+        bm.reset_prefix_cache()
+    except BlockManagerError as exc:  # pragma: no cover - a manager bug
+        problems.append(f"reset_prefix_cache failed: {exc}")
+    if bm.num_free_blocks != cfg.num_blocks:
+        problems.append(f"{cfg.num_blocks - bm.num_free_blocks} pages not free after dropping the trie")
+    if cfg.num_slots and bm.num_free_slots != cfg.num_slots:
+        problems.append(f"{cfg.num_slots - bm.num_free_slots} slots not free after dropping the trie")
+    bm.check_integrity()
+    if problems:
+        raise LeakError("; ".join(problems))
+    return "ok"
+
+
+def _count_ops(ops) -> tuple[int, int, int]:
+    """(page copies, slot copies/zeroes, swapped pages or slots) of a plan."""
+    if not ops:
+        return 0, 0, 0
+    pages = slots = swaps = 0
+    for op in ops:
+        kind = type(op)
+        if kind is CopyBlock:
+            pages += 1
+        elif kind in _SLOT_OPS:
+            slots += 1
+        elif kind in _SWAP_OPS:
+            swaps += 1
+    return pages, slots, swaps
+
+
+def _sessions_of(config: SimulationConfig) -> Iterator[list[RequestSpec]]:
+    if config.trace is None:
+        return generate(config.workload)
+    _, sessions = read_trace(config.trace)
+    return iter_sessions(_ordered(sessions))
+
+
+def _ordered(sessions: list[list[RequestSpec]]) -> list[list[RequestSpec]]:
+    """Open-loop heads in arrival order (closed-loop heads keep file order, after)."""
+    timed = [s for s in sessions if s[0].arrival is not None]
+    untimed = [s for s in sessions if s[0].arrival is None]
+    timed.sort(key=lambda s: s[0].arrival)
+    return timed + untimed
+
+
+def run_simulation(
+    config: SimulationConfig,
+    sessions: Iterable[list[RequestSpec]] | None = None,
+    progress: ProgressFn | None = None,
+) -> SimulationResult:
+    """Run one simulation (see `Simulation`)."""
+    return Simulation(config, sessions, progress).run()

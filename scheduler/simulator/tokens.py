@@ -1,0 +1,68 @@
+"""Deterministic synthetic token text.
+
+Every piece of text in a simulated workload (a system prompt, a user turn, a
+tool output, a model output) is a `(key, length)` pair: the same pair always
+expands to the same token ids, different keys to unrelated texts. This keeps
+workloads and traces compact (a prompt is a few pairs, not thousands of ids)
+and makes model outputs deterministic per request, so a multi-turn
+conversation's next prompt can contain the previous answer verbatim.
+
+Expansion slices a fixed random table (2**20 entries) at an offset taken from
+the key and XORs a 15-bit salt, also from the key: two different keys give the
+same text with probability 2**-35. Cost: O(length), a numpy slice and
+`tolist()`, about 10 ns per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TABLE_BITS = 20
+SALT_BITS = 15
+_TABLE_SIZE = 1 << TABLE_BITS
+_TABLE_SEED = 0x5EED_B10C
+
+
+class TokenSource:
+    """Expands `(key, length)` pairs into token ids in [0, vocab_size)."""
+
+    __slots__ = ("vocab_size", "_table")
+
+    def __init__(self, vocab_size: int = 32000) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        rng = np.random.default_rng(_TABLE_SEED)
+        # Twice the size so any slice of length <= table size is contiguous.
+        table = rng.integers(0, 1 << SALT_BITS, size=_TABLE_SIZE, dtype=np.int64)
+        self._table = np.concatenate([table, table])
+
+    def text(self, key: int, length: int) -> list[int]:
+        """The `length` tokens of text `key`. O(length)."""
+        if length <= 0:
+            return []
+        offset = key & (_TABLE_SIZE - 1)
+        salt = (key >> TABLE_BITS) & ((1 << SALT_BITS) - 1)
+        if length <= _TABLE_SIZE:
+            chunk = self._table[offset : offset + length]
+        else:
+            chunk = np.resize(np.roll(self._table[:_TABLE_SIZE], -offset), length)
+        return ((chunk ^ salt) % self.vocab_size).tolist()
+
+    def expand(self, segments) -> list[int]:
+        """Concatenate the texts of `(key, length)` segments. O(total length)."""
+        tokens: list[int] = []
+        for key, length in segments:
+            tokens.extend(self.text(key, length))
+        return tokens
+
+
+def derive_key(key: int, index: int) -> int:
+    """A new key from `key` and a small index (e.g. sample i of a request).
+
+    SplitMix64 finaliser: distinct (key, index) pairs give unrelated keys.
+    """
+    z = (key + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1  # 63 bits: fits JSON integers in every parser that matters
