@@ -538,18 +538,9 @@ class BlockManager:
         if not self.can_swap_out(seq_id):
             raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
         seq = self._seqs[seq_id]
-        ops: list[MemoryOp] = []
-        table = seq.block_table
-        for index in range(seq.num_released, len(table)):
-            host_page = self._host_pages.take_one()
-            ops.append(SwapOut(table[index], host_page))
-            self._pages.release(table[index])
-            table[index] = host_page
-        if seq.slot is not None:
-            host_slot = self._host_slots.take_one()
-            ops.append(SwapOutSlot(seq.slot, host_slot))
-            self._slots.release(seq.slot)
-            seq.slot = host_slot
+        ops = self._move_storage(
+            seq, (self._pages, self._host_pages, SwapOut), (self._slots, self._host_slots, SwapOutSlot)
+        )
         if seq.locked_node is not None:
             self._trie.unlock(seq.locked_node)
             seq.locked_node = None
@@ -572,20 +563,32 @@ class BlockManager:
         seq = self._swapped(seq_id)
         num_pages = len(seq.block_table) - seq.num_released
         self._reserve(num_pages, 1 if seq.slot is not None else 0)
+        ops = self._move_storage(
+            seq, (self._host_pages, self._pages, SwapIn), (self._host_slots, self._slots, SwapInSlot)
+        )
+        seq.swapped = False
+        return tuple(ops)
+
+    @staticmethod
+    def _move_storage(seq: Sequence, pages: tuple, slots: tuple) -> list[MemoryOp]:
+        """Give the sequence new pages (and slot) from another pool, with the
+        copy ops. `pages` / `slots`: (from pool, to pool, op type). The target
+        pools are known to have room."""
+        pages_from, pages_to, page_op = pages
         ops: list[MemoryOp] = []
         table = seq.block_table
         for index in range(seq.num_released, len(table)):
-            page = self._pages.take_one()
-            ops.append(SwapIn(table[index], page))
-            self._host_pages.release(table[index])
-            table[index] = page
+            new_page = pages_to.take_one()
+            ops.append(page_op(table[index], new_page))
+            pages_from.release(table[index])
+            table[index] = new_page
         if seq.slot is not None:
-            slot = self._slots.take_one()
-            ops.append(SwapInSlot(seq.slot, slot))
-            self._host_slots.release(seq.slot)
-            seq.slot = slot
-        seq.swapped = False
-        return tuple(ops)
+            slots_from, slots_to, slot_op = slots
+            new_slot = slots_to.take_one()
+            ops.append(slot_op(seq.slot, new_slot))
+            slots_from.release(seq.slot)
+            seq.slot = new_slot
+        return ops
 
     def _release_host_copy(self, seq: Sequence) -> None:
         self._host_pages.release_all(seq.block_table[seq.num_released :])
