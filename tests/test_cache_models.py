@@ -10,53 +10,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PagedCache
+from tests.tiny_models import ATTENTION_MODELS, ATTENTION_VOCAB, built
 
 TOL = 1e-4
-VOCAB = 101
+VOCAB = ATTENTION_VOCAB
+get = built
 
 
-def tiny_llama(**extra):
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        **extra,
-    )
-    mx.random.seed(1)
-    return llama.Model(args)
-
-
-def tiny_qwen3():
-    args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
-        max_position_embeddings=1024, rope_theta=10000.0, head_dim=16, tie_word_embeddings=True,
-    )
-    mx.random.seed(2)
-    return qwen3.Model(args)
-
-
-def tiny_sliding():
-    """llama with a RotatingKVCache layer (window 20, not a page multiple)."""
-    return tiny_llama(layer_types=["sliding_attention", "full_attention"], sliding_window=20)
-
-
-BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "sliding": tiny_sliding}
-_models: dict = {}
-
-
-def get(name):
-    if name not in _models:
-        m = BUILDERS[name]()
-        mx.eval(m.parameters())
-        _models[name] = m
-    return _models[name]
-
-
-@pytest.fixture(params=sorted(BUILDERS))
+@pytest.fixture(params=sorted(ATTENTION_MODELS))
 def model(request):
     return get(request.param)
 

@@ -12,20 +12,18 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from scheduler import Engine, RequestStatus, SamplingParams
-from tests.test_cache_models import tiny_llama
-from tests.test_recurrent_models import tiny_lfm2
+from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 MAX_TOKENS = 10
-BUILDERS = {"llama": (tiny_llama, 101), "lfm2": (tiny_lfm2, 61)}
+BUILDERS = {"llama": ATTENTION_VOCAB, "lfm2": HYBRID_VOCAB}
 _cache: dict = {}
 
 
 def get(name):
     """(model, vocab, 16 prompts, mlx-lm greedy outputs), built once."""
     if name not in _cache:
-        build, vocab = BUILDERS[name]
-        model = build()
-        mx.eval(model.parameters())
+        vocab = BUILDERS[name]
+        model = built(name)
         prompts = make_prompts(vocab)
         want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts]
         _cache[name] = (model, vocab, prompts, want)

@@ -17,16 +17,9 @@ from blockmgr.errors import InvalidArgument, NoSnapshot
 from cache import PagedCache
 from recurrent import RecurrentPools
 from tests.test_recurrent_models import MODELS, TOL, tokens
+from tests.tiny_models import built
 
-_built: dict[str, object] = {}
-
-
-def get(name):
-    if name not in _built:
-        m = MODELS[name]()
-        mx.eval(m.parameters())
-        _built[name] = m
-    return _built[name]
+get = built
 
 
 @pytest.fixture(params=sorted(MODELS))

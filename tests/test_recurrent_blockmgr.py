@@ -20,14 +20,13 @@ from blockmgr.errors import NoSnapshot
 from blockmgr.ops import CopySlot, ZeroSlot
 from recurrent import RecurrentPools
 
-from .test_recurrent_models import MODELS, TOL, reference, tokens
+from tests.test_recurrent_models import MODELS, TOL, reference, tokens
+from tests.tiny_models import built
 
 
 @pytest.fixture(params=sorted(MODELS))
 def model(request):
-    m = MODELS[request.param]()
-    mx.eval(m.parameters())
-    return m
+    return built(request.param)
 
 
 class Hybrid:

@@ -11,55 +11,20 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import lfm2, qwen3_next
 from mlx_lm.models.cache import KVCache
 
 from blockmgr.ops import CopySlot, ZeroSlot
 from recurrent import RecurrentPools
+from tests.tiny_models import HYBRID_MODELS, HYBRID_VOCAB, built
 
 TOL = 1e-4
-VOCAB = 61
-
-
-def tiny_lfm2():
-    args = lfm2.ModelArgs(
-        model_type="lfm2", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        norm_eps=1e-5, conv_bias=True, conv_L_cache=3, block_dim=32,
-        block_multiple_of=8, block_ffn_dim_multiplier=None,
-        block_auto_adjust_ff_dim=False, block_ff_dim=48,
-        layer_types=["conv", "full_attention", "conv", "conv"],
-    )
-    mx.random.seed(7)
-    return lfm2.Model(args)
-
-
-def tiny_qwen3_next():
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=32, num_hidden_layers=4, intermediate_size=48,
-        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=0, num_experts_per_tok=1, decoder_sparse_step=1,
-        shared_expert_intermediate_size=48, mlp_only_layers=[], moe_intermediate_size=32,
-        rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=2, rope_theta=10000.0,
-        partial_rotary_factor=0.5, max_position_embeddings=256, head_dim=8,
-        full_attention_interval=4,
-    )
-    mx.random.seed(8)
-    return qwen3_next.Model(args)
-
-
-MODELS = {"lfm2": tiny_lfm2, "qwen3_next": tiny_qwen3_next}
-_built: dict[str, object] = {}
+VOCAB = HYBRID_VOCAB
+MODELS = HYBRID_MODELS
 
 
 @pytest.fixture(params=sorted(MODELS))
 def model(request):
-    if request.param not in _built:
-        m = MODELS[request.param]()
-        mx.eval(m.parameters())
-        _built[request.param] = m
-    return _built[request.param]
+    return built(request.param)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -281,8 +246,7 @@ def test_batched_ragged_prefill_and_decode_equal_each_alone(model):
 
 def test_decode_writes_do_not_copy_the_pool():
     """MLX copies a whole array on `a[idx] = x` if anything else holds it."""
-    model = tiny_lfm2()
-    mx.eval(model.parameters())
+    model = built("lfm2")
     pools = RecurrentPools.for_model(model, num_slots=60_000)  # ~15 MB per layer
     per_layer = min(pools.pool(layer).nbytes for layer in pools.layers)
     assert per_layer > 10_000_000
