@@ -160,7 +160,7 @@ def plan_step(
     write_cols = np.zeros((bsz, num_queries), dtype=np.int64)
     for b, table in enumerate(tables):
         row = table[starts[b] : stops[b]]
-        if len(row) < stops[b] - starts[b] or any(p is None for p in row):
+        if len(row) < stops[b] - starts[b] or None in row:
             raise InvalidArgument(f"row {b}: a page this step needs is missing or released")
         pages[b, : len(row)] = row
         pos = np.arange(offsets[b], offsets[b] + n_new[b])
