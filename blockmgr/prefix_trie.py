@@ -230,8 +230,8 @@ class PrefixTrie:
             return PrefixMatch(branch_point=branch_point)
         pages = self._pages_along(path)
         del pages[-(-num_tokens // self._block_size) :]
-        covered = [node for node in path if node.end <= num_tokens]
-        lock = covered[-1] if covered else None
+        # Only the last node of the path can end past the hit.
+        lock = path[-1] if path[-1].end <= num_tokens else (path[-2] if len(path) > 1 else None)
         return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path)
 
     def _pages_along(self, path: list[TrieNode]) -> list[int]:
@@ -273,6 +273,8 @@ class PrefixTrie:
 
     def _reindex(self, node: TrieNode) -> None:
         """Put `node` in the LRU lists it qualifies for, at its current age."""
+        if node.lock_count and node.leaf_key is None and node.slot_key is None:
+            return  # locked: in no list, and stays out
         unlocked = node.lock_count == 0 and node.parent is not None
         key = (node.last_access, node.node_id)
         leaf_key = key if unlocked and not node.children else None
