@@ -173,7 +173,7 @@ class BlockManager:
         _check_namespace(namespace)
         match = self._match(namespace, tokens)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens)
-        return self._with_lock(match, self._can_reserve, num_pages + self._watermark(), 1)
+        return self._with_match_held(match, self._can_reserve, num_pages + self._watermark(), 1)
 
     def allocate(
         self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
@@ -653,7 +653,7 @@ class BlockManager:
     def _watermark(self) -> int:
         return self._num_watermark_blocks
 
-    def _with_lock(self, match: PrefixMatch, check, *args) -> bool:
+    def _with_match_held(self, match: PrefixMatch, check, *args) -> bool:
         """Run a feasibility check with the match held (as allocate does)."""
         self._hold_match(match)
         try:

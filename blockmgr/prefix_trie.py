@@ -474,32 +474,32 @@ class PrefixTrie:
         while pages.num_free < num_free_wanted and self._leaf_lru:
             self._evict(self._nodes[self._leaf_lru[0][1]])
 
-    def can_free_slots(self, num_slots: int, protect: int | None = None) -> bool:
-        """Could dropping unlocked snapshots free `num_slots` slots? Pure."""
+    def can_free_slots(self, num_slots: int) -> bool:
+        """Could dropping unlocked snapshots free `num_slots` slots? Pure.
+
+        A snapshot a new sequence copies from is on its locked path, so it is
+        never in the list walked here.
+        """
         if num_slots <= 0:
             return True
         num_freed = 0
         for _, node_id in self._slot_lru:
-            slot = self._nodes[node_id].slot
-            if slot != protect and self._slots.refcount(slot) == 1:
+            if self._slots.refcount(self._nodes[node_id].slot) == 1:
                 num_freed += 1
                 if num_freed >= num_slots:
                     return True
         return False
 
-    def evict_slots(self, num_free_wanted: int, protect: int | None = None) -> None:
+    def evict_slots(self, num_free_wanted: int) -> None:
         """Drop LRU unlocked snapshots until the slot pool has enough free.
 
         An interior node becomes a tombstone and keeps its pages; a leaf is
-        evicted whole (no leaf is a tombstone).
+        evicted whole (no leaf is a tombstone). Each round takes one node
+        out of the slot list, so the loop ends.
         """
         slots = self._slots
-        index = 0
-        while slots.num_free < num_free_wanted and index < len(self._slot_lru):
-            node = self._nodes[self._slot_lru[index][1]]
-            if node.slot == protect:
-                index += 1
-                continue
+        while slots.num_free < num_free_wanted and self._slot_lru:
+            node = self._nodes[self._slot_lru[0][1]]
             if node.children:
                 self._drop_snapshot(node)
             else:
