@@ -168,6 +168,11 @@ class PagedCache:
     def block_managers(self) -> tuple[BlockManager, ...]:
         return tuple(g.bm for g in self._groups)
 
+    def check_integrity(self) -> None:
+        """Run `check_integrity()` on every block manager (raises `IntegrityError`)."""
+        for g in self._groups:
+            g.bm.check_integrity()
+
     @property
     def recurrent(self) -> RecurrentBackend | None:
         """The recurrent-state backend (None for attention-only models)."""

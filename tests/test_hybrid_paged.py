@@ -60,9 +60,6 @@ def decode(pc, model, seq_id, toks) -> np.ndarray:
     return np.concatenate(out)
 
 
-def check(pc):
-    for bm in pc.block_managers:
-        bm.check_integrity()
 
 
 def test_for_model_builds_the_recurrent_backend(model):
@@ -86,7 +83,7 @@ def test_chunked_prefill_then_decode_matches_mlx_lm(model):
            for i, j in ((0, 13), (13, 22), (22, 36))]
     close(np.concatenate(got), want)
     close(decode(pc, model, "a", seq[36:]), want_dec)
-    check(pc)
+    pc.check_integrity()
 
 
 def test_conversation_turn_two_reuses_turn_one(model):
@@ -101,7 +98,7 @@ def test_conversation_turn_two_reuses_turn_one(model):
     assert alloc.num_cached_tokens == len(prompt1) + len(answer)
     got = run(pc, model, "t2", text2)
     close(got, reference(model, turn2)[alloc.num_cached_tokens :])
-    check(pc)
+    pc.check_integrity()
 
 
 def test_fork_after_prefill_continuations_match_and_parent_untouched(model):
@@ -116,7 +113,7 @@ def test_fork_after_prefill_continuations_match_and_parent_untouched(model):
     got_a = decode(pc, model, "a", cont_a)
     close(got_b, reference(model, prompt + cont_b)[len(prompt) :])
     close(got_a, reference(model, prompt + cont_a)[len(prompt) :])
-    check(pc)
+    pc.check_integrity()
 
 
 def test_recycled_slot_equals_fresh_slot(model):
@@ -133,7 +130,7 @@ def test_recycled_slot_equals_fresh_slot(model):
     got = np.concatenate([run(pc, model, "x", seq[:6]), run(pc, model, "x", seq[6:])])
     np.testing.assert_array_equal(got, want)
     close(got, reference(model, seq))
-    check(pc)
+    pc.check_integrity()
 
 
 def test_batched_prefill_and_decode_of_mixed_lengths_equal_each_alone(model):
@@ -157,7 +154,7 @@ def test_batched_prefill_and_decode_of_mixed_lengths_equal_each_alone(model):
         out = np.array(model(mx.array([[s[k]] for s in steps]), cache=views))
         for b, p in enumerate(prompts):
             close(out[b, 0], reference(model, p + steps[b][: k + 1])[-1])
-    check(pc)
+    pc.check_integrity()
 
 
 def test_checkpoint_at_chunk_end_is_reused(model):
@@ -175,7 +172,7 @@ def test_checkpoint_at_chunk_end_is_reused(model):
     # "a" kept computing in its own slot after the checkpoint
     close(decode(pc, model, "a", rest_b[:2]),
           reference(model, shared + rest_a + rest_b[:2])[-2:])
-    check(pc)
+    pc.check_integrity()
 
 
 def test_hybrid_refuses_cuts_without_a_snapshot():
@@ -205,4 +202,4 @@ def test_generate_step_on_hybrid_views(model):
     assert got == want
     pc.free("a")  # generated ids are unknown: the slot (state after them) is not cached
     assert pc.block_manager.stats.num_trie_slots == 0
-    check(pc)
+    pc.check_integrity()
