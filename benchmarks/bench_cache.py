@@ -1,8 +1,10 @@
-"""pytest-benchmark: decode step on PagedCache views vs mlx-lm KVCache.
+"""pytest-benchmark: decode steps on PagedCache views vs mlx-lm's caches.
 
 Run: pytest benchmarks/bench_cache.py --benchmark-only
-(the side-by-side table with batched decode and gather throughput is
-benchmarks/compare_cache.py).
+Single-sequence decode vs KVCache; batched decode of 8 sequences of
+200..4000 tokens vs BatchKVCache, paged views with and without paged
+attention. The side-by-side table with ratios and gather throughput is
+benchmarks/compare_cache.py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from compare_cache import BLOCK, prefill, tiny_llama
+from compare_cache import BLOCK, batch_kv_caches, prefill, tiny_llama
 from cache import PagedCache
 
 CTX = [1024, 4096]
@@ -44,3 +46,34 @@ def test_decode_paged_views(benchmark, model, ctx):
         mx.eval(model(y, cache=pc.views(["a"])))
 
     benchmark.pedantic(step, rounds=100, warmup_rounds=3)
+
+
+LENGTHS = np.linspace(200, 4000, 8).astype(int).tolist()
+
+
+def test_batched_decode_mlx_lm_batchkvcache(benchmark, model):
+    batch = batch_kv_caches(model, LENGTHS)
+    y = mx.ones((len(LENGTHS), 1), dtype=mx.int32)
+    mx.clear_cache()
+    benchmark.pedantic(lambda: mx.eval(model(y, cache=batch)), rounds=20, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("paged_attention", [True, False], ids=["paged", "gathered"])
+def test_batched_decode_paged_views(benchmark, model, paged_attention):
+    rounds = 20
+    need = sum(-(-(n + rounds + 8) // BLOCK) for n in LENGTHS) + len(LENGTHS)
+    pc = PagedCache.for_model(model, num_blocks=need, block_size=BLOCK,
+                              paged_attention=paged_attention)
+    ids = list(range(len(LENGTHS)))
+    for i, n in zip(ids, LENGTHS):
+        pc.allocate(i, np.random.default_rng(n).integers(0, 1000, n).tolist())
+        prefill(model, pc.views([i]), n)
+    y = mx.ones((len(ids), 1), dtype=mx.int32)
+
+    def step():
+        for i in ids:
+            pc.append(i, [1])
+        mx.eval(model(y, cache=pc.views(ids)))
+
+    mx.clear_cache()
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=2)

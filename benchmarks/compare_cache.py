@@ -84,15 +84,19 @@ def decode_single(model, ctx, steps):
     return t_ref, t_paged
 
 
-def decode_batch(model, lengths, steps):
-    B = len(lengths)
+def batch_kv_caches(model, lengths):
+    """mlx-lm's BatchKVCache per layer, merged from one prefilled KVCache per row."""
     singles = []
     for n in lengths:
         c = [KVCache() for _ in model.layers]
         prefill(model, c, n)
         singles.append(c)
-    batch = [BatchKVCache.merge([s[i] for s in singles]) for i in range(len(model.layers))]
-    del singles
+    return [BatchKVCache.merge([s[i] for s in singles]) for i in range(len(model.layers))]
+
+
+def decode_batch(model, lengths, steps):
+    B = len(lengths)
+    batch = batch_kv_caches(model, lengths)
     y = mx.ones((B, 1), dtype=mx.int32)
     t_ref = time_steps(lambda: mx.eval(model(y, cache=batch)), steps)
     ref_bytes = sum(c.nbytes for c in batch)

@@ -5,6 +5,9 @@
 * `step_plan`: per-step scatter/gather indices and masks for a page group.
 * `views`: `AttentionView` / `RecurrentLayerView`, mlx-lm's cache protocol
   over the pools (recurrent layers forward to an injected backend).
+* `paged_attention`: attention read from the pools in place (`gather_mm`).
+* `attention_hook`: routes mlx-lm's attention call to the views (installed
+  by `PagedCache` unless ``paged_attention=False``).
 * `host_pool`: `HostPagePool`, host copies of pages (swap space).
 * `buckets`: `length_buckets`, decode batches split by length.
 * `paged_cache`: `PagedCache`, pools + block managers for one model.

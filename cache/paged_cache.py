@@ -31,6 +31,7 @@ from blockmgr.errors import (
     UnknownSequence,
 )
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
+from cache import attention_hook
 from cache.host_pool import HostPagePool
 from cache.layers import LayerKind, LayerSpec, layer_specs
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
@@ -94,16 +95,21 @@ class PagedCache:
         recurrent: RecurrentBackend | None = None,
         num_host_blocks: int = 0,
         num_host_slots: int = 0,
+        paged_attention: bool = True,
     ) -> None:
         """`window_blocks`: pages of each sliding-window group (default num_blocks).
         `num_host_blocks` / `num_host_slots`: swap space per group (host pages) and
-        for recurrent state (the backend must have as many host slots)."""
+        for recurrent state (the backend must have as many host slots).
+        `paged_attention`: serve mlx-lm's attention calls from the pool in
+        place (`cache.attention_hook`, installed process-wide) instead of
+        from a gathered history; False always gathers."""
         specs = list(specs)
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
         if has_recurrent and (recurrent is None or num_slots < 1):
             raise InvalidArgument("recurrent layers need num_slots > 0 and a recurrent backend")
         self.specs = specs
         self.block_size = block_size
+        self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
         self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from blockmgr.errors import InvalidArgument
+from cache.paged_attention import PairIndex, pair_index
 
 
 @dataclass(slots=True)
@@ -88,6 +89,21 @@ class StepPlan:
             self._index[key] = _i32(heads[None] + self.pages[:, None, :])
         return self._index[key]
 
+    def pair_index(self, n_kv_heads: int) -> PairIndex:
+        """The step's (row, head, page) pairs for `paged_attention` (cached)."""
+        key = ("p", n_kv_heads)
+        if key not in self._index:
+            self._index[key] = pair_index(
+                self.pages, self.valid // self.block_size, self.base,
+                np.asarray(self.offsets, dtype=np.int64), self.num_queries,
+                self.block_size, self.num_blocks, n_kv_heads, self.window,
+            )
+        return self._index[key]
+
+    def made_mask(self, window: int | None):
+        """The array `mask` last returned for `window` (None if none was built)."""
+        return self._index.get(("m", window))
+
     def offset_value(self, after: bool) -> int | mx.array:
         """mlx-lm's `offset`: an int for one sequence, else an int32 array."""
         offs = [o + n for o, n in zip(self.offsets, self.n_new)] if after else self.offsets
@@ -103,6 +119,12 @@ class StepPlan:
         if n != self.num_queries:
             raise InvalidArgument(f"mask for {n} queries in a step of {self.num_queries}")
         window = window or self.window
+        made = self._mask(n, window, return_array)
+        if isinstance(made, mx.array):
+            self._index[("m", window)] = made
+        return made
+
+    def _mask(self, n: int, window: int | None, return_array: bool):
         if self.exact:
             start, stop = self.history_slice()
             seen = self.offsets[0] - (start + int(self.base[0]))  # keys before query 0
