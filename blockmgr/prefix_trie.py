@@ -52,12 +52,17 @@ class PrefixCacheListener(Protocol):
 
 @dataclass(slots=True, eq=False)
 class TrieNode:
-    """One edge of the trie: a token run and the pages (and slot) holding it."""
+    """One edge of the trie: a token run and the pages (and slot) holding it.
+
+    `end` is `start + len(tokens)`, stored: it never changes (a split keeps
+    the lower part, a merge the child, and with it the end).
+    """
 
     node_id: int
     namespace: Hashable
     tokens: list[int]
     start: int
+    end: int
     parent: TrieNode | None
     blocks: list[int]
     children: dict[int, TrieNode] = field(default_factory=dict)
@@ -66,10 +71,6 @@ class TrieNode:
     last_access: int = 0
     leaf_key: tuple[int, int] | None = None
     slot_key: tuple[int, int] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
 
     @property
     def is_root(self) -> bool:
@@ -559,7 +560,9 @@ class PrefixTrie:
         parent: TrieNode | None,
         blocks: list[int],
     ) -> TrieNode:
-        node = TrieNode(self._next_node_id, namespace, tokens, start, parent, blocks)
+        node = TrieNode(
+            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks
+        )
         self._next_node_id += 1
         if parent is not None:
             self._nodes[node.node_id] = node
@@ -685,6 +688,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} is not filed under its first token")
         if node.start != parent.end:
             raise IntegrityError(f"{where} does not start where its parent ends")
+        if node.end != node.start + len(node.tokens):
+            raise IntegrityError(f"{where} has a stale end")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.blocks) != num_blocks:
