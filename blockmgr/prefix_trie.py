@@ -92,6 +92,9 @@ class PrefixMatch:
     branch_point: in hybrid mode, where the prompt leaves the trie when that
         is beyond `num_tokens` (a checkpoint there makes siblings hit).
     path: the nodes used, root side first (to touch for LRU).
+    num_locked_pages: the first pages, up to `node.end // block_size`, lie
+        wholly inside the path to `node`: a node of that path holds each of
+        them, so locking `node` keeps them alive without another reference.
     """
 
     num_tokens: int = 0
@@ -100,6 +103,7 @@ class PrefixMatch:
     slot: int | None = None
     branch_point: int | None = None
     path: list[TrieNode] = field(default_factory=list)
+    num_locked_pages: int = 0
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -170,7 +174,7 @@ class PrefixTrie:
         num_usable = min(num_matched, limit)
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, slot=None, branch_point=None)
+        return self._make_match(path, num_usable, None, None)
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -229,11 +233,15 @@ class PrefixTrie:
     ) -> PrefixMatch:
         if num_tokens == 0:
             return PrefixMatch(branch_point=branch_point)
+        block_size = self._block_size
         pages = self._pages_along(path)
-        del pages[-(-num_tokens // self._block_size) :]
+        del pages[-(-num_tokens // block_size) :]
         # Only the last node of the path can end past the hit.
-        lock = path[-1] if path[-1].end <= num_tokens else (path[-2] if len(path) > 1 else None)
-        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path)
+        lock = path[-1]
+        if lock.end > num_tokens:
+            lock = path[-2] if len(path) > 1 else None
+        num_locked_pages = lock.end // block_size if lock is not None else 0
+        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path, num_locked_pages)
 
     def _pages_along(self, path: list[TrieNode]) -> list[int]:
         """One page per index; at a straddled index the deeper node's page."""
