@@ -693,6 +693,11 @@ class BlockManager:
     def _reserve(self, num_pages: int, num_slots: int) -> None:
         """Make `num_pages` pages and `num_slots` slots free, evicting LRU cache
         entries if needed; raise (changing nothing) when that cannot work."""
+        slots = self._slots
+        if num_pages <= self._pages.num_free and (
+            slots is None or num_slots <= slots.num_free
+        ):
+            return  # the common case: nothing to evict
         if not self._pages_shortfall_ok(num_pages):
             raise OutOfBlocks(
                 f"need {num_pages} pages: {self._pages.num_free} free of "
