@@ -338,8 +338,9 @@ class PrefixTrie:
                 node = self._add_child(node, tokens, pos, pages)
                 path.append(node)
                 pos = num_tokens
-                # The new leaf may extend a snapshot-less leaf: fold them.
-                self._try_merge(node.parent)
+                if len(node.parent.children) == 1:
+                    # The new leaf may extend a snapshot-less leaf: fold them.
+                    self._try_merge(node.parent)
                 break
             num_common = common_prefix_length(child.tokens, tokens, pos)
             if num_common < len(child.tokens):
@@ -366,8 +367,10 @@ class PrefixTrie:
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
         self._hold_pages(blocks)
         child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
-        parent.children[tokens[pos]] = child
-        self._reindex(parent)
+        children = parent.children
+        children[tokens[pos]] = child
+        if len(children) == 1:
+            self._reindex(parent)  # it was a leaf
         if self._listener is not None:
             self._listener.stored(list(blocks), child.tokens)
         return child
