@@ -207,8 +207,14 @@ class BlockManager:
         slot = self._new_sequence_slot(match.slot, ops) if self._slots is not None else None
         node = match.node  # ends inside the matched prefix: an anchor
         self._seqs[seq_id] = Sequence(
-            seq_id, namespace, tokens, table, slot, node, 0, False, node is not None,
-            match.num_locked_pages,
+            seq_id,
+            namespace,
+            tokens,
+            table,
+            slot,
+            node,
+            anchored=node is not None,
+            num_borrowed=match.num_locked_pages,
         )
         self._count_query(num_tokens, num_cached)
         return Allocation(seq_id, table[:], slot, tuple(ops), num_cached, match.branch_point)
@@ -864,6 +870,9 @@ def _prompt_list(tokens: Iterable[int]) -> list[int]:
 
 
 def _token_list(tokens: Iterable[int]) -> list[int]:
+    """A new list of the tokens (the caller's object is never kept)."""
+    if type(tokens) is list:
+        return tokens[:]  # the common case, without the checks below
     if isinstance(tokens, (str, bytes, int)):
         raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
     try:
