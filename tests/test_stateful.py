@@ -254,8 +254,8 @@ class WatermarkMachine(BlockManagerMachine):
 # BLOCKMGR_STATEFUL_EXAMPLES / BLOCKMGR_STATEFUL_STEPS run them harder, e.g.
 # 1000 and 60 before a change to the reference counting is merged.
 _SETTINGS = dict(
-    max_examples=int(os.environ.get("BLOCKMGR_STATEFUL_EXAMPLES", 120)),
-    stateful_step_count=int(os.environ.get("BLOCKMGR_STATEFUL_STEPS", 40)),
+    max_examples=int(os.environ.get("BLOCKMGR_STATEFUL_EXAMPLES", "120")),
+    stateful_step_count=int(os.environ.get("BLOCKMGR_STATEFUL_STEPS", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
