@@ -797,7 +797,7 @@ class BlockManager:
         node, num_borrowed = seq.locked_node, seq.num_borrowed
         end = num_borrowed * self._block_size
         if node is None or seq.swapped or num_borrowed < 0:
-            raise IntegrityError(f"{where} borrows pages without a lock")
+            raise IntegrityError(f"{where} borrows pages without a lock (or while swapped out)")
         if end > node.end or end > len(seq.tokens):
             raise IntegrityError(f"{where} borrows {num_borrowed} pages past its lock or end")
         if self._path_tokens(node)[:end] != seq.tokens[:end]:
