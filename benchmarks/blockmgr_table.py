@@ -26,9 +26,16 @@ import argparse
 import gc
 import platform
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+# Time the checkout this file belongs to, not another copy of `blockmgr`
+# installed in the environment (as an editable install of a sibling worktree
+# would be): run as a script, only benchmarks/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from blockmgr import BlockManager, BlockManagerConfig
 from blockmgr.pool import RefCountedPool

@@ -191,11 +191,11 @@ class BlockManager:
         tokens = _prompt_list(tokens)
         _check_namespace(namespace)
         match = self._match(namespace, tokens)
-        num_cached = match.num_tokens
-        num_pages = self._num_new_pages(len(tokens), num_cached)
+        num_tokens, num_cached = len(tokens), match.num_tokens
+        num_pages = self._num_new_pages(num_tokens, num_cached)
         self._hold_match(match)
         try:
-            self._reserve(num_pages + self._watermark(), 1)
+            self._reserve(num_pages + self._num_watermark_blocks, 1)
         except (OutOfBlocks, OutOfSlots):
             self._release_match(match)
             raise
@@ -203,46 +203,54 @@ class BlockManager:
             self._trie.touch(match.path)
         ops: list[MemoryOp] = []
         table = self._own_matched_pages(match, ops)
-        table.extend(self._pages.take(-(-len(tokens) // self._block_size) - len(table)))
-        slot = self._new_sequence_slot(match.slot, ops)
-        seq = Sequence(seq_id, namespace, tokens, table, slot, match.node)
-        seq.anchored = match.node is not None  # it ends inside the matched prefix
-        self._seqs[seq_id] = seq
-        self._count_query(len(tokens), num_cached)
-        return Allocation(
-            seq_id, list(table), slot, tuple(ops), num_cached, match.branch_point
+        table += self._pages.take(-(-num_tokens // self._block_size) - len(table))
+        slot = self._new_sequence_slot(match.slot, ops) if self._slots is not None else None
+        node = match.node  # ends inside the matched prefix: an anchor
+        self._seqs[seq_id] = Sequence(
+            seq_id,
+            namespace,
+            tokens,
+            table,
+            slot,
+            node,
+            anchored=node is not None,
+            num_borrowed=match.num_locked_pages,
         )
+        self._count_query(num_tokens, num_cached)
+        return Allocation(seq_id, table[:], slot, tuple(ops), num_cached, match.branch_point)
 
     def _hold_match(self, match: PrefixMatch) -> None:
-        """Keep the matched pages alive through eviction: the sequence's own
-        references, and a lock on the nodes wholly inside the hit (a node the
+        """Keep the matched pages alive through eviction: a lock on the nodes
+        wholly inside the hit (it keeps their pages: those are borrowed),
+        and the sequence's own references to the pages past them (a node the
         hit ends inside stays evictable past the hit)."""
-        self._pages.incref_all(match.pages)
         if match.node is not None:
             self._trie.lock(match.node)
+        pages = match.pages
+        if len(pages) > match.num_locked_pages:
+            self._pages.incref_all(pages[match.num_locked_pages :])
 
     def _release_match(self, match: PrefixMatch) -> None:
         """Undo `_hold_match` (the trie still holds the pages: none is freed)."""
         if match.node is not None:
             self._trie.unlock(match.node)
-        self._pages.release_all(match.pages)
+        self._pages.release_all(match.pages[match.num_locked_pages :])
 
     def _own_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
         """The sequence's first pages: the held matched ones, the last copied
         if the hit ends inside it (the next token goes there)."""
         table = match.pages
         if not table:
-            return []
+            return []  # never the shared empty list of `_NO_MATCH`
         if match.num_tokens % self._block_size:
-            src = table[-1]
+            src = table[-1]  # past the locked path, so owned (not borrowed)
             table[-1] = self._pages.take_one()
             self._pages.release(src)  # after the take: src cannot be handed out here
             ops.append(CopyBlock(src, table[-1]))
         return table
 
-    def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int | None:
-        if self._slots is None:
-            return None
+    def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int:
+        """A fresh slot (hybrid only), zeroed or copied from the snapshot."""
         slot = self._slots.take_one()
         ops.append(ZeroSlot(slot) if snapshot is None else CopySlot(snapshot, slot))
         return slot
@@ -321,7 +329,8 @@ class BlockManager:
         num_dead = max(0, first_new_position - self._window + 1) // self._block_size
         table = seq.block_table
         for index in range(seq.num_released, min(num_dead, len(table))):
-            self._pages.release(table[index])
+            if index >= seq.num_borrowed:
+                self._pages.release(table[index])
             table[index] = None
         seq.num_released = max(seq.num_released, min(num_dead, len(table)))
 
@@ -336,7 +345,7 @@ class BlockManager:
         seq = self._resident(seq_id)
         self._check_new_id(new_seq_id)
         table = list(seq.block_table)
-        self._pages.incref_all(page for page in table if page is not None)
+        self._pages.incref_all(table[seq.first_owned :])
         if seq.slot is not None:
             self._slots.incref(seq.slot)
         if seq.locked_node is not None:
@@ -350,6 +359,7 @@ class BlockManager:
             seq.locked_node,
             seq.num_released,
             anchored=seq.anchored,
+            num_borrowed=seq.num_borrowed,  # the same lock holds them
         )
         return NO_OPS
 
@@ -392,8 +402,12 @@ class BlockManager:
         ops, new_slot = self._rollback_slot(seq, num_tokens)
         keep = -(-num_tokens // self._block_size)
         table = seq.block_table
-        self._pages.release_all(page for page in table[keep:] if page is not None)
+        self._pages.release_all(table[max(keep, seq.first_owned) :])
         del table[keep:]
+        # A borrowed page the new end falls inside will be written: own it.
+        num_borrowed = min(seq.num_borrowed, num_tokens // self._block_size)
+        self._pages.incref_all(table[max(num_borrowed, seq.num_released) : seq.num_borrowed])
+        seq.num_borrowed = num_borrowed
         del seq.tokens[num_tokens:]
         if seq.locked_node is not None and num_tokens < seq.locked_node.end:
             seq.anchored = False  # new tokens may differ from the node's
@@ -482,6 +496,7 @@ class BlockManager:
             return
         self._trie.lock(node)
         if old is not None:
+            self._own_borrowed(seq)
             self._trie.unlock(old)
         seq.locked_node = node
         seq.anchored = True
@@ -509,12 +524,17 @@ class BlockManager:
         if node is not None:
             trie.unlock(node)
         table = seq.block_table
-        if seq.num_released:
-            table = table[seq.num_released :]
-        self._pages.release_all(table)
+        first_owned = seq.first_owned
+        self._pages.release_all(table[first_owned:] if first_owned else table)
         if seq.slot is not None:
             self._slots.release(seq.slot)
         return NO_OPS
+
+    def _own_borrowed(self, seq: Sequence) -> None:
+        """Take the sequence's own references to its borrowed pages (before
+        its lock moves or goes). O(borrowed pages)."""
+        self._pages.incref_all(seq.block_table[seq.num_released : seq.num_borrowed])
+        seq.num_borrowed = 0
 
     # ------------------------------------------------------------------ swap
 
@@ -538,6 +558,7 @@ class BlockManager:
         if not self.can_swap_out(seq_id):
             raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
         seq = self._seqs[seq_id]
+        self._own_borrowed(seq)  # so that moving releases every page alike
         ops = self._move_storage(
             seq, (self._pages, self._host_pages, SwapOut), (self._slots, self._host_slots, SwapOutSlot)
         )
@@ -678,6 +699,11 @@ class BlockManager:
     def _reserve(self, num_pages: int, num_slots: int) -> None:
         """Make `num_pages` pages and `num_slots` slots free, evicting LRU cache
         entries if needed; raise (changing nothing) when that cannot work."""
+        slots = self._slots
+        if num_pages <= self._pages.num_free and (
+            slots is None or num_slots <= slots.num_free
+        ):
+            return  # the common case: nothing to evict
         if not self._pages_shortfall_ok(num_pages):
             raise OutOfBlocks(
                 f"need {num_pages} pages: {self._pages.num_free} free of "
@@ -739,11 +765,12 @@ class BlockManager:
         num_pages = -(-len(seq.tokens) // self._block_size)
         if len(table) != num_pages:
             raise IntegrityError(f"{where} has {len(table)} pages for {len(seq.tokens)} tokens")
+        first_owned = seq.first_owned
         for index, page in enumerate(table):
             released = index < seq.num_released
             if (page is None) != released:
                 raise IntegrityError(f"{where}: page {index} released out of order")
-            if page is not None:
+            if index >= first_owned:
                 page_refs[page] += 1
         if seq.num_released and self._window is None:
             raise IntegrityError(f"{where} released pages without a sliding window")
@@ -758,9 +785,32 @@ class BlockManager:
             raise IntegrityError(f"{where} locks a node that left the trie")
         if seq.anchored and (node is None or self._path_tokens(node) != seq.tokens[: node.end]):
             raise IntegrityError(f"{where} is anchored at a node that spells other tokens")
+        if seq.num_borrowed:
+            self._check_borrowed(seq, where)
         while node is not None and node.parent is not None:
             locks[node.node_id] = locks.get(node.node_id, 0) + 1
             node = node.parent
+
+    def _check_borrowed(self, seq: Sequence, where: str) -> None:
+        """Borrowed pages are full, inside the locked path, held at their
+        index by a node of that path, and spell the sequence's tokens."""
+        node, num_borrowed = seq.locked_node, seq.num_borrowed
+        end = num_borrowed * self._block_size
+        if node is None or seq.swapped or num_borrowed < 0:
+            raise IntegrityError(f"{where} borrows pages without a lock (or while swapped out)")
+        if end > node.end or end > len(seq.tokens):
+            raise IntegrityError(f"{where} borrows {num_borrowed} pages past its lock or end")
+        if self._path_tokens(node)[:end] != seq.tokens[:end]:
+            raise IntegrityError(f"{where} borrows pages that hold other tokens")
+        held = set()
+        block_size = self._block_size
+        while node.parent is not None:
+            first = node.start // block_size
+            held.update(enumerate(node.blocks, first))
+            node = node.parent
+        for index in range(seq.num_released, num_borrowed):
+            if (index, seq.block_table[index]) not in held:
+                raise IntegrityError(f"{where}: borrowed page {index} is not on its locked path")
 
     @staticmethod
     def _path_tokens(node) -> list[int]:
@@ -784,6 +834,7 @@ class BlockManager:
                 seq.num_released,
                 seq.swapped,
                 seq.anchored,
+                seq.num_borrowed,
             )
             for seq_id, seq in self._seqs.items()
         )
@@ -819,6 +870,9 @@ def _prompt_list(tokens: Iterable[int]) -> list[int]:
 
 
 def _token_list(tokens: Iterable[int]) -> list[int]:
+    """A new list of the tokens (the caller's object is never kept)."""
+    if type(tokens) is list:
+        return tokens[:]  # the common case, without the checks below
     if isinstance(tokens, (str, bytes, int)):
         raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
     try:

@@ -52,12 +52,17 @@ class PrefixCacheListener(Protocol):
 
 @dataclass(slots=True, eq=False)
 class TrieNode:
-    """One edge of the trie: a token run and the pages (and slot) holding it."""
+    """One edge of the trie: a token run and the pages (and slot) holding it.
+
+    `end` is `start + len(tokens)`, stored: it never changes (a split keeps
+    the lower part, a merge the child, and with it the end).
+    """
 
     node_id: int
     namespace: Hashable
     tokens: list[int]
     start: int
+    end: int
     parent: TrieNode | None
     blocks: list[int]
     children: dict[int, TrieNode] = field(default_factory=dict)
@@ -66,10 +71,6 @@ class TrieNode:
     last_access: int = 0
     leaf_key: tuple[int, int] | None = None
     slot_key: tuple[int, int] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
 
     @property
     def is_root(self) -> bool:
@@ -91,6 +92,9 @@ class PrefixMatch:
     branch_point: in hybrid mode, where the prompt leaves the trie when that
         is beyond `num_tokens` (a checkpoint there makes siblings hit).
     path: the nodes used, root side first (to touch for LRU).
+    num_locked_pages: the first pages, up to `node.end // block_size`, lie
+        wholly inside the path to `node`: a node of that path holds each of
+        them, so locking `node` keeps them alive without another reference.
     """
 
     num_tokens: int = 0
@@ -99,6 +103,7 @@ class PrefixMatch:
     slot: int | None = None
     branch_point: int | None = None
     path: list[TrieNode] = field(default_factory=list)
+    num_locked_pages: int = 0
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -169,7 +174,7 @@ class PrefixTrie:
         num_usable = min(num_matched, limit)
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, slot=None, branch_point=None)
+        return self._make_match(path, num_usable, None, None)
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -228,11 +233,15 @@ class PrefixTrie:
     ) -> PrefixMatch:
         if num_tokens == 0:
             return PrefixMatch(branch_point=branch_point)
+        block_size = self._block_size
         pages = self._pages_along(path)
-        del pages[-(-num_tokens // self._block_size) :]
+        del pages[-(-num_tokens // block_size) :]
         # Only the last node of the path can end past the hit.
-        lock = path[-1] if path[-1].end <= num_tokens else (path[-2] if len(path) > 1 else None)
-        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path)
+        lock = path[-1]
+        if lock.end > num_tokens:
+            lock = path[-2] if len(path) > 1 else None
+        num_locked_pages = lock.end // block_size if lock is not None else 0
+        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path, num_locked_pages)
 
     def _pages_along(self, path: list[TrieNode]) -> list[int]:
         """One page per index; at a straddled index the deeper node's page."""
@@ -329,8 +338,9 @@ class PrefixTrie:
                 node = self._add_child(node, tokens, pos, pages)
                 path.append(node)
                 pos = num_tokens
-                # The new leaf may extend a snapshot-less leaf: fold them.
-                self._try_merge(node.parent)
+                if len(node.parent.children) == 1:
+                    # The new leaf may extend a snapshot-less leaf: fold them.
+                    self._try_merge(node.parent)
                 break
             num_common = common_prefix_length(child.tokens, tokens, pos)
             if num_common < len(child.tokens):
@@ -357,8 +367,10 @@ class PrefixTrie:
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
         self._hold_pages(blocks)
         child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
-        parent.children[tokens[pos]] = child
-        self._reindex(parent)
+        children = parent.children
+        children[tokens[pos]] = child
+        if len(children) == 1:
+            self._reindex(parent)  # it was a leaf
         if self._listener is not None:
             self._listener.stored(list(blocks), child.tokens)
         return child
@@ -559,7 +571,9 @@ class PrefixTrie:
         parent: TrieNode | None,
         blocks: list[int],
     ) -> TrieNode:
-        node = TrieNode(self._next_node_id, namespace, tokens, start, parent, blocks)
+        node = TrieNode(
+            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks
+        )
         self._next_node_id += 1
         if parent is not None:
             self._nodes[node.node_id] = node
@@ -685,6 +699,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} is not filed under its first token")
         if node.start != parent.end:
             raise IntegrityError(f"{where} does not start where its parent ends")
+        if node.end != node.start + len(node.tokens):
+            raise IntegrityError(f"{where} has a stale end")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.blocks) != num_blocks:

@@ -18,6 +18,11 @@ class Sequence:
     locked_node is the deepest trie node this sequence keeps from eviction;
     `anchored` says that node spells exactly tokens[:locked_node.end], so
     `free` can insert from there without comparing that prefix again.
+    The first `num_borrowed` pages (full pages, all inside the locked path,
+    at most `locked_node.end // block_size`) are *borrowed*: a locked trie
+    node holds each of them and locked nodes are never evicted, so the
+    sequence takes no reference of its own. It owns a reference to every
+    other page in its table (from index max(num_released, num_borrowed)).
     While `swapped`, block_table and slot name host pages and a host slot.
     """
 
@@ -30,6 +35,12 @@ class Sequence:
     num_released: int = 0
     swapped: bool = False
     anchored: bool = False
+    num_borrowed: int = 0
+
+    @property
+    def first_owned(self) -> int:
+        """Index of the first page the sequence holds a reference to."""
+        return max(self.num_released, self.num_borrowed)
 
 
 @dataclass(slots=True)

@@ -400,3 +400,32 @@ def test_check_integrity_catches_a_table_that_does_not_cover_the_tokens():
     bm._seqs["a"].tokens.extend(range(10))
     with pytest.raises(IntegrityError):
         bm.check_integrity()
+
+
+def test_check_integrity_catches_a_page_borrowed_from_no_locked_node():
+    bm = make(block_size=4)
+    for seq_id, last in (("a", 1), ("b", 2)):
+        bm.allocate(seq_id, [*range(8), last])
+        bm.free(seq_id)
+    bm.allocate("c", [*range(8), 3])  # locks the cached [0, 8): borrows 2 pages
+    bm.check_integrity()
+    seq = bm._seqs["c"]
+    assert seq.num_borrowed == 2
+    seq.num_borrowed = 3  # its last page is its own, held by no trie node
+    bm._pages.release(seq.block_table[2])
+    with pytest.raises(IntegrityError):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_a_borrowed_page_that_is_not_the_cached_one():
+    bm = make(block_size=4)
+    for seq_id, last in (("a", 1), ("b", 2)):
+        bm.allocate(seq_id, [*range(8), last])
+        bm.free(seq_id)
+    bm.allocate("c", [*range(8), 3])
+    seq = bm._seqs["c"]
+    (own,) = bm._pages.take(1)
+    bm._pages.release(own)
+    seq.block_table[1] = own  # not the page the trie holds there
+    with pytest.raises(IntegrityError):
+        bm.check_integrity()

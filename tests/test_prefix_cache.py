@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockmgr import BlockManager, BlockManagerConfig, OutOfBlocks
+from blockmgr import BlockManager, BlockManagerConfig, CopyBlock, OutOfBlocks
 from tests.shadow import ShadowStorage
 
 SYSTEM = list(range(100, 140))  # a 40-token shared system prompt
@@ -289,3 +289,119 @@ def test_a_hit_inside_a_node_leaves_the_rest_of_it_evictable():
     assert alloc.num_cached_tokens == 8
     assert h.bm.stats.num_evicted_pages >= 3
     h.finish("b")
+
+
+# ------------------------------------------------------------- borrowed pages
+#
+# A sequence locking a cached path takes no page references of its own for
+# the full pages inside that path (the locked nodes hold them). Every call
+# that could let the lock go, or write into such a page, must first take the
+# references itself; check_integrity recounts them after each step.
+
+
+def cached_system(h: Harness) -> None:
+    """Cache SYSTEM as a node of its own (two prompts branch right after it)."""
+    for seq_id, token in (("sys1", 1), ("sys2", 2)):
+        h.run(seq_id, SYSTEM + [token])
+        h.finish(seq_id)
+
+
+def borrowing(h: Harness, seq_id, tokens) -> list[int]:
+    """Start `seq_id` on the cached SYSTEM; return its borrowed pages."""
+    alloc = h.run(seq_id, tokens)
+    assert alloc.num_cached_tokens == len(SYSTEM)
+    h.bm.check_integrity()
+    borrowed = alloc.block_table[: len(SYSTEM) // 4]
+    assert all(h.bm._pages.refcount(page) == 1 for page in borrowed)  # the trie's only
+    return borrowed
+
+
+def test_a_hit_on_locked_nodes_takes_no_page_references():
+    h = Harness()
+    cached_system(h)
+    free_before = h.bm.num_free_blocks
+    borrowed = borrowing(h, "a", SYSTEM + [3, 4, 5])
+    assert h.bm.num_free_blocks == free_before - 1  # only its own last page
+    h.finish("a")
+    assert all(h.bm._pages.refcount(page) == 1 for page in borrowed)
+    h.bm.reset_prefix_cache()
+    assert h.bm.num_free_blocks == h.bm.config.num_blocks
+
+
+@pytest.mark.parametrize("target", [38, 36, 20, 0])
+def test_truncate_into_borrowed_pages_then_write_other_tokens(target):
+    h = Harness()
+    cached_system(h)
+    borrowing(h, "a", SYSTEM + [3, 4, 5])
+    h.shadow.apply(h.bm.truncate("a", target))
+    h.shadow.computed["a"] = target
+    h.bm.check_integrity()
+    ops = h.bm.append("a", [77, 78, 79])
+    # A page the new end falls inside is the trie's: it is copied, not written.
+    assert any(isinstance(op, CopyBlock) for op in ops) == bool(target % 4)
+    h.shadow.apply(ops)
+    h.shadow.compute("a")
+    h.bm.check_integrity()
+    h.shadow.check_reads_back("a")
+    assert h.run("b", SYSTEM + [9]).num_cached_tokens == len(SYSTEM)  # reads back intact
+    h.finish("a")
+    h.finish("b")
+
+
+def test_a_fork_borrows_under_the_same_lock():
+    h = Harness()
+    cached_system(h)
+    borrowed = borrowing(h, "a", SYSTEM + [3, 4, 5])
+    h.shadow.apply(h.bm.fork("a", "child"))
+    h.shadow.computed["child"] = h.shadow.computed["a"]
+    h.bm.check_integrity()
+    assert all(h.bm._pages.refcount(page) == 1 for page in borrowed)
+    h.finish("a")
+    h.bm.reset_prefix_cache()  # the child's lock keeps the borrowed pages
+    h.bm.check_integrity()
+    h.shadow.check_reads_back("child")
+    h.finish("child")
+
+
+def test_swap_out_of_a_borrowing_sequence_leaves_the_cache_intact():
+    h = Harness(num_host_blocks=16)
+    cached_system(h)
+    borrowed = borrowing(h, "a", SYSTEM + [3, 4, 5])
+    h.shadow.apply(h.bm.swap_out("a"))
+    h.bm.check_integrity()
+    assert all(h.bm._pages.refcount(page) == 1 for page in borrowed)  # still cached
+    h.bm.reset_prefix_cache()
+    h.bm.check_integrity()
+    h.shadow.apply(h.bm.swap_in("a"))
+    h.shadow.check_reads_back("a")
+    h.finish("a")
+
+
+def test_moving_the_lock_up_takes_the_borrowed_pages():
+    h = Harness()
+    cached_system(h)
+    h.run("short", SYSTEM[:8] + [55] * 5)  # splits SYSTEM after 8 tokens
+    h.finish("short")
+    borrowing(h, "a", SYSTEM + [3, 4, 5])
+    h.shadow.apply(h.bm.truncate("a", 38))  # below its lock: no longer anchored
+    h.shadow.computed["a"] = 38
+    h.shadow.apply(h.bm.cache_prefix("a", 8))  # locks [0, 8) instead
+    h.bm.check_integrity()
+    h.bm.reset_prefix_cache()  # the rest of SYSTEM is no longer locked
+    h.bm.check_integrity()
+    h.shadow.check_reads_back("a")
+    h.finish("a")
+
+
+def test_a_sliding_window_never_releases_borrowed_pages():
+    h = Harness(sliding_window=8)
+    cached_system(h)
+    borrowed = borrowing(h, "a", SYSTEM + [3])
+    for token in range(12):
+        h.shadow.apply(h.bm.append("a", [token]))
+        h.shadow.compute("a")
+        h.bm.check_integrity()
+    assert h.bm.block_table("a")[0] is None  # the window moved past them
+    assert all(h.bm._pages.refcount(page) == 1 for page in borrowed)
+    h.finish("a")
+    h.bm.check_integrity()

@@ -8,6 +8,8 @@ is free or held by the trie, and a reset frees them all.
 
 from __future__ import annotations
 
+import os
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -46,6 +48,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(self.config)
         self.shadow = ShadowStorage(self.bm)
         self.next_id = 0
+        self.seen: list[list[int]] = []  # every prompt allocated so far
 
     # ---------------------------------------------------------------- helpers
 
@@ -82,6 +85,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, namespace=namespaces)
     def allocate(self, tokens, namespace) -> None:
         seq_id = self.new_id()
+        self.seen.append(list(tokens))
         expect_ok = self.bm.can_allocate(tokens, namespace)
         expect_cached = self.bm.cached_prefix_length(tokens, namespace)
         if self.refused(
@@ -98,6 +102,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.shadow.apply(alloc.ops)
         self.shadow.computed[seq_id] = alloc.num_cached_tokens
         self.shadow.check_reads_back(seq_id)  # a hit must hold real data
+
+    @precondition(lambda self: self.seen)
+    @rule(
+        data=st.data(),
+        tail=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+        namespace=namespaces,
+    )
+    def allocate_again(self, data, tail, namespace) -> None:
+        """A prompt sharing a prefix with an earlier one, maybe prefilled."""
+        base = data.draw(st.sampled_from(self.seen))
+        seq_id = f"s{self.next_id + 1}"
+        self.allocate(base[: data.draw(st.integers(1, len(base)))] + tail, namespace)
+        if seq_id in self.shadow.computed and data.draw(st.booleans()):
+            self.shadow.compute(seq_id)
+
+    @rule(tokens=prompts, namespace=namespaces)
+    def request(self, tokens, namespace) -> None:
+        """A whole request at once (allocate, prefill, free): fills the trie,
+        so later prompts hit locked nodes and borrow their pages."""
+        seq_id = f"s{self.next_id + 1}"
+        self.allocate(tokens, namespace)
+        if seq_id in self.shadow.computed:
+            self.shadow.compute(seq_id)
+            self.shadow.apply(self.bm.free(seq_id, self.shadow.computed.pop(seq_id)))
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
@@ -223,9 +251,11 @@ class WatermarkMachine(BlockManagerMachine):
     config = BlockManagerConfig(num_blocks=20, block_size=2, watermark=0.2, num_slots=3)
 
 
+# BLOCKMGR_STATEFUL_EXAMPLES / BLOCKMGR_STATEFUL_STEPS run them harder, e.g.
+# 1000 and 60 before a change to the reference counting is merged.
 _SETTINGS = dict(
-    max_examples=120,
-    stateful_step_count=40,
+    max_examples=int(os.environ.get("BLOCKMGR_STATEFUL_EXAMPLES", "120")),
+    stateful_step_count=int(os.environ.get("BLOCKMGR_STATEFUL_STEPS", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
