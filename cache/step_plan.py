@@ -36,16 +36,21 @@ class StepPlan:
     block_size: int
     num_blocks: int
     window: int | None
-    pages: np.ndarray  # [B, P] gathered pages (padding rows point at page 0)
+    pages: np.ndarray  # [B, P] int32 gathered pages (padding columns point at page 0)
     base: np.ndarray  # [B] absolute position of gathered column 0
     valid: np.ndarray  # [B] gathered columns that hold real pages
-    write_pages: np.ndarray  # [B, N] page of each new token (-1 = padding)
-    write_cols: np.ndarray  # [B, N] row inside the page
+    write_pages: np.ndarray  # [B, N] int32 page of each new token (-1 in padded slots)
+    write_cols: np.ndarray  # [B, N] int32 row inside the page
     _index: dict = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
         return len(self.offsets)
+
+    @property
+    def dense(self) -> bool:
+        """Every row has `num_queries` new tokens (no padded query rows)."""
+        return all(n == self.num_queries for n in self.n_new)
 
     @property
     def exact(self) -> bool:
@@ -70,23 +75,24 @@ class StepPlan:
         return self._index[key]
 
     def _build_write_index(self, h: int):
-        pages, cols = self.write_pages, self.write_cols  # [B, N]
-        heads = np.arange(h, dtype=np.int64)[None, :, None]
-        rows = heads * self.num_blocks + pages[:, None, :]  # [B, H, N]
-        cols = np.broadcast_to(cols[:, None, :], rows.shape)
-        if (pages >= 0).all():
-            return None, _i32(rows), _i32(cols)
+        pages, cols = self.write_pages, self.write_cols  # [B, N] int32
+        heads = np.arange(0, h * self.num_blocks, self.num_blocks, dtype=np.int32)[:, None]
+        rows = heads + pages[:, None, :]  # [B, H, N]
+        cols = cols[:, None, :] + np.zeros_like(heads)
+        if self.dense:
+            return None, mx.array(rows.ravel()), mx.array(cols.ravel())
         b, j = np.nonzero(pages >= 0)  # real tokens only
         n = self.num_queries
-        src = (b[:, None] * h + heads[0, :, 0][None]) * n + j[:, None]  # [M, H]
+        src = (b[:, None] * h + np.arange(h)[None]) * n + j[:, None]  # [M, H]
         return _i32(src), _i32(rows[b, :, j]), _i32(cols[b, :, j])
 
     def gather_rows(self, n_kv_heads: int) -> mx.array:
         """Head-major pool rows of the gathered pages, ``[B * H * P]``."""
         key = ("g", n_kv_heads)
         if key not in self._index:
-            heads = np.arange(n_kv_heads, dtype=np.int64)[:, None] * self.num_blocks
-            self._index[key] = _i32(heads[None] + self.pages[:, None, :])
+            step = self.num_blocks
+            heads = np.arange(0, n_kv_heads * step, step, dtype=np.int32)[:, None]
+            self._index[key] = mx.array((heads + self.pages[:, None, :]).ravel())
         return self._index[key]
 
     def pair_index(self, n_kv_heads: int) -> PairIndex:
@@ -168,31 +174,29 @@ def plan_step(
     page its window already released.
     """
     bsz = len(tables)
-    starts, stops = [], []
-    for b, (off, n) in enumerate(zip(offsets, n_new)):
+    starts, stops, rows, write_pages, write_cols = [], [], [], [], []
+    for b, (table, off, n) in enumerate(zip(tables, offsets, n_new)):
         end = off + n
         if end < 1:
             raise InvalidArgument(f"row {b} has no tokens to attend to")
         first = 0 if window is None else max(0, off - window + 1) // block_size
-        starts.append(first)
-        stops.append((end - 1) // block_size + 1)
-    width = max(s - f for f, s in zip(starts, stops))
-    pages = np.zeros((bsz, width), dtype=np.int64)
-    write_pages = np.full((bsz, num_queries), -1, dtype=np.int64)
-    write_cols = np.zeros((bsz, num_queries), dtype=np.int64)
-    for b, table in enumerate(tables):
-        row = table[starts[b] : stops[b]]
-        if len(row) < stops[b] - starts[b] or None in row:
+        stop = (end - 1) // block_size + 1
+        row = table[first:stop]
+        if len(row) < stop - first or None in row:
             raise InvalidArgument(f"row {b}: a page this step needs is missing or released")
-        pages[b, : len(row)] = row
-        pos = np.arange(offsets[b], offsets[b] + n_new[b])
-        write_pages[b, : n_new[b]] = [table[p] for p in pos // block_size]
-        write_cols[b, : n_new[b]] = pos % block_size
-    base = np.asarray(starts, dtype=np.int64) * block_size
-    valid = (np.asarray(stops) - np.asarray(starts)) * block_size
+        starts.append(first)
+        stops.append(stop)
+        rows.append(row)
+        padding = num_queries - n
+        write_pages.append([table[p // block_size] for p in range(off, end)] + [-1] * padding)
+        write_cols.append([p % block_size for p in range(off, end)] + [0] * padding)
+    width = max(map(len, rows))
+    pages = np.array([r + [0] * (width - len(r)) for r in rows], dtype=np.int32)
+    starts_np, stops_np = np.array(starts), np.array(stops)
     return StepPlan(
         list(offsets), list(n_new), num_queries, block_size, num_blocks, window,
-        pages, base, valid, write_pages, write_cols,
+        pages, starts_np * block_size, (stops_np - starts_np) * block_size,
+        np.array(write_pages, dtype=np.int32), np.array(write_cols, dtype=np.int32),
     )
 
 
