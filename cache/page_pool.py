@@ -88,6 +88,20 @@ class PagePool:
         v = mx.take(self._values, rows, axis=0).reshape(batch, h, length, -1)
         return k, v
 
+    def run_view(self, first_page: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Columns [start, stop) of the consecutive pages from `first_page` on,
+        as strided views ``[1, n_kv_heads, stop - start, D]`` of the pool (no
+        copy, like `KVCache`'s slices). Head h, page p, row c is flat column
+        ``p * block_size + c`` of head h's ``[num_blocks * block_size]`` span.
+        Use within one step only: a view kept alive makes the next write copy
+        the pool."""
+        s = self.shape
+        lo = first_page * s.block_size + start
+        hi = first_page * s.block_size + stop
+        k = self._keys.reshape(1, s.n_kv_heads, -1, s.k_head_dim)[:, :, lo:hi]
+        v = self._values.reshape(1, s.n_kv_heads, -1, s.v_head_dim)[:, :, lo:hi]
+        return k, v
+
     def read_pages(self, rows: mx.array) -> tuple[mx.array, mx.array]:
         """Copies of page rows `rows` (lazy). Evaluate them before `write_pages`
         into this pool: a gather of the pool in the same graph as a write to

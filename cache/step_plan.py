@@ -61,6 +61,17 @@ class StepPlan:
         """T: gathered history length (columns), before any exact slicing."""
         return self.pages.shape[1] * self.block_size
 
+    @property
+    def first_run_page(self) -> int | None:
+        """Exact mode: the first gathered page when the gathered pages are
+        consecutive ids (a fresh pool hands a lone sequence such runs), so
+        the history is a strided view of the pool; else None. O(P)."""
+        if not self.exact:
+            return None
+        row = self.pages[0]
+        first = int(row[0])
+        return first if int(row[-1]) - first == len(row) - 1 and (np.diff(row) == 1).all() else None
+
     def history_slice(self) -> tuple[int, int]:
         """Gathered columns [start, stop) handed to the model in exact mode."""
         off, base = self.offsets[0], int(self.base[0])

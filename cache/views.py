@@ -131,6 +131,8 @@ class AttentionView:
         if plan.exact and plan.offsets[0] == 0:
             # A fresh prefill: the history is exactly the new keys, no gather.
             k_hist, v_hist = keys, values
+        elif (first := plan.first_run_page) is not None:
+            k_hist, v_hist = pool.run_view(first, *plan.history_slice())
         else:
             # Lazy: never evaluated when `attend` serves the attention call.
             k_hist, v_hist = pool.gather(plan.gather_rows(h), plan.batch, plan.length)

@@ -237,3 +237,45 @@ def test_paged_decode_write_stays_in_place():
     step()
     pool_bytes = pc.nbytes // len(model.layers)
     assert mx.get_peak_memory() - before < pool_bytes // 8
+
+
+def test_run_of_consecutive_pages_is_detected_exactly():
+    def first(tables, offsets, n_new):
+        return plan_step(tables, offsets, n_new, max(n_new), BS, 64, None).first_run_page
+
+    assert first([[7, 8, 9]], [10], [1]) == 7
+    assert first([[7, 9, 8]], [10], [1]) is None  # same ends, not a run
+    assert first([[7, 8, 10]], [10], [1]) is None
+    assert first([[7, 8], [3, 4]], [5, 5], [1, 1]) is None  # batches gather
+
+
+def test_lone_sequence_on_consecutive_pages_reads_the_pool_in_place():
+    """A fresh pool hands one sequence consecutive pages: its history is a
+    strided view of the pool (no gather), logits equal mlx-lm's, and the
+    decode write stays in place while the view is read in the same graph."""
+    model = built("llama")
+    pc = PagedCache.for_model(model, num_blocks=4096, block_size=BS)
+    prompt = tokens(30, 4)
+    pc.allocate("a", prompt)
+    model(mx.array([prompt]), cache=pc.views(["a"]))
+    table = pc.block_table("a")
+    assert table == list(range(table[0], table[0] + len(table)))
+    ref_cache = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=ref_cache)
+    pc.eval_state()
+
+    def step(t):
+        pc.append("a", [t])
+        out = model(mx.array([[t]]), cache=pc.views(["a"]))
+        mx.eval(out)
+        pc.eval_state()
+        return out
+
+    step(3)
+    model(mx.array([[3]]), cache=ref_cache)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = step(4)
+    assert mx.get_peak_memory() - before < pc.nbytes // len(model.layers) // 8
+    want = model(mx.array([[4]]), cache=ref_cache)
+    assert mx.abs(out - want).max().item() < 1e-4
