@@ -140,9 +140,10 @@ def head_rows(pages: np.ndarray, n_kv_heads: int, num_blocks: int) -> np.ndarray
     """Head-major pool rows for `pages` (any shape ``[..., P]``).
 
     Returns ``[..., n_kv_heads, P]`` with ``rows[..., h, j] = h * num_blocks
-    + pages[..., j]``, i.e. the order `PagePool.gather` expects once flattened.
+    + pages[..., j]``, i.e. the order `PagePool.gather` expects once flattened,
+    in the pages' integer dtype.
     """
-    heads = np.arange(n_kv_heads, dtype=np.int64)[:, None] * num_blocks
+    heads = np.arange(n_kv_heads, dtype=pages.dtype)[:, None] * num_blocks
     return heads + pages[..., None, :]
 
 

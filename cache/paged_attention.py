@@ -6,15 +6,9 @@ model's attention call reaches the view (see `cache.attention_hook`), the
 view computes attention page by page instead, with `mx.gather_mm` reading
 the pool rows in place, and the gathered history is never evaluated.
 
-Work is ragged: one "pair" per (row b, kv head h, page j) the row can see,
-ordered b, then h, then j. Only real pages are read; a batch padded to its
-longest row costs what its real tokens cost.
-
-    pair k:  rows[k] = h * num_blocks + page[b, j]   (pool row, head-major)
-             bh[k]   = b * H + h                     (query group)
-    pad[bh * P + j] = k, or num_pairs where row b has no page j, which
-    indexes one extra row appended to a per-pair tensor (zeros or -1e30)
-    so that per-(b, h) reductions become a take + reshape + reduce.
+Work is ragged: one "pair" per (row, kv head, page) the row can see (laid
+out by `StepPlan.pair_index`, see `PairIndex`). Only real pages are read; a
+batch padded to its longest row costs what its real tokens cost.
 
 Per layer: one `gather_mm` for scores (``K_page @ q^T``), a float32 softmax
 over each (b, h)'s pages (max and sum reduced through `pad`), one
@@ -25,16 +19,10 @@ reads of the pool plus O(pairs) small ops; no copy of the history.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
-# Masked scores: finite (so a query row with no visible key, which only
-# padding rows can have, gives a finite mean instead of NaN) and far below
-# any real score once the softmax runs in float32.
-_MASKED = -1e30
-
+from cache.step_plan import MASKED, PairIndex
 
 def supports(dtype: mx.Dtype) -> bool:
     """Whether `paged_attention` runs on pools of `dtype` on the default
@@ -51,56 +39,6 @@ def _probe(device: str, dtype: mx.Dtype) -> bool:
     except (RuntimeError, ValueError):
         return False
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class PairIndex:
-    """Ragged (row, head, page) pairs of one step for one kv-head count."""
-
-    num_pairs: int
-    n_kv_heads: int
-    max_pages: int  # P: most pages any row sees
-    rows: mx.array  # [num_pairs] int32 head-major pool rows
-    bh: mx.array  # [num_pairs] int32 query group b * H + h
-    pad: mx.array  # [B * H * P] int32 pair of (bh, j), num_pairs if none
-    mask: mx.array  # [num_pairs, block_size, 1, N] float32, 0 visible / _MASKED
-
-
-def pair_index(
-    pages: np.ndarray,
-    num_pages: np.ndarray,
-    base: np.ndarray,
-    offsets: np.ndarray,
-    num_queries: int,
-    block_size: int,
-    num_blocks: int,
-    n_kv_heads: int,
-    window: int | None,
-) -> PairIndex:
-    """Build the pairs of a step: `pages` ``[B, P]`` (row b's first
-    `num_pages[b]` are real, column 0 at absolute position `base[b]`), queries
-    of row b at positions ``offsets[b] + [0, num_queries)``. O(pairs * bs * N)
-    numpy work, once per step, shared by every layer with `n_kv_heads`."""
-    bsz, width = pages.shape
-    h = n_kv_heads
-    counts = num_pages.astype(np.int64)
-    per_row = counts * h
-    num_pairs = int(per_row.sum())
-    b = np.repeat(np.arange(bsz), per_row)
-    within = np.arange(num_pairs) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-    head = within // counts[b]
-    j = within % counts[b]
-    rows = head * num_blocks + pages[b, j]
-    bh = b * h + head
-    pad = np.full(bsz * h * width, num_pairs, dtype=np.int64)
-    pad[bh * width + j] = np.arange(num_pairs)
-    keys = (base[b] + j * block_size)[:, None] + np.arange(block_size)[None]  # [pairs, bs]
-    queries = offsets[b][:, None] + np.arange(num_queries)[None]  # [pairs, N]
-    visible = keys[:, :, None] <= queries[:, None, :]
-    if window is not None:
-        visible &= keys[:, :, None] > queries[:, None, :] - window
-    mask = np.where(visible, 0.0, _MASKED).astype(np.float32)[:, :, None, :]
-    return PairIndex(num_pairs, h, width, _i32(rows), _i32(bh), _i32(pad), mx.array(mask))
 
 
 def paged_attention(
@@ -127,7 +65,7 @@ def paged_attention(
     scores = mx.gather_mm(key_pool, q_t.astype(key_pool.dtype), index.rows, index.bh)
     scores = scores.astype(mx.float32).reshape(pairs, bs, g, n) + index.mask
     scores = scores.reshape(pairs, bs, g * n)
-    top = _per_group(scores.max(axis=1), index, _MASKED).max(axis=1)  # [B*H, G*N]
+    top = _per_group(scores.max(axis=1), index, MASKED).max(axis=1)  # [B*H, G*N]
     weights = mx.exp(scores - mx.take(top, index.bh, axis=0)[:, None, :])
     total = _per_group(weights.sum(axis=1), index, 0.0).sum(axis=1)  # [B*H, G*N]
     parts = mx.gather_mm(
@@ -143,7 +81,3 @@ def _per_group(x: mx.array, index: PairIndex, fill: float) -> mx.array:
     filler = mx.full((1, *x.shape[1:]), fill, dtype=x.dtype)
     padded = mx.take(mx.concatenate([x, filler]), index.pad, axis=0)
     return padded.reshape(-1, index.max_pages, *x.shape[1:])
-
-
-def _i32(x: np.ndarray) -> mx.array:
-    return mx.array(np.ascontiguousarray(x).reshape(-1).astype(np.int32))

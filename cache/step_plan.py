@@ -1,7 +1,8 @@
 """Index and mask planning for one forward step of one page group.
 
 Pure bookkeeping on numpy (no pool access): which (page, row) each new token
-goes to, which pages each sequence gathers, and the attention mask. Built
+goes to, which pages each sequence gathers, the attention mask, and the
+(row, head, page) pairs `cache.paged_attention` reads. Built
 once per step per group and shared by every layer of the group, so a layer's
 work is one scatter and one gather per pool array.
 
@@ -18,7 +19,34 @@ import mlx.core as mx
 import numpy as np
 
 from blockmgr.errors import InvalidArgument
-from cache.paged_attention import PairIndex, pair_index
+from cache.page_pool import head_rows
+
+
+# Masked scores: finite (so a query row with no visible key, which only
+# padding rows can have, gives a finite mean instead of NaN) and far below
+# any real score once the softmax runs in float32.
+MASKED = -1e30
+
+
+@dataclass(frozen=True, slots=True)
+class PairIndex:
+    """Ragged (row, head, page) pairs of one step for one kv-head count, for
+    `cache.paged_attention`. Pairs are ordered row b, then head h, then page j:
+
+        pair k:  rows[k] = h * num_blocks + page[b, j]   (pool row, head-major)
+                 bh[k]   = b * H + h                     (query group)
+        pad[bh * P + j] = k, or num_pairs where row b has no page j, which
+        indexes one extra row appended to a per-pair tensor (zeros or MASKED)
+        so that per-(b, h) reductions become a take + reshape + reduce.
+    """
+
+    num_pairs: int
+    n_kv_heads: int
+    max_pages: int  # P: most pages any row sees
+    rows: mx.array  # [num_pairs] int32 head-major pool rows
+    bh: mx.array  # [num_pairs] int32 query group b * H + h
+    pad: mx.array  # [B * H * P] int32 pair of (bh, j), num_pairs if none
+    mask: mx.array  # [num_pairs, block_size, 1, N] float32, 0 visible / MASKED
 
 
 @dataclass(slots=True)
@@ -65,7 +93,13 @@ class StepPlan:
     def first_run_page(self) -> int | None:
         """Exact mode: the first gathered page when the gathered pages are
         consecutive ids (a fresh pool hands a lone sequence such runs), so
-        the history is a strided view of the pool; else None. O(P)."""
+        the history is a strided view of the pool; else None. O(P) once per
+        step (cached)."""
+        if "run" not in self._index:
+            self._index["run"] = self._find_run()
+        return self._index["run"]
+
+    def _find_run(self) -> int | None:
         if not self.exact:
             return None
         row = self.pages[0]
@@ -87,9 +121,8 @@ class StepPlan:
 
     def _build_write_index(self, h: int):
         pages, cols = self.write_pages, self.write_cols  # [B, N] int32
-        heads = np.arange(0, h * self.num_blocks, self.num_blocks, dtype=np.int32)[:, None]
-        rows = heads + pages[:, None, :]  # [B, H, N]
-        cols = cols[:, None, :] + np.zeros_like(heads)
+        rows = head_rows(pages, h, self.num_blocks)  # [B, H, N]
+        cols = cols[:, None, :] + np.zeros((1, h, 1), dtype=cols.dtype)  # [B, H, N]
         if self.dense:
             return None, mx.array(rows.ravel()), mx.array(cols.ravel())
         b, j = np.nonzero(pages >= 0)  # real tokens only
@@ -101,21 +134,41 @@ class StepPlan:
         """Head-major pool rows of the gathered pages, ``[B * H * P]``."""
         key = ("g", n_kv_heads)
         if key not in self._index:
-            step = self.num_blocks
-            heads = np.arange(0, n_kv_heads * step, step, dtype=np.int32)[:, None]
-            self._index[key] = mx.array((heads + self.pages[:, None, :]).ravel())
+            self._index[key] = mx.array(head_rows(self.pages, n_kv_heads, self.num_blocks).ravel())
         return self._index[key]
 
     def pair_index(self, n_kv_heads: int) -> PairIndex:
-        """The step's (row, head, page) pairs for `paged_attention` (cached)."""
+        """The step's (row, head, page) pairs and their masks (cached).
+
+        O(pairs * block_size * N) numpy work, once per step, shared by every
+        layer with `n_kv_heads`."""
         key = ("p", n_kv_heads)
         if key not in self._index:
-            self._index[key] = pair_index(
-                self.pages, self.valid // self.block_size, self.base,
-                np.asarray(self.offsets, dtype=np.int64), self.num_queries,
-                self.block_size, self.num_blocks, n_kv_heads, self.window,
-            )
+            self._index[key] = self._build_pair_index(n_kv_heads)
         return self._index[key]
+
+    def _build_pair_index(self, h: int) -> PairIndex:
+        bsz, width = self.pages.shape
+        bs = self.block_size
+        counts = (self.valid // bs).astype(np.int64)  # real pages per row
+        per_row = counts * h
+        num_pairs = int(per_row.sum())
+        b = np.repeat(np.arange(bsz), per_row)
+        within = np.arange(num_pairs) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        head = within // counts[b]
+        j = within % counts[b]
+        rows = head * self.num_blocks + self.pages[b, j]
+        bh = b * h + head
+        pad = np.full(bsz * h * width, num_pairs, dtype=np.int64)
+        pad[bh * width + j] = np.arange(num_pairs)
+        keys = (self.base[b] + j * bs)[:, None] + np.arange(bs)[None]  # [pairs, bs]
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        queries = offsets[b][:, None] + np.arange(self.num_queries)[None]  # [pairs, N]
+        visible = keys[:, :, None] <= queries[:, None, :]
+        if self.window is not None:
+            visible &= keys[:, :, None] > queries[:, None, :] - self.window
+        mask = np.where(visible, 0.0, MASKED).astype(np.float32)[:, :, None, :]
+        return PairIndex(num_pairs, h, width, _i32(rows), _i32(bh), _i32(pad), mx.array(mask))
 
     def made_mask(self, window: int | None):
         """The array `mask` last returned for `window` (None if none was built)."""
