@@ -103,6 +103,7 @@ def test_scatter_batch32_one_layer(benchmark, layer_pool):
         view = RecurrentView(layer_pool, batch)
         for i, a in enumerate(values):
             view[i] = a
+        view.commit()
         layer_pool.flush()  # in place: nothing else holds the pool arrays
 
     benchmark(scatter)
@@ -144,19 +145,28 @@ def test_tiny_decode_step(benchmark, name, storage):
         pools = RecurrentPools.for_model(model, num_slots=8)
         cache = [None if i in pools else KVCache() for i in range(len(model.layers))]
 
+    views: dict = {}
+
     def caches():
         if pools is None:
             return cache
-        views = pools.views([5])
+        views.clear()
+        views.update(pools.views([5]))
         return [views.get(i) or cache[i] for i in range(len(cache))]
 
+    def commit():
+        for view in views.values():
+            view.commit()
+
     mx.eval(model(prompt, cache=caches()))
+    commit()
     token = mx.array([[7]])
 
     def step():
         logits = model(token, cache=caches())
         mx.eval(logits)
         if pools is not None:
+            commit()
             pools.flush()
         for c in cache:  # keep the attention history fixed between rounds
             if isinstance(c, KVCache):

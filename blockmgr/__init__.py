@@ -4,7 +4,7 @@ No MLX here: the manager decides and returns memory-op plans
 (`blockmgr.ops`) that the storage layers apply.
 """
 
-from blockmgr.config import BlockManagerConfig
+from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
     BlockManagerError,
     DuplicateSequence,
@@ -17,6 +17,8 @@ from blockmgr.errors import (
     SequenceSwapped,
     UnknownSequence,
 )
+from blockmgr.grouped import GroupedStore
+from blockmgr.kv_store import KVStore
 from blockmgr.manager import BlockManager
 from blockmgr.ops import (
     NO_OPS,
@@ -29,7 +31,7 @@ from blockmgr.ops import (
     SwapOutSlot,
     ZeroSlot,
 )
-from blockmgr.prefix_trie import PrefixCacheListener
+from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PrefixCacheStats
 
@@ -41,8 +43,11 @@ __all__ = [
     "CopyBlock",
     "CopySlot",
     "DuplicateSequence",
+    "GroupedStore",
+    "GroupedStoreConfig",
     "IntegrityError",
     "InvalidArgument",
+    "KVStore",
     "MemoryOp",
     "NO_OPS",
     "NoSnapshot",
@@ -50,6 +55,7 @@ __all__ = [
     "OutOfHostMemory",
     "OutOfSlots",
     "PrefixCacheListener",
+    "PrefixMatch",
     "PrefixCacheStats",
     "SequenceSwapped",
     "SwapIn",

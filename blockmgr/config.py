@@ -61,6 +61,69 @@ class BlockManagerConfig:
         return int(self.watermark * self.num_blocks)
 
 
+@dataclass(slots=True, frozen=True)
+class GroupedStoreConfig:
+    """The layer groups of one model; validated on construction (`ValueError`).
+
+    windows: one entry per layer group: None for full attention, else the
+        sliding window W in tokens. Entries are distinct. Group 0 also keeps
+        the recurrent slots (and the token ids every group shares).
+    num_blocks: KV pages of each full-attention group.
+    window_blocks: KV pages of each sliding-window group (None: num_blocks).
+    block_size, num_slots, enable_prefix_cache, watermark, num_host_blocks,
+    num_host_slots: as in `BlockManagerConfig` (host pages per group).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    windows: tuple[int | None, ...] = (None,)
+    num_slots: int = 0
+    enable_prefix_cache: bool = True
+    watermark: float = 0.0
+    window_blocks: int | None = None
+    num_host_blocks: int = 0
+    num_host_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.windows, tuple) or not self.windows:
+            raise ValueError(f"windows must be a non-empty tuple, got {self.windows!r}")
+        for window in self.windows:
+            if window is not None:
+                _require_int("a sliding window", window, minimum=1)
+        if len(set(self.windows)) != len(self.windows):
+            raise ValueError(f"windows must be distinct, got {self.windows!r}")
+        if self.window_blocks is not None:
+            _require_int("window_blocks", self.window_blocks, minimum=1)
+        for index in range(len(self.windows)):
+            self.group_config(index)  # validates every other field
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_slots > 0
+
+    def group_config(self, index: int) -> BlockManagerConfig:
+        """The `BlockManagerConfig` of group `index`."""
+        window = self.windows[index]
+        first = index == 0
+        num_blocks = self.num_blocks
+        if window is not None and self.window_blocks is not None:
+            num_blocks = self.window_blocks
+        return BlockManagerConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_slots=self.num_slots if first else 0,
+            enable_prefix_cache=self.enable_prefix_cache,
+            watermark=self.watermark,
+            sliding_window=window,
+            num_host_blocks=self.num_host_blocks,
+            num_host_slots=self.num_host_slots if first else 0,
+        )
+
+
 def _require_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")

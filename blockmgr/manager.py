@@ -62,11 +62,18 @@ class BlockManager:
     """
 
     def __init__(
-        self, config: BlockManagerConfig, listener: PrefixCacheListener | None = None
+        self,
+        config: BlockManagerConfig,
+        listener: PrefixCacheListener | None = None,
+        *,
+        group: int = 0,
     ) -> None:
+        """`group`: the layer group this manager keeps (stamped on its page
+        ops, see `blockmgr.ops`); 0 when it is a model's only manager."""
         if not isinstance(config, BlockManagerConfig):
             raise InvalidArgument(f"config must be a BlockManagerConfig, got {config!r}")
         self.config = config
+        self._group = group
         self._block_size = config.block_size
         self._window = config.sliding_window
         self._pages = RefCountedPool(config.num_blocks)
@@ -74,7 +81,7 @@ class BlockManager:
         self._host_pages = RefCountedPool(config.num_host_blocks)
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._trie = (
-            PrefixTrie(config.block_size, self._pages, self._slots, listener)
+            PrefixTrie(config.block_size, self._pages, self._slots, listener, config.sliding_window)
             if config.enable_prefix_cache
             else None
         )
@@ -86,6 +93,19 @@ class BlockManager:
         self._num_hit_tokens = 0
 
     # ------------------------------------------------------------- queries
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when sequences carry recurrent state (slots)."""
+        return self._slots is not None
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        return self._trie is not None
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -167,22 +187,48 @@ class BlockManager:
         _check_namespace(namespace)
         return self._match(namespace, tokens).num_tokens
 
-    def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
-        """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
+    def find_prefix(
+        self, tokens: Iterable[int], namespace: Hashable = None, limit: int | None = None
+    ) -> PrefixMatch:
+        """The longest cached prefix of `tokens` this manager can serve, at
+        most `limit` tokens (default and cap: len - 1). Changes nothing.
+
+        A hit is not downward closed (a recurrent snapshot or a sliding
+        window's pages exist only at some points), so a caller combining
+        managers asks each again with the shorter limit (see
+        `GroupedStore.allocate`). Pass the result to `allocate(match=...)`
+        before any other call on this manager. O(matched tokens + depth).
+        """
         tokens = _prompt_list(tokens)
         _check_namespace(namespace)
-        match = self._match(namespace, tokens)
+        return self._match(namespace, tokens, limit)
+
+    def can_allocate(
+        self, tokens: Iterable[int], namespace: Hashable = None, *, match: PrefixMatch | None = None
+    ) -> bool:
+        """Would `allocate(..., tokens, namespace, match=match)` succeed now?
+        Changes nothing."""
+        tokens = _prompt_list(tokens)
+        _check_namespace(namespace)
+        if match is None:
+            match = self._match(namespace, tokens)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens)
         return self._with_match_held(match, self._can_reserve, num_pages + self._watermark(), 1)
 
     def allocate(
-        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
+        self,
+        seq_id: Hashable,
+        tokens: Iterable[int],
+        namespace: Hashable = None,
+        *,
+        match: PrefixMatch | None = None,
     ) -> Allocation:
         """Reserve pages (and a slot) for a new sequence's prompt.
 
-        Shares the longest usable cached prefix; `num_cached_tokens` of the
-        result says how many tokens need no compute (at most len - 1). Evicts
-        least recently used cache entries when memory is short; raises
+        Shares the longest usable cached prefix (or `match`, a `find_prefix`
+        result of this manager with no call in between); `num_cached_tokens`
+        of the result says how many tokens need no compute (at most len - 1).
+        Evicts least recently used cache entries when memory is short; raises
         `OutOfBlocks` / `OutOfSlots` (changing nothing) when that is not
         enough, `DuplicateSequence` for a live id. O(prompt pages + matched
         tokens).
@@ -190,7 +236,8 @@ class BlockManager:
         self._check_new_id(seq_id)
         tokens = _prompt_list(tokens)
         _check_namespace(namespace)
-        match = self._match(namespace, tokens)
+        if match is None:
+            match = self._match(namespace, tokens)
         num_tokens, num_cached = len(tokens), match.num_tokens
         num_pages = self._num_new_pages(num_tokens, num_cached)
         self._hold_match(match)
@@ -213,6 +260,7 @@ class BlockManager:
             table,
             slot,
             node,
+            match.num_released,
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
         )
@@ -227,14 +275,15 @@ class BlockManager:
         if match.node is not None:
             self._trie.lock(match.node)
         pages = match.pages
-        if len(pages) > match.num_locked_pages:
-            self._pages.incref_all(pages[match.num_locked_pages :])
+        first_owned = max(match.num_locked_pages, match.num_released)
+        if len(pages) > first_owned:
+            self._pages.incref_all(pages[first_owned:])
 
     def _release_match(self, match: PrefixMatch) -> None:
         """Undo `_hold_match` (the trie still holds the pages: none is freed)."""
         if match.node is not None:
             self._trie.unlock(match.node)
-        self._pages.release_all(match.pages[match.num_locked_pages :])
+        self._pages.release_all(match.pages[max(match.num_locked_pages, match.num_released) :])
 
     def _own_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
         """The sequence's first pages: the held matched ones, the last copied
@@ -246,7 +295,7 @@ class BlockManager:
             src = table[-1]  # past the locked path, so owned (not borrowed)
             table[-1] = self._pages.take_one()
             self._pages.release(src)  # after the take: src cannot be handed out here
-            ops.append(CopyBlock(src, table[-1]))
+            ops.append(CopyBlock(src, table[-1], self._group))
         return table
 
     def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int:
@@ -312,7 +361,7 @@ class BlockManager:
             src = seq.block_table[-1]
             seq.block_table[-1] = self._pages.take_one()
             self._pages.release(src)  # shared, so it stays alive for the copy
-            ops.append(CopyBlock(src, seq.block_table[-1]))
+            ops.append(CopyBlock(src, seq.block_table[-1], self._group))
         if copy_slot:
             src = seq.slot
             seq.slot = self._slots.take_one()
@@ -471,7 +520,7 @@ class BlockManager:
         seq = self._resident(seq_id)
         num_tokens = self._computed_count(seq, num_tokens)
         trie = self._trie
-        if trie is None or num_tokens == 0 or seq.num_released:
+        if trie is None or num_tokens == 0:
             return NO_OPS
         snapshot = None
         if seq.slot is not None:
@@ -517,7 +566,7 @@ class BlockManager:
             return NO_OPS
         trie = self._trie
         node = seq.locked_node
-        if trie is not None and num_computed and not seq.num_released:
+        if trie is not None and num_computed:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
             start = node if seq.anchored and node.end <= num_computed else None
             trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start)
@@ -590,17 +639,17 @@ class BlockManager:
         seq.swapped = False
         return tuple(ops)
 
-    @staticmethod
-    def _move_storage(seq: Sequence, pages: tuple, slots: tuple) -> list[MemoryOp]:
+    def _move_storage(self, seq: Sequence, pages: tuple, slots: tuple) -> list[MemoryOp]:
         """Give the sequence new pages (and slot) from another pool, with the
         copy ops. `pages` / `slots`: (from pool, to pool, op type). The target
         pools are known to have room."""
         pages_from, pages_to, page_op = pages
+        group = self._group
         ops: list[MemoryOp] = []
         table = seq.block_table
         for index in range(seq.num_released, len(table)):
             new_page = pages_to.take_one()
-            ops.append(page_op(table[index], new_page))
+            ops.append(page_op(table[index], new_page, group))
             pages_from.release(table[index])
             table[index] = new_page
         if seq.slot is not None:
@@ -660,10 +709,16 @@ class BlockManager:
             )
         return num_computed
 
-    def _match(self, namespace: Hashable, tokens: list[int]) -> PrefixMatch:
+    def _match(
+        self, namespace: Hashable, tokens: list[int], limit: int | None = None
+    ) -> PrefixMatch:
         if self._trie is None:
             return _NO_MATCH
-        return self._trie.match(namespace, tokens, limit=len(tokens) - 1)
+        cap = len(tokens) - 1
+        if limit is not None:
+            _check_count("limit", limit)
+            cap = min(cap, limit)
+        return self._trie.match(namespace, tokens, limit=cap)
 
     def _num_new_pages(self, num_tokens: int, num_cached: int) -> int:
         block_size = self._block_size

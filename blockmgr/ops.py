@@ -7,8 +7,10 @@ forward passes are applied in call order; a page or slot freed by one call and
 handed out again by a later one is therefore only written after every earlier
 op that read it.
 
-Ops are small frozen records; applying them is the storage's business (one
-batched gather/scatter per layer per step, not one per op).
+Page ops (`CopyBlock`, `SwapOut`, `SwapIn`) name the layer group whose pages
+they move (`group`, 0 for a single group); slot ops need none: a model has one
+slot pool. Ops are small frozen records; applying them is the storage's
+business (one batched gather/scatter per layer per step, not one per op).
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from typing import Union
 
 @dataclass(frozen=True, slots=True)
 class CopyBlock:
-    """Copy every token position of page `src` into page `dst` (copy-on-write)."""
+    """Copy every token position of page `src` into page `dst` (copy-on-write).
+
+    `group`: the layer group whose pages these are (0 for a single group).
+    """
 
     src: int
     dst: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +48,20 @@ class ZeroSlot:
 
 @dataclass(frozen=True, slots=True)
 class SwapOut:
-    """Copy device page `src` into host page `dst` (preemption by swap)."""
+    """Copy device page `src` into host page `dst` (preemption by swap), in `group`."""
 
     src: int
     dst: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SwapIn:
-    """Copy host page `src` back into device page `dst`."""
+    """Copy host page `src` back into device page `dst`, in `group`."""
 
     src: int
     dst: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)

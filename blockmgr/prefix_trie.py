@@ -14,6 +14,14 @@ Invariant (valid data): a node's page at index j holds correct KV for every
 path position in page j below the node's end. A deeper node's page is
 therefore the one to use for a straddled index.
 
+With a sliding window W (the trie of a sliding-window layer group) a node
+keeps only the pages a hit can use: an insert ending at L keeps the pages of
+the W tokens before L (a hit at p needs the keys in [p - W + 1, p)); the
+others are `None` in `blocks`. A hit at p is served when every page of the
+window before p is present along the path (see `design/prefix_trie.md`).
+Such a trie splits a node where an insert ends (a new hit point) and never
+merges nodes.
+
 In hybrid mode (recurrent slots) a node may also hold a slot with the
 recurrent state exactly at its end. A node without one is a *tombstone*: its
 pages can be shared, but no match may end there. No leaf is a tombstone.
@@ -64,7 +72,7 @@ class TrieNode:
     start: int
     end: int
     parent: TrieNode | None
-    blocks: list[int]
+    blocks: list[int | None]  # None: a page no hit needs (sliding window only)
     children: dict[int, TrieNode] = field(default_factory=dict)
     slot: int | None = None
     lock_count: int = 0
@@ -95,6 +103,9 @@ class PrefixMatch:
     num_locked_pages: the first pages, up to `node.end // block_size`, lie
         wholly inside the path to `node`: a node of that path holds each of
         them, so locking `node` keeps them alive without another reference.
+    num_released: sliding window only: the first pages the hit does not need
+        (they are `None` in `pages`): the new sequence starts with them
+        released.
     """
 
     num_tokens: int = 0
@@ -104,6 +115,7 @@ class PrefixMatch:
     branch_point: int | None = None
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
+    num_released: int = 0
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -135,8 +147,11 @@ class PrefixTrie:
         pages: RefCountedPool,
         slots: RefCountedPool | None,
         listener: PrefixCacheListener | None = None,
+        window: int | None = None,
     ) -> None:
+        """`window`: the sliding window of the layer group (None: full attention)."""
         self._block_size = block_size
+        self._window = window
         self._pages = pages
         self._slots = slots
         self._hybrid = slots is not None
@@ -172,9 +187,35 @@ class PrefixTrie:
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
+        if self._window is not None:
+            num_usable = self._window_usable(path, num_usable)
+            branch_point = num_matched if num_usable < num_matched < len(tokens) else None
+        else:
+            branch_point = None
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, None, None)
+        return self._make_match(path, num_usable, None, branch_point)
+
+    def _window_usable(self, path: list[TrieNode], num_tokens: int) -> int:
+        """The longest hit <= `num_tokens` whose window pages are all present
+        along `path` (sliding window). Pure; O(path pages) per hole jumped.
+
+        A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
+        missing at index j, no hit past j * bs can be served: jump there.
+        """
+        block_size, window = self._block_size, self._window
+        p = num_tokens
+        while p > 0:
+            while path and path[-1].start >= p:
+                path = path[:-1]
+            pages = self._pages_along(path)
+            first = max(0, p - window + 1) // block_size
+            last = (p - 1) // block_size
+            hole = _last_none(pages, first, last)
+            if hole is None:
+                return p
+            p = hole * block_size
+        return 0
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -217,12 +258,25 @@ class PrefixTrie:
                 break
             if node.slot is not None:
                 snapshot_depth = depth
+        while self._window is not None and snapshot_depth is not None:
+            end = path[snapshot_depth].end
+            if self._window_usable(path[: snapshot_depth + 1], end) == end:
+                break
+            snapshot_depth = self._shallower_snapshot(path, snapshot_depth)
         num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
         branch_point = num_matched if num_usable < num_matched < num_tokens else None
         if snapshot_depth is None:
             return PrefixMatch(branch_point=branch_point)
         del path[snapshot_depth + 1 :]
         return self._make_match(path, num_usable, path[-1].slot, branch_point)
+
+    @staticmethod
+    def _shallower_snapshot(path: list[TrieNode], depth: int) -> int | None:
+        """The depth of the next node above `depth` holding a slot, if any."""
+        for shallower in range(depth - 1, -1, -1):
+            if path[shallower].slot is not None:
+                return shallower
+        return None
 
     def _make_match(
         self,
@@ -241,7 +295,14 @@ class PrefixTrie:
         if lock.end > num_tokens:
             lock = path[-2] if len(path) > 1 else None
         num_locked_pages = lock.end // block_size if lock is not None else 0
-        return PrefixMatch(num_tokens, pages, lock, slot, branch_point, path, num_locked_pages)
+        num_released = 0
+        if self._window is not None:
+            # Pages before the window of the first new token stay released.
+            num_released = max(0, num_tokens - self._window + 1) // block_size
+            pages[:num_released] = [None] * num_released
+        return PrefixMatch(
+            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
+        )
 
     def _pages_along(self, path: list[TrieNode]) -> list[int]:
         """One page per index; at a straddled index the deeper node's page."""
@@ -307,7 +368,7 @@ class PrefixTrie:
         self,
         namespace: Hashable,
         tokens: list[int],
-        pages: list[int],
+        pages: list[int | None],
         slot: int | None = None,
         start: TrieNode | None = None,
     ) -> tuple[TrieNode, bool]:
@@ -320,7 +381,15 @@ class PrefixTrie:
         whether the slot was taken.
         `start`, a node known to spell `tokens[:start.end]`, skips comparing
         that part again. O(len(tokens) + depth).
+
+        Sliding window: only the pages of the window before `len(tokens)` are
+        kept (`None` entries of `pages`, released pages, are skipped), and
+        they also fill the holes of the nodes the insert walks through, so
+        the new end is a hit point.
         """
+        windowed = self._window is not None
+        if windowed:
+            pages = self._window_pages(pages, len(tokens))
         if start is not None:
             node, pos = start, start.end
             path = self._path_to(start)
@@ -344,7 +413,7 @@ class PrefixTrie:
                 break
             num_common = common_prefix_length(child.tokens, tokens, pos)
             if num_common < len(child.tokens):
-                if pos + num_common == num_tokens and slot is None:
+                if pos + num_common == num_tokens and slot is None and not windowed:
                     path.append(child)  # ends inside: nothing new to store
                     pos = num_tokens
                     break
@@ -352,6 +421,8 @@ class PrefixTrie:
             node = child
             path.append(node)
             pos += num_common
+        if windowed:
+            self._fill_holes(path, pages, num_tokens)
         took_slot = slot is not None and node.slot is None and node.parent is not None
         if took_slot:
             self._slots.incref(slot)
@@ -360,8 +431,33 @@ class PrefixTrie:
         self.touch(path)
         return (node if node.parent is not None else None), took_slot
 
+    def _window_pages(self, pages: list[int | None], num_tokens: int) -> list[int | None]:
+        """`pages` with `None` outside the window before `num_tokens` (the
+        pages a hit there needs). O(pages)."""
+        first = max(0, num_tokens - self._window + 1) // self._block_size
+        kept = pages[: -(-num_tokens // self._block_size)]
+        kept[:first] = [None] * min(first, len(kept))
+        return kept
+
+    def _fill_holes(self, path: list[TrieNode], pages: list[int | None], num_tokens: int) -> None:
+        """Give the nodes of `path` (all ending at or before `num_tokens`, so
+        the sequence's pages hold their positions) the pages of the window
+        before `num_tokens` they lack. O(window pages + depth)."""
+        block_size = self._block_size
+        first = max(0, num_tokens - self._window + 1) // block_size
+        for node in reversed(path):
+            if node.end <= first * block_size:
+                return  # wholly before the window
+            first_index = node.start // block_size
+            blocks = node.blocks
+            for i in range(max(0, first - first_index), len(blocks)):
+                index = first_index + i
+                if blocks[i] is None and index < len(pages) and pages[index] is not None:
+                    blocks[i] = pages[index]
+                    self._hold_pages([blocks[i]])
+
     def _add_child(
-        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int]
+        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int | None]
     ) -> TrieNode:
         block_size = self._block_size
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
@@ -372,7 +468,7 @@ class PrefixTrie:
         if len(children) == 1:
             self._reindex(parent)  # it was a leaf
         if self._listener is not None:
-            self._listener.stored(list(blocks), child.tokens)
+            self._listener.stored(self._present(blocks), child.tokens)
         return child
 
     def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
@@ -387,7 +483,7 @@ class PrefixTrie:
         cut = node.start + num_head_tokens
         head_blocks = node.blocks[: -(-cut // block_size) - first_index]
         tail_blocks = node.blocks[cut // block_size - first_index :]
-        if cut % block_size:
+        if cut % block_size and node.blocks[cut // block_size - first_index] is not None:
             self._hold_pages([node.blocks[cut // block_size - first_index]])
         parent = node.parent
         head = self._new_node(
@@ -414,8 +510,14 @@ class PrefixTrie:
         return path
 
     def _try_merge(self, node: TrieNode | None) -> None:
-        """Merge a non-snapshot node into its only child when locks agree."""
+        """Merge a non-snapshot node into its only child when locks agree.
+
+        A sliding-window trie never merges: each node end is a hit point whose
+        window pages the merged node could not keep.
+        """
         if node is None or node.parent is None or node.slot is not None:
+            return
+        if self._window is not None:
             return
         if len(node.children) != 1:
             return
@@ -423,7 +525,7 @@ class PrefixTrie:
         if child.lock_count != node.lock_count:
             return
         if child.start % self._block_size:
-            self._drop_pages([node.blocks[-1]])  # the child's page supersedes it
+            self._drop_pages(self._present(node.blocks[-1:]))  # the child's page supersedes it
             head_blocks = node.blocks[:-1]
         else:
             head_blocks = node.blocks
@@ -461,7 +563,7 @@ class PrefixTrie:
                 if key is None:
                     return False
                 node = self._nodes[key[1]]
-            for page in node.blocks:
+            for page in self._present(node.blocks):
                 count = pending.get(page, 0) + 1
                 pending[page] = count
                 if count == self._pages.refcount(page):
@@ -478,7 +580,8 @@ class PrefixTrie:
     def _sole_pages(self, node_id: int) -> int:
         """Pages of a node that nothing else references."""
         refcount = self._pages.refcount
-        return len({page for page in self._nodes[node_id].blocks if refcount(page) == 1})
+        blocks = self._present(self._nodes[node_id].blocks)
+        return len({page for page in blocks if refcount(page) == 1})
 
     def evict_pages(self, num_free_wanted: int) -> None:
         """Evict LRU unlocked leaves until the page pool has `num_free_wanted` free."""
@@ -535,7 +638,7 @@ class PrefixTrie:
         while True:
             parent = node.parent
             del parent.children[node.tokens[0]]
-            num_freed = self._drop_pages(node.blocks)
+            num_freed = self._drop_pages(self._present(node.blocks))
             if node.slot is not None:
                 self._slots.release(node.slot)
                 node.slot = None
@@ -543,7 +646,7 @@ class PrefixTrie:
             self.num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
-                self._listener.removed(list(node.blocks))
+                self._listener.removed(self._present(node.blocks))
             self._detach(node)
             if parent.parent is None:
                 if not parent.children:
@@ -585,8 +688,16 @@ class PrefixTrie:
         self._reindex(node)
         del self._nodes[node.node_id]
 
-    def _hold_pages(self, pages: list[int]) -> None:
+    def _present(self, blocks: list[int | None]) -> list[int]:
+        """The pages of `blocks` that are held (all of them without a window)."""
+        if self._window is None:
+            return list(blocks)
+        return [page for page in blocks if page is not None]
+
+    def _hold_pages(self, pages: list[int | None]) -> None:
         """Take the trie's reference to each page. O(len(pages))."""
+        if self._window is not None:
+            pages = self._present(pages)
         self._pages.incref_all(pages)
         refs = self._page_trie_refs
         num_new = 0
@@ -645,7 +756,7 @@ class PrefixTrie:
     def add_references(self, page_refs: list[int], slot_refs: list[int] | None) -> None:
         """Add the trie's page and slot references to the given counters."""
         for node in self._nodes.values():
-            for page in node.blocks:
+            for page in self._present(node.blocks):
                 page_refs[page] += 1
             if node.slot is not None:
                 slot_refs[node.slot] += 1
@@ -705,7 +816,9 @@ class PrefixTrie:
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.blocks) != num_blocks:
             raise IntegrityError(f"{where} holds {len(node.blocks)} pages, needs {num_blocks}")
-        for page in node.blocks:
+        if self._window is None and None in node.blocks:
+            raise IntegrityError(f"{where} lacks a page without a sliding window")
+        for page in self._present(node.blocks):
             held_refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
             raise IntegrityError(
@@ -716,7 +829,7 @@ class PrefixTrie:
             raise IntegrityError(f"{where} is a tombstone leaf")
         if not self._hybrid and node.slot is not None:
             raise IntegrityError(f"{where} holds a slot without recurrent state")
-        if node.slot is None and len(node.children) == 1:
+        if node.slot is None and len(node.children) == 1 and self._window is None:
             (child,) = node.children.values()
             if child.lock_count == node.lock_count:
                 raise IntegrityError(f"{where} should have been merged into its child")
@@ -726,3 +839,13 @@ class PrefixTrie:
         want_slot = key if unlocked and node.slot is not None else None
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
             raise IntegrityError(f"{where} has stale LRU keys")
+
+
+def _last_none(pages: list[int | None], first: int, last: int) -> int | None:
+    """The highest index in [first, last] whose page is None (or missing)."""
+    if last >= len(pages):
+        return last
+    for index in range(last, first - 1, -1):
+        if pages[index] is None:
+            return index
+    return None

@@ -10,11 +10,12 @@
   by `PagedCache` unless ``paged_attention=False``).
 * `host_pool`: `HostPagePool`, host copies of pages (swap space).
 * `buckets`: `length_buckets`, decode batches split by length.
-* `paged_cache`: `PagedCache`, pools + block managers for one model.
+* `paged_cache`: `PagedCache`, the pools and grouped store of one model.
 
-Imports go one way: `cache` -> `blockmgr`. The one exception is
-`PagedCache.for_model` for hybrid models, which builds the default
-recurrent backend (`recurrent.RecurrentPools`) with a lazy import.
+Imports go one way: `cache` -> `blockmgr`; `cache` never imports
+`recurrent` (a `PagedCache` is handed its recurrent backend). The public
+`PagedCache.for_model` forwards to `scheduler.storage.build_storage`, which
+composes both.
 """
 
 from cache.buckets import length_buckets

@@ -1,42 +1,51 @@
-"""`PagedCache`: the page pools and block managers of one mlx-lm model.
+"""`PagedCache`: page pools, slot storage and the grouped store of one model.
 
-Layers are grouped by attention window: full-attention layers share one
-`BlockManager` (and its page ids), each distinct sliding window gets its own
-manager with ``sliding_window`` set, so pages that fall out of the window are
-released. Recurrent layers (``ArraysCache``) use slots of the first group's
-manager; their storage is a backend (see `RecurrentBackend`) injected into
-the constructor. `for_model` builds the default backend
-(`recurrent.RecurrentPools`) when the model has recurrent layers and none is
-given: the only reference from `cache` to `recurrent`, a lazy import in that
-convenience constructor (module imports of `cache` never load `recurrent`).
+Storage only: the bookkeeping of every layer group (one per distinct
+attention window, group 0 also keeping the recurrent slots) is a pure-Python
+`blockmgr.GroupedStore` (`store`). `PagedCache` applies the memory-op plans
+its calls return, queued and applied in one batched op per layer group
+before the next forward (`flush`), builds the per-layer views, and keeps
+each sequence's computed count: tokens count as computed only once the
+forward that writes them finished (`step`, see below).
 
-Every sequence call has the manager's meaning; the memory-op plans it returns
-are queued and applied in one batched op per layer before the next forward
-(`flush`, called by the views when a step starts).
+Recurrent layers (``ArraysCache``) keep their state in slots of a backend
+(`RecurrentBackend`, e.g. `recurrent.RecurrentPools`) handed to the
+constructor; `cache` never imports `recurrent`. `PagedCache.for_model`
+(the public way to build storage for an mlx-lm model) forwards to
+`scheduler.storage.build_storage`, the one function that composes both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
-from blockmgr import Allocation, BlockManager, BlockManagerConfig
-from blockmgr.errors import (
-    InvalidArgument,
-    OutOfBlocks,
-    OutOfHostMemory,
-    SequenceSwapped,
-    UnknownSequence,
-)
+from blockmgr import Allocation, BlockManager, GroupedStore, GroupedStoreConfig
+from blockmgr.errors import IntegrityError, InvalidArgument, SequenceSwapped, UnknownSequence
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
-from cache.layers import LayerKind, LayerSpec, layer_specs
+from cache.layers import LayerKind, LayerSpec
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
 from cache.views import AttentionView, BatchState, RecurrentLayerView
+
+Plan = tuple[MemoryOp, ...]
+
+
+class RecurrentStepView(Protocol):
+    """One recurrent layer's view of one step (mlx-lm's ``ArraysCache`` protocol).
+
+    Writes (`view[i] = x`) are kept by the view until `commit()` stores them
+    in the slots, so a forward that fails part-way leaves the slots as they
+    were.
+    """
+
+    def commit(self) -> None: ...
 
 
 class RecurrentBackend(Protocol):
@@ -44,22 +53,27 @@ class RecurrentBackend(Protocol):
 
     `apply_plan` gets every slot op (`ZeroSlot`, `CopySlot`, `SwapOutSlot`,
     `SwapInSlot`) in call order; `views(slots, lengths)` gives one
-    ArraysCache-like view per recurrent layer for one forward pass.
+    ArraysCache-like view per recurrent layer for one forward pass;
+    `flush()` evaluates the state writes of committed steps.
     """
 
     @property
     def layers(self) -> tuple[int, ...]: ...
+    @property
+    def bytes_per_slot(self) -> int | None: ...
     def apply_plan(self, ops: Iterable[MemoryOp]) -> None: ...
-    def views(self, slots: Sequence[int], lengths: Sequence[int] | None = None) -> Mapping[int, Any]: ...
+    def views(
+        self, slots: Sequence[int], lengths: Sequence[int] | None = None
+    ) -> Mapping[int, RecurrentStepView]: ...
+    def flush(self) -> None: ...
 
 
 @dataclass(slots=True)
 class _Group:
-    """Layers sharing one block manager (same window)."""
+    """Storage of one layer group: its layers' page pools and host copies."""
 
     window: int | None
     layers: list[int]
-    bm: BlockManager
     pools: dict[int, PagePool] = field(default_factory=dict)
     host: dict[int, HostPagePool] = field(default_factory=dict)
     pending: list[CopyBlock | SwapOut | SwapIn] = field(default_factory=list)
@@ -67,19 +81,34 @@ class _Group:
 
 @dataclass(slots=True)
 class _SeqState:
-    computed: int  # tokens whose K/V are written
+    computed: int  # tokens whose K/V (and state) a finished forward wrote
     known: int  # leading tokens whose ids are real (views may add placeholders)
+    in_flight: int = 0  # tokens of a started step that has not finished yet
+    batch: BatchState | None = None  # the views running that step
+
+
+def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
+    """The layer groups of a model: full attention first (always present: it
+    keeps the token ids and slots), then each distinct sliding window."""
+    windows = sorted(
+        {s.window for s in specs if s.kind is not LayerKind.RECURRENT and s.window is not None}
+    )
+    return (None, *windows)
 
 
 class PagedCache:
-    """Paged KV storage + block managers for one model; see the module doc.
+    """Paged KV storage + the grouped store of one model; see the module doc.
 
     Tokens given to `allocate`/`append` get pages reserved; the next forward
-    through `views` computes them (all pending tokens, or the first N when
-    the input has N < pending tokens: chunked prefill). A forward over a
-    sequence with nothing pending reserves pages for its N input tokens
-    itself (mlx-lm's `generate_step`); their ids are unknown, so they never
-    enter the prefix trie.
+    through `step` (or `views`) computes them (all pending tokens, or the
+    first N when the input has N < pending tokens: chunked prefill). A
+    forward over a sequence with nothing pending reserves pages for its N
+    input tokens itself (mlx-lm's `generate_step`); their ids are unknown,
+    so they never enter the prefix trie.
+
+    Sequence calls have the `blockmgr` meaning and return their plan (the
+    `KVStore` protocol), which the cache also queues and applies itself: a
+    caller never applies it.
     """
 
     def __init__(
@@ -107,94 +136,119 @@ class PagedCache:
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
         if has_recurrent and (recurrent is None or num_slots < 1):
             raise InvalidArgument("recurrent layers need num_slots > 0 and a recurrent backend")
+        if num_slots and not has_recurrent:
+            raise InvalidArgument(
+                f"num_slots={num_slots!r} but the model has no recurrent layer (give 0)"
+            )
+        windows = layer_windows(specs)
+        self.store = GroupedStore(
+            GroupedStoreConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                windows=windows,
+                num_slots=num_slots,
+                enable_prefix_cache=enable_prefix_cache,
+                watermark=watermark,
+                window_blocks=window_blocks,
+                num_host_blocks=num_host_blocks,
+                num_host_slots=num_host_slots,
+            )
+        )
         self.specs = specs
         self.block_size = block_size
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
         self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}
-        windows = sorted({s.window for s in specs if s.kind is not LayerKind.RECURRENT},
-                         key=lambda w: (w is not None, w or 0))
-        if not windows or windows[0] is not None:
-            windows.insert(0, None)  # group 0 always exists: it holds tokens and slots
-        self._groups: list[_Group] = []
-        self._group_of: dict[int, int] = {}
-        for gi, w in enumerate(windows):
-            cfg = BlockManagerConfig(
-                num_blocks=num_blocks if w is None else (window_blocks or num_blocks),
-                block_size=block_size,
-                num_slots=num_slots if gi == 0 else 0,
-                enable_prefix_cache=enable_prefix_cache,
-                watermark=watermark,
-                sliding_window=w,
-                num_host_blocks=num_host_blocks,
-                num_host_slots=num_host_slots if gi == 0 else 0,
-            )
-            layers = [i for i, s in enumerate(specs)
-                      if s.kind is not LayerKind.RECURRENT and s.window == w]
-            self._groups.append(_Group(w, layers, BlockManager(cfg)))
-            for i in layers:
-                self._group_of[i] = gi
+        self._groups = [
+            _Group(w, [i for i, s in enumerate(specs)
+                       if s.kind is not LayerKind.RECURRENT and s.window == w])
+            for w in windows
+        ]
+        self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
 
     @classmethod
-    def for_model(
-        cls,
-        model: Any,
-        num_blocks: int,
-        block_size: int = 16,
-        *,
-        num_slots: int = 0,
-        recurrent: RecurrentBackend | None = None,
-        num_host_slots: int = 0,
-        **kwargs,
-    ) -> PagedCache:
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, **kwargs) -> PagedCache:
         """A cache laid out for `model` (layer kinds from `model.make_cache()`).
 
         For a hybrid model (``ArraysCache`` layers) give `num_slots` > 0; the
         recurrent storage defaults to ``recurrent.RecurrentPools.for_model(
-        model, num_slots)`` (one 1-token probe forward, every slot allocated
-        up front). Other keywords go to the constructor.
+        model, num_slots)``. Other keywords go to the constructor. The
+        composition lives in `scheduler.storage.build_storage`.
         """
-        specs = layer_specs(model)
-        if recurrent is None and num_slots > 0 and any(
-            s.kind is LayerKind.RECURRENT for s in specs
-        ):
-            recurrent = default_recurrent_backend(model, num_slots, num_host_slots)
-        return cls(specs, num_blocks, block_size, num_slots=num_slots, recurrent=recurrent,
-                   num_host_slots=num_host_slots, **kwargs)
+        from scheduler.storage import build_storage  # the one place cache meets recurrent
+
+        return build_storage(model, num_blocks, block_size, **kwargs)
 
     # --- inspection ----------------------------------------------------------
 
     @property
     def block_manager(self) -> BlockManager:
-        """The full-attention group's manager (tokens, slots, prefix trie)."""
-        return self._groups[0].bm
+        """Group 0's manager (full attention: token ids, slots, prefix trie)."""
+        return self.store.managers[0]
 
     @property
     def block_managers(self) -> tuple[BlockManager, ...]:
-        return tuple(g.bm for g in self._groups)
+        return self.store.managers
+
+    @property
+    def paged_attention(self) -> bool:
+        """Attention calls are served from the pools in place (see `views`)."""
+        return self._paged_attention
 
     def check_integrity(self) -> None:
-        """Run `check_integrity()` on every block manager (raises `IntegrityError`)."""
-        for g in self._groups:
-            g.bm.check_integrity()
+        """Raise `IntegrityError` if an invariant is broken: the store's (every
+        group's, and their agreement), and this cache's sequences are the
+        store's, with computed counts within their tokens."""
+        self.store.check_integrity()
+        if set(self._seqs) != set(self.store.sequence_ids()):
+            raise IntegrityError("the cache and its store hold different sequences")
+        for seq_id, state in self._seqs.items():
+            num_tokens = self.store.num_tokens(seq_id)
+            if not 0 <= state.computed <= num_tokens or state.computed + state.in_flight > num_tokens:
+                raise IntegrityError(
+                    f"{seq_id!r}: {state.computed} computed + {state.in_flight} in flight "
+                    f"of {num_tokens} tokens"
+                )
+            if state.known > num_tokens:
+                raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
 
     @property
     def recurrent(self) -> RecurrentBackend | None:
         """The recurrent-state backend (None for attention-only models)."""
         return self._recurrent
 
+    @property
+    def is_hybrid(self) -> bool:
+        return self.store.is_hybrid
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        return self.store.enable_prefix_cache
+
+    @property
+    def usage(self) -> float:
+        return self.store.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.store.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.store.num_cached_blocks
+
     def num_tokens(self, seq_id: Hashable) -> int:
-        return self.block_manager.num_tokens(seq_id)
+        return self.store.num_tokens(seq_id)
 
     def num_computed(self, seq_id: Hashable) -> int:
-        """Tokens of `seq_id` whose K/V have been written by a forward pass."""
+        """Tokens of `seq_id` whose K/V a finished forward pass wrote."""
         return self._state(seq_id).computed
 
     def block_table(self, seq_id: Hashable, layer: int | None = None) -> list[int | None]:
         """Page table of `seq_id` in `layer`'s group (default: full attention)."""
         group = 0 if layer is None else self._group_of[layer]
-        return self._groups[group].bm.block_table(seq_id)
+        return self.store.block_table(seq_id, group)
 
     @property
     def nbytes(self) -> int:
@@ -205,102 +259,68 @@ class PagedCache:
     def kv_bytes_in_use(self) -> int:
         """Bytes of the pages currently held (by sequences or the prefix trie)."""
         total = 0
-        for g in self._groups:
-            used = g.bm.config.num_blocks - g.bm.num_free_blocks
+        for g, bm in zip(self._groups, self.store.managers):
+            used = bm.config.num_blocks - bm.num_free_blocks
             total += used * sum(p.shape.page_nbytes for p in g.pools.values())
         return total
 
-    # --- sequence calls (the manager's meaning; plans applied by flush) -------
+    # --- sequence calls (the store's meaning; plans queued and applied here) --
 
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
-        tokens = list(tokens)
-        return all(g.bm.can_allocate(tokens, namespace) for g in self._groups)
+        return self.store.can_allocate(tokens, namespace)
 
-    def allocate(self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None) -> Allocation:
-        """Reserve pages for a prompt; reuse the longest prefix every group holds.
-
-        When groups hit different lengths (a sliding-window group keeps no
-        prefix once it has released pages), every group is cut to the
-        shortest hit. Raises like `BlockManager.allocate`; on failure no
-        group keeps the sequence.
-        """
-        tokens = list(tokens)
-        allocs: list[Allocation] = []
-        try:
-            for g in self._groups:
-                allocs.append(g.bm.allocate(seq_id, tokens, namespace))
-        except Exception:
-            for g, _ in zip(self._groups, allocs):
-                g.bm.free(seq_id, num_computed=0)
-            raise
-        cached = min(a.num_cached_tokens for a in allocs)
-        for gi, (g, a) in enumerate(zip(self._groups, allocs)):
-            self._queue(gi, a.ops)
-            if a.num_cached_tokens > cached:
-                self._queue(gi, g.bm.truncate(seq_id, cached))
-                self._queue(gi, g.bm.append(seq_id, tokens[cached:]))
-        self._seqs[seq_id] = _SeqState(cached, len(tokens))
-        first = allocs[0]
-        return Allocation(
-            seq_id, self.block_manager.block_table(seq_id), first.slot, first.ops,
-            cached, first.branch_point,
-        )
+    def allocate(
+        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
+    ) -> Allocation:
+        """Reserve pages for a prompt, reusing the longest prefix every group
+        can serve. Raises like `GroupedStore.allocate`, changing nothing."""
+        alloc = self.store.allocate(seq_id, tokens, namespace)
+        self._queue(alloc.ops)
+        num_tokens = self.store.num_tokens(seq_id)
+        self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
+        return alloc
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
-        return all(g.bm.can_append(seq_id, num_tokens) for g in self._groups)
+        self._state(seq_id)
+        return self.store.can_append(seq_id, num_tokens)
 
-    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> None:
+    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
         """Reserve pages for tokens the next forward computes. Raises
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
-        self._append(seq_id, list(new_tokens), known=True)
+        return self._append(seq_id, new_tokens, known=True)
 
-    def _append(self, seq_id: Hashable, tokens: list, known: bool) -> None:
+    def _append(self, seq_id: Hashable, tokens: Iterable, known: bool) -> Plan:
         state = self._state(seq_id)
-        if not tokens:
-            return
-        if not self.can_append(seq_id, len(tokens)):
-            raise OutOfBlocks(f"no pages for {len(tokens)} more tokens of {seq_id!r}")
-        num_before = self.num_tokens(seq_id)
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.append(seq_id, tokens))
+        num_before = self.store.num_tokens(seq_id)
+        plan = self.store.append(seq_id, tokens)
+        self._queue(plan)
+        num_added = self.store.num_tokens(seq_id) - num_before
         if known and state.known == num_before:
-            state.known += len(tokens)
+            state.known += num_added
+        return plan
 
-    def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> None:
+    def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> Plan:
         """`new_seq_id` shares `seq_id`'s pages (and slot) copy-on-write.
         Fork once every reserved token of `seq_id` is computed."""
         state = self._state(seq_id)
-        done: list[_Group] = []
-        try:
-            for gi, g in enumerate(self._groups):
-                self._queue(gi, g.bm.fork(seq_id, new_seq_id))
-                done.append(g)
-        except Exception:
-            for g in done:
-                g.bm.free(new_seq_id, num_computed=0)
-            raise
+        plan = self.store.fork(seq_id, new_seq_id)
+        self._queue(plan)
         self._seqs[new_seq_id] = _SeqState(state.computed, state.known)
+        return plan
 
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
         """Roll `seq_id` back to its first `num_tokens` tokens (speculative
-        decoding: keep the accepted prefix). Raises like the manager's
+        decoding: keep the accepted prefix). Raises like the store's
         truncate (e.g. rolling back into released window pages)."""
         state = self._state(seq_id)
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.num_tokens(seq_id):
-            raise InvalidArgument(f"cannot truncate {seq_id!r} to {num_tokens!r} tokens")
-        # Checks first so that no group is cut when another would refuse.
-        for g in self._groups:
-            if not g.bm.can_truncate(seq_id, num_tokens):
-                # Refused: the manager's truncate raises its precise error
-                # (InvalidArgument, NoSnapshot, OutOfSlots) and changes nothing.
-                g.bm.truncate(seq_id, num_tokens)
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.truncate(seq_id, num_tokens))
+        plan = self.store.truncate(seq_id, num_tokens)
+        self._queue(plan)
         state.computed = min(state.computed, num_tokens)
         state.known = min(state.known, num_tokens)
+        return plan
 
-    def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> None:
-        """Snapshot computed tokens (None: all computed ones) into the trie.
+    def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
+        """Snapshot computed tokens (None: all computed ones) into the tries.
 
         For a hybrid model the snapshot is the sequence's recurrent state, so
         only the computed end can be snapshot (a prefill chunk's end: call it
@@ -314,16 +334,23 @@ class PagedCache:
             )
         n = self._trie_count(seq_id, num_tokens)
         if n == 0:
-            return
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.cache_prefix(seq_id, n))
+            return ()
+        plan = self.store.cache_prefix(seq_id, n)
+        self._queue(plan)
+        return plan
 
-    def free(self, seq_id: Hashable, num_computed: int | None = None) -> None:
-        """End `seq_id`; its computed tokens (None: all) enter the trie."""
+    def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
+        """End `seq_id`; its computed tokens (None: all) enter the tries.
+        A step still in flight (a forward that never finished) counts as not
+        computed."""
         n = self._trie_count(seq_id, num_computed)
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.free(seq_id, n))
+        plan = self.store.free(seq_id, n)
+        self._queue(plan)
         del self._seqs[seq_id]
+        return plan
+
+    def reset_prefix_cache(self) -> None:
+        self.store.reset_prefix_cache()
 
     def _trie_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
         """Tokens the trie may take: computed, with known ids, and for a hybrid
@@ -333,8 +360,11 @@ class PagedCache:
         limit = min(state.computed, state.known)
         if num_tokens is None:
             n = limit
-        elif not isinstance(num_tokens, int) or num_tokens < 0 or num_tokens > state.computed:
-            raise InvalidArgument(f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}")
+        elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
+                or not 0 <= num_tokens <= state.computed:
+            raise InvalidArgument(
+                f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}"
+            )
         else:
             n = min(num_tokens, limit)
         if self._recurrent is not None and n != state.computed:
@@ -345,19 +375,19 @@ class PagedCache:
 
     def is_swapped(self, seq_id: Hashable) -> bool:
         self._state(seq_id)
-        return self.block_manager.is_swapped(seq_id)
+        return self.store.is_swapped(seq_id)
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Is there host memory (pages in every group, a host slot) to swap it out?"""
         self._state(seq_id)
-        return all(g.bm.can_swap_out(seq_id) for g in self._groups)
+        return self.store.can_swap_out(seq_id)
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Are there device pages (and a slot) to bring it back? Changes nothing."""
         self._state(seq_id)
-        return all(g.bm.can_swap_in(seq_id) for g in self._groups)
+        return self.store.can_swap_in(seq_id)
 
-    def swap_out(self, seq_id: Hashable) -> None:
+    def swap_out(self, seq_id: Hashable) -> Plan:
         """Move `seq_id`'s pages (and recurrent slot) to host memory, releasing
         the device copies; the sequence stays live but frozen until `swap_in`.
 
@@ -367,26 +397,42 @@ class PagedCache:
         call `flush()` to free the memory now.
         """
         self._state(seq_id)
-        for g in self._groups:
-            if not g.bm.can_swap_out(seq_id):
-                raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.swap_out(seq_id))
+        plan = self.store.swap_out(seq_id)
+        self._queue(plan)
+        return plan
 
-    def swap_in(self, seq_id: Hashable) -> None:
+    def swap_in(self, seq_id: Hashable) -> Plan:
         """Bring a swapped-out `seq_id` back to fresh device pages (and a slot).
 
-        Raises like the manager's `swap_in` (`OutOfBlocks` / `OutOfSlots`,
+        Raises like the store's `swap_in` (`OutOfBlocks` / `OutOfSlots`,
         nothing changed); copies are applied by the next `flush`.
         """
         self._state(seq_id)
-        for g in self._groups:
-            if not g.bm.can_swap_in(seq_id):
-                g.bm.swap_in(seq_id)  # raises the manager's precise error, changes nothing
-        for gi, g in enumerate(self._groups):
-            self._queue(gi, g.bm.swap_in(seq_id))
+        plan = self.store.swap_in(seq_id)
+        self._queue(plan)
+        return plan
 
-    # --- views -----------------------------------------------------------------
+    # --- views and steps -----------------------------------------------------------
+
+    @contextmanager
+    def step(
+        self, seq_ids: Sequence[Hashable], num_new: Sequence[int] | None = None
+    ) -> Iterator[list]:
+        """Views for one forward pass whose tokens count as computed only if
+        it finishes: ``with pc.step(ids) as views: logits = model(x, cache=views)``.
+
+        Leaving the block normally commits the step (and the recurrent state
+        it wrote); an exception rolls it back, as if the forward never ran:
+        the next forward computes the same tokens again and nothing unwritten
+        can reach the prefix trie. Arguments as in `views`.
+        """
+        views, batch = self._views(seq_ids, num_new, auto_commit=False)
+        try:
+            yield views
+        except BaseException:
+            self.rollback_step(batch)
+            raise
+        self.commit_step(batch)
 
     def views(self, seq_ids: Sequence[Hashable], num_new: Sequence[int] | None = None) -> list:
         """One mlx-lm cache object per layer for the batch `seq_ids` (row order).
@@ -394,29 +440,44 @@ class PagedCache:
         Inputs are right-padded: row b's new tokens first. `num_new[b]`
         (first step only) says how many of the N input tokens of row b are
         real; default: min(pending tokens, N). Views live as long as the
-        batch does (e.g. a whole `generate_step` run).
+        batch does (e.g. a whole `generate_step` run). A step's tokens count
+        as computed at the next call that touches the sequence (use `step`
+        to have a failing forward rolled back instead).
         """
+        return self._views(seq_ids, num_new, auto_commit=True)[0]
+
+    def _views(self, seq_ids, num_new, auto_commit: bool) -> tuple[list, BatchState]:
         seq_ids = list(seq_ids)
-        if not seq_ids or len(set(seq_ids)) != len(seq_ids):
+        try:
+            distinct = len(set(seq_ids)) == len(seq_ids)
+        except TypeError:
+            distinct = False
+        if not seq_ids or not distinct:
             raise InvalidArgument(f"need distinct sequence ids, got {seq_ids!r}")
         for s in seq_ids:
             self._state(s)
-            if self.block_manager.is_swapped(s):
+            if self.store.is_swapped(s):
                 raise SequenceSwapped(f"sequence {s!r} is swapped out; swap it in first")
         if num_new is not None and len(num_new) != len(seq_ids):
             raise InvalidArgument("num_new needs one entry per sequence")
-        batch = BatchState(self, seq_ids, None if num_new is None else list(num_new))
+        batch = BatchState(self, seq_ids, None if num_new is None else list(num_new),
+                           auto_commit)
         out: list = [None] * len(self.specs)
         for i, spec in enumerate(self.specs):
             if spec.kind is LayerKind.RECURRENT:
                 out[i] = RecurrentLayerView(batch, i)
             else:
-                out[i] = AttentionView(batch, self._group_of[i], i, self._pool_for, spec.window)
-        return out
+                out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
+        return out, batch
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
-        per batch of copies (usually one), one evaluation for all layers."""
+        per batch of copies (usually one), one evaluation for all layers.
+
+        Page ops of a group whose pools do not exist yet are dropped: no
+        forward has written any page of that group, so there is nothing to
+        copy (and `HostPagePool.swap_in` of never-written host pages is a
+        no-op for the same reason)."""
         for g in self._groups:
             if not g.pending or not g.pools:
                 g.pending.clear()
@@ -439,11 +500,16 @@ class PagedCache:
         if self._recurrent is not None:
             self._recurrent.flush()
 
-    # --- StepSource (used by the views) ----------------------------------------
+    # --- StepSource (what the views call) ------------------------------------
 
-    def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]:
+    def begin_step(self, batch: BatchState, n: int, num_new) -> dict[int, StepPlan]:
+        """Start a forward of `n` input positions over the batch's sequences:
+        reserve pages if nothing is pending (generate_step), apply queued
+        ops, plan every group's indices. The step's tokens are in flight
+        until `commit_step`."""
+        seq_ids = batch.seq_ids
         states = [self._state(s) for s in seq_ids]
-        pending = [self.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
+        pending = [self.store.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
         if num_new is not None:
             if any(not 0 <= k <= min(p, n) for k, p in zip(num_new, pending)):
                 raise InvalidArgument(f"num_new {num_new} exceeds pending {pending} or N={n}")
@@ -458,47 +524,81 @@ class PagedCache:
         self.flush()
         offsets = [st.computed for st in states]
         plans = {}
-        for gi, g in enumerate(self._groups):
-            tables = [g.bm.block_table(s) for s in seq_ids]
+        for gi, (g, bm) in enumerate(zip(self._groups, self.store.managers)):
+            tables = [bm.block_table(s) for s in seq_ids]
             plans[gi] = plan_step(tables, offsets, new, n, self.block_size,
-                                  g.bm.config.num_blocks, g.window)
+                                  bm.config.num_blocks, g.window)
         for st, k in zip(states, new):
-            st.computed += k
+            st.in_flight = k
+            st.batch = batch
         return plans
 
-    def _recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
+    def commit_step(self, batch: BatchState) -> None:
+        """The batch's last step finished: its tokens are computed and its
+        recurrent writes go to the slots. Idempotent."""
+        for view in batch.recurrent.values():
+            view.commit()
+        for seq_id in batch.seq_ids:
+            state = self._seqs.get(seq_id)
+            if state is not None and state.in_flight:
+                state.computed += state.in_flight
+                state.in_flight = 0
+
+    def rollback_step(self, batch: BatchState) -> None:
+        """The batch's last step failed: nothing of it counts (its recurrent
+        writes are dropped; K/V written past the computed tokens are
+        overwritten by the retry)."""
+        batch.recurrent = {}
+        for seq_id in batch.seq_ids:
+            state = self._seqs.get(seq_id)
+            if state is not None:
+                state.in_flight = 0
+
+    def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
         """The backend's views for a started step: each row's slot (after the
         step's appends), padded rows' real token counts."""
         if self._recurrent is None:
             return {}
-        slots = [self.block_manager.slot(s) for s in seq_ids]
+        slots = [self.store.slot(s) for s in seq_ids]
         n = plan.num_queries
         lengths = list(plan.n_new) if any(k != n for k in plan.n_new) else None
         return self._recurrent.views(slots, lengths)
 
-    def _computed(self, seq_ids: Sequence) -> list[int]:
-        return [self._state(s).computed for s in seq_ids]
+    def computed_counts(self, seq_ids: Sequence) -> list[int]:
+        """Computed tokens of each sequence, counting a step in flight (the
+        views' offsets after a layer wrote its part of the step)."""
+        counts = []
+        for s in seq_ids:
+            state = self._seqs.get(s)
+            if state is None:
+                raise UnknownSequence(f"no live sequence {s!r}")
+            counts.append(state.computed + state.in_flight)
+        return counts
 
-    def _trim_batch(self, seq_ids: Sequence, n: int) -> int:
-        n = min([n] + self._computed(seq_ids))
+    def trim_batch(self, seq_ids: Sequence, n: int) -> int:
+        """Drop the last `n` computed tokens of every sequence (mlx-lm's
+        `trim`); returns how many were dropped."""
+        n = min([n] + self.computed_counts(seq_ids))
         for s in seq_ids:
             self.truncate(s, self._state(s).computed - n)
         return n
 
-    def _held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
-        g = self._groups[group]
-        pool = g.pools.get(layer)
+    def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
+        """Bytes of the pages the sequences hold in `layer` (shared counted once)."""
+        pool = self._groups[group].pools.get(layer)
         if pool is None:
             return 0
-        pages = {p for s in seq_ids for p in g.bm.block_table(s) if p is not None}
+        pages = {p for s in seq_ids for p in self.store.block_table(s, group) if p is not None}
         return len(pages) * pool.shape.page_nbytes
 
-    def _pool_for(self, layer: int, keys: mx.array | None, values: mx.array | None) -> PagePool | None:
+    def pool_for(self, layer: int, keys: mx.array | None, values: mx.array | None) -> PagePool | None:
         """The layer's pool, created on its first write from the K/V shapes."""
-        g = self._groups[self._group_of[layer]]
+        gi = self._group_of[layer]
+        g = self._groups[gi]
         pool = g.pools.get(layer)
         if pool is None and keys is not None:
-            shape = PoolShape(g.bm.config.num_blocks, self.block_size, keys.shape[1],
+            bm = self.store.managers[gi]
+            shape = PoolShape(bm.config.num_blocks, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
             pool = g.pools[layer] = PagePool(shape)
         return pool
@@ -509,36 +609,33 @@ class PagedCache:
         """Apply a run of SwapOut (device -> host) or SwapIn (host -> device)
         ops to every layer of the group: one batched move per pool array."""
         src, dst = [op.src for op in ops], [op.dst for op in ops]
+        num_host_blocks = self.store.config.num_host_blocks
         for layer, pool in g.pools.items():
             host = g.host.get(layer)
             if host is None:
-                host = g.host[layer] = HostPagePool(g.bm.config.num_host_blocks)
+                host = g.host[layer] = HostPagePool(num_host_blocks)
             if kind is SwapOut:
                 host.swap_out(pool, src, dst)
             else:
                 host.swap_in(pool, src, dst)
 
-    def _queue(self, group: int, ops: Iterable[MemoryOp]) -> None:
+    def _queue(self, ops: Iterable[MemoryOp]) -> None:
         for op in ops:
             if isinstance(op, (CopyBlock, SwapOut, SwapIn)):
-                self._groups[group].pending.append(op)
+                self._groups[op.group].pending.append(op)
             else:
                 self._slot_ops.append(op)
 
     def _state(self, seq_id: Hashable) -> _SeqState:
+        """The sequence's state; a finished-by-default step (`views`) in
+        flight is counted as computed first."""
         try:
-            return self._seqs[seq_id]
+            state = self._seqs[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
-
-
-
-def default_recurrent_backend(model: Any, num_slots: int, num_host_slots: int = 0) -> RecurrentBackend:
-    """``recurrent.RecurrentPools`` for `model`'s recurrent layers (lazy import:
-    `cache` depends on `recurrent` only when a hybrid model asks for it)."""
-    from recurrent import RecurrentPools
-
-    return RecurrentPools.for_model(model, num_slots, num_host_slots=num_host_slots)
+        if state.in_flight and state.batch.auto_commit:
+            self.commit_step(state.batch)
+        return state
 
 
 def _runs_by_kind(ops: Sequence[MemoryOp]) -> list[tuple[type, list]]:

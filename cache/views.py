@@ -30,25 +30,33 @@ PAGED_MAX_QUERIES = 16
 
 
 class StepSource(Protocol):
-    """What a `BatchState` needs from its owner (the `PagedCache`)."""
+    """What the views need from their owner (the `PagedCache`)."""
 
-    def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]: ...
-    def _recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
-    def _computed(self, seq_ids: Sequence) -> list[int]: ...
-    def _trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
-    def _held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
-    _paged_attention: bool
+    @property
+    def paged_attention(self) -> bool: ...
+    def begin_step(self, batch: BatchState, n: int, num_new) -> dict[int, StepPlan]: ...
+    def commit_step(self, batch: BatchState) -> None: ...
+    def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
+    def computed_counts(self, seq_ids: Sequence) -> list[int]: ...
+    def trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
+    def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
 
 
 class BatchState:
     """Step bookkeeping shared by the views of one `views()` call."""
 
-    __slots__ = ("owner", "seq_ids", "steps", "trims", "last_trim", "plans", "recurrent",
-                 "_num_new")
+    __slots__ = ("owner", "seq_ids", "auto_commit", "steps", "trims", "last_trim", "plans",
+                 "recurrent", "_num_new")
 
-    def __init__(self, owner: StepSource, seq_ids: Sequence, num_new=None) -> None:
+    def __init__(
+        self, owner: StepSource, seq_ids: Sequence, num_new=None, auto_commit: bool = True
+    ) -> None:
+        """`auto_commit`: a step counts as finished once the next one starts
+        (or the owner is called about its sequences); else only when the
+        owner's `commit_step` is called."""
         self.owner = owner
         self.seq_ids = tuple(seq_ids)
+        self.auto_commit = auto_commit
         self.steps = 0  # steps started
         self.trims = 0  # trims performed
         self.last_trim = 0
@@ -59,8 +67,10 @@ class BatchState:
     def plan(self, calls: int, group: int, n: int) -> StepPlan:
         """The plan of the view's next step, starting the step if it is the first."""
         if calls == self.steps:
-            self.plans = self.owner._begin_step(self.seq_ids, n, self._num_new)
-            self.recurrent = self.owner._recurrent_views(self.seq_ids, self.plans[0])
+            if self.steps:
+                self.owner.commit_step(self)  # the model is past the last step
+            self.plans = self.owner.begin_step(self, n, self._num_new)
+            self.recurrent = self.owner.recurrent_views(self.seq_ids, self.plans[0])
             self._num_new = None
             self.steps += 1
         return self.plans[group]
@@ -109,7 +119,7 @@ class AttentionView:
         batch = self._batch
         if self._calls < batch.steps:  # step started, this layer not written yet
             return batch.plans[self._group].offset_value(after=False)
-        offs = batch.owner._computed(batch.seq_ids)
+        offs = batch.owner.computed_counts(batch.seq_ids)
         return offs[0] if len(offs) == 1 else mx.array(offs, dtype=mx.int32)
 
     @property
@@ -163,7 +173,7 @@ class AttentionView:
         plan = batch.plans[self._group]
         if plan.batch == 1 or plan.num_queries > PAGED_MAX_QUERIES:
             return None
-        if not batch.owner._paged_attention:
+        if not batch.owner.paged_attention:
             return None
         if not _is_step_mask(mask, plan, self._window):
             return None
@@ -192,13 +202,13 @@ class AttentionView:
         """Drop the last n tokens of every sequence (once per batch, not per layer)."""
         batch = self._batch
         if self._trims == batch.trims:
-            batch.last_trim = batch.owner._trim_batch(batch.seq_ids, n)
+            batch.last_trim = batch.owner.trim_batch(batch.seq_ids, n)
             batch.trims += 1
         self._trims += 1
         return batch.last_trim
 
     def size(self) -> int:
-        offs = self._batch.owner._computed(self._batch.seq_ids)
+        offs = self._batch.owner.computed_counts(self._batch.seq_ids)
         return max(offs)
 
     def empty(self) -> bool:
@@ -207,7 +217,7 @@ class AttentionView:
     @property
     def nbytes(self) -> int:
         """Bytes of the pages these sequences hold in this layer (shared counted once)."""
-        return self._batch.owner._held_bytes(self._group, self._layer, self._batch.seq_ids)
+        return self._batch.owner.held_bytes(self._group, self._layer, self._batch.seq_ids)
 
     def __repr__(self) -> str:
         return f"AttentionView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"

@@ -6,7 +6,9 @@ Qwen3-Next `GatedDeltaNet`, ...) use it exactly like an `ArraysCache`:
 
 * `view[i]` gathers array `i` of the batch's slots (`None` while the pool's
   array is unmaterialized, which the models read as the zero state);
-* `view[i] = x` scatters the new state back into those slots, in place;
+* `view[i] = x` sets the new state; `commit()` scatters every state set in
+  the step back into the slots, in place (a forward that fails before its
+  commit leaves the slots as they were);
 * `lengths` (real tokens per row in this step, or `None` when no row is
   padded), `make_mask(N)` (right-padding mask, or `None`), `advance(n)`.
 
@@ -34,12 +36,12 @@ class RecurrentView:
     """One recurrent layer's state for the slots of one batch, for one step.
 
     Cost: construction O(1) MLX work (one small lengths array); each first
-    `view[i]` one lazy gather, each `view[i] = x` one lazy scatter into the
-    pool. Values set during the step are kept, so reading after writing
-    returns them without touching the pool again.
+    `view[i]` one lazy gather; `commit()` one lazy scatter per array set.
+    Values set during the step are kept, so reading after writing returns
+    them without touching the pool again.
     """
 
-    __slots__ = ("_pool", "_batch", "_values", "lengths")
+    __slots__ = ("_pool", "_batch", "_values", "_dirty", "lengths")
 
     def __init__(self, pool: StatePool, batch: SlotBatch) -> None:
         """`batch` from `make_batch(..., pool.num_slots)`."""
@@ -48,6 +50,7 @@ class RecurrentView:
         self._pool = pool
         self._batch = batch
         self._values: list[mx.array | None] = [None] * pool.num_arrays
+        self._dirty: list[int] = []  # arrays set this step, not yet in the pool
         # Each view owns its lengths: layers advance them independently.
         self.lengths = None if batch.lengths is None else mx.array(batch.lengths, dtype=mx.int32)
 
@@ -63,8 +66,16 @@ class RecurrentView:
 
     def __setitem__(self, i: int, value: mx.array) -> None:
         i = self._array_index(i)
-        self._pool.scatter(i, self._batch, value)
         self._values[i] = value
+        if i not in self._dirty:
+            self._dirty.append(i)
+
+    def commit(self) -> None:
+        """Scatter the arrays set this step into the slots (lazily, in place).
+        Idempotent; raises `InvalidArgument` on a shape mismatch."""
+        dirty, self._dirty = self._dirty, []
+        for i in dirty:
+            self._pool.scatter(i, self._batch, self._values[i])
 
     def _array_index(self, i: int) -> int:
         n = self._pool.num_arrays

@@ -18,7 +18,12 @@ Each `step()`:
 
 Hybrid models (LFM2, Qwen3-Next: `ArraysCache` layers) get recurrent slots
 (`num_slots`, default 2 per running sequence); the storage is built by
-`PagedCache.for_model`.
+`scheduler.storage.build_storage` (what `PagedCache.for_model` calls).
+
+A forward that raises counts as never run: its tokens are not computed
+(`PagedCache.step` rolls it back), the scheduler gives the same work again
+next step, outputs of the forwards that did finish are kept, and `step()`
+re-raises the error. The next `step()` continues.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from cache import LayerKind, PagedCache, layer_specs
+from cache import LayerKind, layer_specs
 from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.sampling import KeyChain, sample_rows
 from scheduler.scheduler import (
@@ -41,6 +46,7 @@ from scheduler.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.storage import build_storage
 
 Callback = Callable[[RequestOutput], None]
 
@@ -59,6 +65,15 @@ class GenerationOutput:
     def tokens(self) -> list[int]:
         """The first sample's tokens (the only one when n == 1)."""
         return self.outputs[0]
+
+
+@dataclass(slots=True)
+class _StepRun:
+    """What of a step's work finished: items (a sampling chunk's head may
+    finish without its tail) and their samples."""
+
+    done: list[ScheduledSeq] = field(default_factory=list)
+    sampled: dict[Hashable, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -121,12 +136,10 @@ class Engine:
             store_kwargs = {"num_host_blocks": num_host_blocks,
                             "num_host_slots": num_host_slots if hybrid else 0}
         self.model = model
-        self.cache = PagedCache.for_model(
+        self.cache = build_storage(
             model, num_blocks, block_size, num_slots=num_slots,
             enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
         )
-        if config.preemption == "swap" and not hasattr(self.cache, "swap_out"):
-            raise ValueError("this PagedCache cannot swap; use preemption='recompute'")
         if config.max_model_len is None:
             # A sample must stop before one sequence outgrows the whole pool.
             usable = num_blocks - self.cache.block_manager.config.num_watermark_blocks
@@ -199,64 +212,79 @@ class Engine:
             if self.scheduler.has_unfinished() and not self.scheduler.num_running:
                 raise RuntimeError("requests are waiting but none fits in the page pool")
             return []
-        sampled = self._run(out)
+        run = _StepRun()
+        try:
+            self._run(out, run)
+        except BaseException:
+            self._settle(out, run)
+            raise
         t2 = self.clock()
-        results = self.scheduler.update(out, sampled)
+        results = self._settle(out, run)
         self._record(out, t0, t1, t2)
+        return results
+
+    def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
+        """Give the scheduler what ran (a failed forward's items are scheduled
+        again next step) and deliver the outputs."""
+        ran = {item.seq_id for item in run.done}
+        failed = [item for item in out.seqs if item.seq_id not in ran]
+        if failed:
+            self.scheduler.unschedule(failed)
+        results = self.scheduler.update(replace(out, seqs=run.done), run.sampled)
         self._deliver(results)
         return results
 
-    def _run(self, out: SchedulerOutput) -> dict[Hashable, Any]:
-        """Forward the scheduled work (decode rows, then prefill chunks)."""
-        sampled: dict[Hashable, Any] = {}
+    def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
+        """Forward the scheduled work (decode rows, then prefill chunks),
+        recording in `run` what finished."""
         decode = [s for s in out.seqs if s.num_tokens == 1]
         prefill = [s for s in out.seqs if s.num_tokens > 1]
         if decode:
-            sampled.update(self._forward(decode))
+            self._run_group(decode, run)
         k = self.prefill_batch
         if k == 1:
             for seq in prefill:
-                sampled.update(self._prefill_one(seq))
-            return sampled
+                self._prefill_one(seq, run)
+            return
         for i in range(0, len(prefill), k):
-            sampled.update(self._forward(prefill[i : i + k]))
-        return sampled
+            self._run_group(prefill[i : i + k], run)
 
-    def _prefill_one(self, seq: ScheduledSeq) -> dict[Hashable, Any]:
+    def _run_group(self, group: list[ScheduledSeq], run: _StepRun) -> None:
+        run.sampled.update(self._forward(group))
+        run.done.extend(group)
+
+    def _prefill_one(self, seq: ScheduledSeq, run: _StepRun) -> None:
         """A chunk that samples runs as all-but-last (no logits) then the last
         token, as mlx-lm's generate does: the LM head sees one position."""
         if not seq.sample:
-            return self._forward([seq])
+            self._run_group([seq], run)
+            return
         head = replace(seq, token_ids=seq.token_ids[:-1], sample=False)
         tail = replace(
             seq, token_ids=seq.token_ids[-1:], start_position=seq.start_position + head.num_tokens
         )
         self._forward([head])
-        return self._forward([tail])
+        try:
+            run.sampled.update(self._forward([tail]))
+        except BaseException:
+            run.done.append(head)  # computed: only the tail runs again
+            raise
+        run.done.append(seq)
 
     def _forward(self, group: list[ScheduledSeq]) -> dict[Hashable, Any]:
+        """One forward over `group`; returns the samples of its picked rows. A
+        raising forward is rolled back in the cache (nothing computed)."""
         lengths = [s.num_tokens for s in group]
         width = max(lengths)
         rows = [s.token_ids + [0] * (width - len(s.token_ids)) for s in group]
-        views = self.cache.views([s.seq_id for s in group], num_new=lengths)
-        logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
-        self.stats.num_forwards += 1
         picks = [b for b, s in enumerate(group) if s.sample]
-        if not picks:
-            self.cache.eval_state()  # the logits are not needed
-            return {}
-        row_index, params, keys = [], [], []
-        for b in picks:
-            s = group[b]
-            for _ in range(s.num_samples):
-                row_index.append(b)
-                params.append(s.request.sampling)
-                keys.append(self._keys.get(s.request_id))
-        last = logits[mx.array(row_index), mx.array([lengths[b] - 1 for b in row_index])]
-        tokens = sample_rows(last, params, keys)
-        mx.eval(tokens)
+        with self.cache.step([s.seq_id for s in group], num_new=lengths) as views:
+            logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
+            self.stats.num_forwards += 1
+            values = self._sample(group, picks, lengths, logits) if picks else None
+            if values is None:
+                self.cache.eval_state()  # the logits are not needed
         self._flush_state()
-        values = tokens.tolist()
         sampled: dict[Hashable, Any] = {}
         i = 0
         for b in picks:
@@ -267,6 +295,20 @@ class Engine:
                 sampled[s.seq_id] = values[i : i + s.num_samples]
             i += s.num_samples
         return sampled
+
+    def _sample(self, group, picks, lengths, logits) -> list[int]:
+        """Sample every picked row's last position (evaluated)."""
+        row_index, params, keys = [], [], []
+        for b in picks:
+            s = group[b]
+            for _ in range(s.num_samples):
+                row_index.append(b)
+                params.append(s.request.sampling)
+                keys.append(self._keys.get(s.request_id))
+        last = logits[mx.array(row_index), mx.array([lengths[b] - 1 for b in row_index])]
+        tokens = sample_rows(last, params, keys)
+        mx.eval(tokens)
+        return tokens.tolist()
 
     def _flush_state(self) -> None:
         recurrent = self.cache.recurrent
@@ -343,6 +385,6 @@ class Engine:
     # --------------------------------------------------------------- checks
 
     def check_integrity(self) -> None:
-        """Every block manager's invariants (raises `IntegrityError`)."""
-        for bm in self.cache.block_managers:
-            bm.check_integrity()
+        """The storage's invariants: every layer group's, and the computed
+        counts (raises `IntegrityError`)."""
+        self.cache.check_integrity()

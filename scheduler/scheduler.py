@@ -16,19 +16,21 @@ budget (`max_num_batched_tokens`) and a cap on live sequences
    keeps the watermark of free pages), allocates the whole prompt and
    counts only the tokens the prefix trie did not have against the budget.
 
-Prefills are chunked. For hybrid models (recurrent slots) a chunk that must
-be cut ends on a page boundary or at the allocation's `branch_point`, and
-every prefill chunk end is snapshotted (`cache_prefix`), so long prompts
-leave reusable recurrent checkpoints and siblings hit the shared prefix.
+Prefills are chunked. A chunk ends at the allocation's `branch_point` (where
+a hybrid or sliding-window store could serve more after a checkpoint), for
+hybrid models (recurrent slots) a chunk that must be cut ends on a page
+boundary, and every prefill chunk end is snapshotted (`cache_prefix`), so
+long prompts leave reusable checkpoints and siblings hit the shared prefix.
 
 `update()` takes the sampled tokens, applies stop conditions, forks a
 request with `n > 1` samples after its prompt (the prompt's pages are
 stored once) and frees finished sequences.
 
-The KV store `kv` is a `blockmgr.BlockManager` (the simulator) or a
-`cache.PagedCache` (the engine); plans returned by a `BlockManager` are
-collected, in call order, in `SchedulerOutput.ops` (a `PagedCache` applies
-its own). No MLX here.
+The KV store `kv` is anything that satisfies `blockmgr.KVStore`: a
+`BlockManager` or a `GroupedStore` (the simulator), a `cache.PagedCache`
+(the engine). Plans its calls return are collected, in call order, in
+`SchedulerOutput.ops` (for storage to apply; a `PagedCache` applies its
+own). No MLX here.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
 from blockmgr.errors import BlockManagerError, OutOfBlocks, OutOfSlots
+from blockmgr.kv_store import KVStore
 from scheduler.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
@@ -317,7 +318,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv: Any,
+        kv: KVStore,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
@@ -325,11 +326,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.clock = clock
-        bm = getattr(kv, "block_manager", kv)  # PagedCache -> its main manager
-        self._bm = bm
-        self._block_size = bm.config.block_size
-        self._hybrid = bm.config.num_slots > 0
-        self._prefix_cache = bm.config.enable_prefix_cache
+        self._block_size = kv.block_size
+        self._hybrid = kv.is_hybrid
+        self._prefix_cache = kv.enable_prefix_cache
         self._priority = config.policy == "priority"
         self._waiting = _WaitQueue(self._priority)
         self._running: list[_Seq] = []
@@ -339,7 +338,6 @@ class Scheduler:
         self._order = itertools.count()
         self._step = 0
         self._num_swapped = 0
-        self._own_ops = kv is bm  # a PagedCache applies its plans itself
         self.stats = SchedulerStats()
         self._totals = SchedulerStats()
 
@@ -496,11 +494,9 @@ class Scheduler:
         """Last resort when nothing runs and the head still does not fit: its
         own prefix hit can pin cached pages it needs. Drops every cached
         prefix; True if there was a cache to drop."""
-        managers = getattr(self.kv, "block_managers", (self._bm,))
-        if not any(bm.num_cached_blocks for bm in managers):
+        if not self.kv.num_cached_blocks:
             return False
-        for bm in managers:
-            bm.reset_prefix_cache()
+        self.kv.reset_prefix_cache()
         return True
 
     def _count_partial_prefills(self) -> int | None:
@@ -528,11 +524,10 @@ class Scheduler:
             alloc = kv.allocate(seq.seq_id, tokens, namespace)
         except (OutOfBlocks, OutOfSlots):
             return False
-        if self._own_ops:
-            _extend(ops, alloc.ops)
+        _extend(ops, alloc.ops)
         seq.num_computed = alloc.num_cached_tokens
         seq.num_reserved = len(tokens)
-        seq.branch_point = alloc.branch_point if self._hybrid else None
+        seq.branch_point = alloc.branch_point
         metrics = seq.request.metrics
         if metrics.num_cached_tokens is None:
             metrics.num_cached_tokens = alloc.num_cached_tokens
@@ -554,17 +549,17 @@ class Scheduler:
         limit = self.config.long_prefill_token_threshold
         if limit is not None and num_new > limit:
             num_new = limit
-        if self._hybrid and remaining > 1:
+        if remaining > 1:
             num_new = self._snapshot_chunk(seq, start, num_new, remaining)
         return num_new
 
     def _snapshot_chunk(self, seq: _Seq, start: int, num_new: int, remaining: int) -> int:
-        """Hybrid models: end a chunk at the branch point, or on a page boundary
-        when the chunk is cut anyway, so its end is a reusable snapshot."""
+        """End a chunk at the branch point; for hybrid models end a chunk that
+        is cut anyway on a page boundary, so its end is a reusable snapshot."""
         bp = seq.branch_point
         if bp is not None and start < bp < start + num_new:
             return bp - start
-        if num_new < remaining:
+        if self._hybrid and num_new < remaining:
             end = start + num_new
             aligned = end - end % self._block_size
             if aligned > start:
@@ -655,8 +650,8 @@ class Scheduler:
         finished: set[int] = set()
         for item in output.seqs:
             seq = self._live_seq(item)
-            if seq is None:
-                continue
+            if seq is None or not seq.in_flight:
+                continue  # aborted, or unscheduled after a failed forward
             seq.in_flight = False
             seq.num_computed += item.num_tokens
             seq.request.metrics.num_computed_tokens += item.num_tokens
@@ -677,6 +672,15 @@ class Scheduler:
             self._rebuild_running(forks, finished)
         self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
         return list(results.values())
+
+    def unschedule(self, items: Sequence[ScheduledSeq]) -> None:
+        """The forward of these scheduled items did not run (it raised): the
+        next `schedule()` gives their sequences the same work again. Their
+        pages stay reserved. O(len(items))."""
+        for item in items:
+            seq = self._live_seq(item)
+            if seq is not None:
+                seq.in_flight = False
 
     def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
         seqs = self._seqs_of.get(item.request_id)
@@ -808,8 +812,8 @@ class Scheduler:
         stats.num_scheduled_tokens = out.num_batched_tokens
         stats.num_prefill_tokens = out.num_prefill_tokens
         stats.num_decode_tokens = out.num_decode_tokens
-        stats.page_usage = self._bm.usage
-        stats.num_free_blocks = self._bm.num_free_blocks
+        stats.page_usage = self.kv.usage
+        stats.num_free_blocks = self.kv.num_free_blocks
         self.stats = stats
 
 
@@ -826,12 +830,9 @@ def _extend(ops: list, plan) -> None:
         ops.extend(plan)
 
 
-def _can_swap_out(kv: Any, seq_id: Hashable) -> bool:
-    can = getattr(kv, "can_swap_out", None)
-    if can is None:
-        return False
+def _can_swap_out(kv: KVStore, seq_id: Hashable) -> bool:
     try:
-        return can(seq_id)
+        return kv.can_swap_out(seq_id)
     except BlockManagerError:
         return False
 

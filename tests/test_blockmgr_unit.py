@@ -320,6 +320,11 @@ def test_sliding_window_releases_pages_the_next_token_cannot_see():
     bm.check_integrity()
     assert_refused(bm, InvalidArgument, lambda: bm.truncate("a", 3))
     bm.free("a")
+    # The trie keeps the pages of the window before the end (40 tokens: a
+    # hit at 40 needs positions 35..39, pages 8 and 9), nothing else.
+    assert bm.num_cached_blocks == 2
+    assert bm.num_free_blocks == 14
+    bm.reset_prefix_cache()
     assert bm.num_free_blocks == 16
 
 

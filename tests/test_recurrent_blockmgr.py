@@ -20,7 +20,7 @@ from blockmgr.errors import NoSnapshot
 from blockmgr.ops import CopySlot, ZeroSlot
 from recurrent import RecurrentPools
 
-from tests.test_recurrent_models import MODELS, TOL, reference, tokens
+from tests.test_recurrent_models import MODELS, TOL, commit, reference, tokens
 from tests.tiny_models import built
 
 
@@ -62,6 +62,7 @@ class Hybrid:
         cache = [views.get(i) or kv.get(i) for i in range(len(self.model.layers))]
         logits = self.model(mx.array([chunk]), cache=cache)
         mx.eval(logits)
+        commit(views)
         self.pools.flush()
         return np.array(logits[0])
 

@@ -42,6 +42,12 @@ def reference(model, chunks: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
+def commit(views) -> None:
+    """The forward finished: its recurrent writes go to the slots."""
+    for view in views.values():
+        view.commit()
+
+
 class SlotRunner:
     """One sequence: its slot in the pools, mlx-lm KVCaches for attention layers."""
 
@@ -54,6 +60,7 @@ class SlotRunner:
         cache = [views.get(i) or self.kv.get(i) for i in range(len(self.model.layers))]
         logits = self.model(mx.array([chunk]), cache=cache)
         mx.eval(logits)
+        commit(views)
         self.pools.flush()
         return np.array(logits[0])
 
@@ -219,6 +226,7 @@ def test_batched_ragged_prefill_and_decode_equal_each_alone(model):
         cache = [views.get(i) or attn.get(i) for i in range(len(model.layers))]
         logits = model(mx.array(padded), cache=cache)
         mx.eval(logits)
+        commit(views)
         pools.flush()
         return np.array(logits)
 

@@ -210,6 +210,9 @@ def test_view_reads_writes_and_reads_back_the_batch_slots():
     with pytest.raises(InvalidArgument):
         view[3]
     pool.flush()
+    np.testing.assert_array_equal(contents(pool)[1], before[1])  # not committed yet
+    view.commit()
+    pool.flush()
     after = contents(pool)[1]
     np.testing.assert_array_equal(after[[4, 1]], 7.0)
     np.testing.assert_array_equal(after[[0, 2, 3, 5]], before[1][[0, 2, 3, 5]])
@@ -237,6 +240,7 @@ def test_view_state_setter_writes_every_array():
     pool, before = filled_pool()
     view = RecurrentView(pool, make_batch([0], None, pool.num_slots))
     view.state = [mx.zeros((1, 2, 3)), mx.ones((1, 2, 4, 5)), None]
+    view.commit()
     pool.flush()
     got = contents(pool)
     np.testing.assert_array_equal(got[0][0], 0.0)
@@ -262,6 +266,7 @@ def test_pools_apply_plan_to_every_layer_and_reject_unknown_layers():
     for layer in pools.layers:
         for i in range(pools.pool(layer).num_arrays):
             views[layer][i] = mx.arange(2 * 4, dtype=mx.float32).reshape(2, 4) + 1
+        views[layer].commit()
     pools.flush()
     pools.apply_plan([CopySlot(1, 2), ZeroSlot(1)])
     for layer in pools.layers:
@@ -288,6 +293,7 @@ def test_batch_writes_land_in_their_slots(slots):
     new = [rng.standard_normal((len(slots), *a.shape[1:])).astype(np.float32) for a in before]
     for i, a in enumerate(new):
         view[i] = mx.array(a)
+    view.commit()
     pool.flush()
     want = [b.copy() for b in before]
     for w, a in zip(want, new):
