@@ -240,13 +240,14 @@ class GroupedStore:
         lacks room after eviction. O(groups) per token, amortised.
         """
         new_tokens = _token_list(new_tokens)
-        *checked, last = self._managers
+        first, *checked = self._managers
         for m in checked:
             if not m.can_append(seq_id, len(new_tokens)):
                 m.append(seq_id, new_tokens)  # raises its precise error, changes nothing
                 raise IntegrityError("append succeeded where can_append said no")
-        ops = [op for m in checked for op in m.append(seq_id, new_tokens)]
-        ops.extend(last.append(seq_id, new_tokens))  # the last group checks itself
+        ops = list(first.append(seq_id, new_tokens))  # checks itself: nothing changed yet
+        for m in checked:
+            ops.extend(m.append(seq_id, new_tokens))
         return tuple(ops)
 
     # -------------------------------------------------------- fork / truncate

@@ -107,3 +107,38 @@ class ShadowStorage:
     def check_all(self) -> None:
         for seq_id in self.computed:
             self.check_reads_back(seq_id)
+
+
+class GroupedShadowStorage:
+    """Shadow storage of a `GroupedStore`: one `ShadowStorage` per layer group.
+
+    Page ops go to the group they name, slot ops to group 0 (the slot pool);
+    "computing" a sequence writes its tokens in every group, and reading
+    back checks every group's pages (and group 0's slot).
+    """
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.groups = [ShadowStorage(m) for m in store.managers]
+        self.computed: dict[object, int] = {}
+        for group in self.groups:
+            group.computed = self.computed  # one computed count per sequence
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            group = op.group if isinstance(op, (CopyBlock, SwapOut, SwapIn)) else 0
+            self.groups[group].apply([op])
+
+    def compute(self, seq_id, upto: int | None = None) -> None:
+        start = self.computed[seq_id]
+        for group in self.groups:
+            self.computed[seq_id] = start
+            group.compute(seq_id, upto)
+
+    def check_reads_back(self, seq_id) -> None:
+        for group in self.groups:
+            group.check_reads_back(seq_id)
+
+    def check_all(self) -> None:
+        for group in self.groups:
+            group.check_all()

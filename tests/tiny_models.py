@@ -8,7 +8,8 @@ test session.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import lfm2, llama, qwen3, qwen3_next
+from mlx_lm.models import cohere2, gemma3_text, gpt_oss, lfm2, llama, qwen3, qwen3_next
+from mlx_lm.models import recurrent_gemma
 
 #: Vocabulary of the attention-only models (llama, qwen3, sliding).
 ATTENTION_VOCAB = 101
@@ -70,9 +71,66 @@ def tiny_qwen3_next():
     return qwen3_next.Model(args)
 
 
+def tiny_gemma3():
+    """gemma3 text: 5 sliding layers (window 16) per full layer, 2 of each kind here."""
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=ATTENTION_VOCAB,
+        query_pre_attn_scalar=16, sliding_window=16, sliding_window_pattern=2,
+        max_position_embeddings=1024,
+    )
+    mx.random.seed(11)
+    return gemma3_text.Model(args)
+
+
+def tiny_gpt_oss():
+    """gpt-oss: alternating sliding (window 12) and full layers, attention sinks, MoE."""
+    args = gpt_oss.ModelArgs(
+        model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=ATTENTION_VOCAB, hidden_size=64, intermediate_size=64, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    mx.random.seed(12)
+    return gpt_oss.Model(args)
+
+
+def tiny_cohere2():
+    """cohere2: 3 sliding layers (window 20) per full layer."""
+    args = cohere2.ModelArgs(
+        model_type="cohere2", hidden_size=64, head_dim=16, num_hidden_layers=4,
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=ATTENTION_VOCAB, sliding_window=20, sliding_window_pattern=4,
+    )
+    mx.random.seed(13)
+    return cohere2.Model(args)
+
+
+def tiny_recurrent_gemma():
+    """recurrent_gemma: recurrent (RG-LRU) layers and sliding attention (window 16)."""
+    args = recurrent_gemma.ModelArgs(
+        model_type="recurrent_gemma", attention_bias=False, conv1d_width=4, hidden_size=64,
+        intermediate_size=96, logits_soft_cap=30.0, num_attention_heads=4,
+        num_hidden_layers=3, num_key_value_heads=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+        attention_window_size=16, vocab_size=HYBRID_VOCAB,
+        block_types=["recurrent", "attention", "recurrent"],
+    )
+    mx.random.seed(14)
+    return recurrent_gemma.Model(args)
+
+
 ATTENTION_MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "sliding": tiny_sliding}
 HYBRID_MODELS = {"lfm2": tiny_lfm2, "qwen3_next": tiny_qwen3_next}
-_BUILDERS = {**ATTENTION_MODELS, **HYBRID_MODELS}
+#: Models with sliding-window layers (name -> (builder, vocabulary)).
+SLIDING_MODELS = {
+    "gemma3": (tiny_gemma3, ATTENTION_VOCAB),
+    "gpt_oss": (tiny_gpt_oss, ATTENTION_VOCAB),
+    "cohere2": (tiny_cohere2, ATTENTION_VOCAB),
+    "recurrent_gemma": (tiny_recurrent_gemma, HYBRID_VOCAB),
+}
+_BUILDERS = {
+    **ATTENTION_MODELS, **HYBRID_MODELS, **{k: b for k, (b, _) in SLIDING_MODELS.items()}
+}
 _built: dict[str, object] = {}
 
 

@@ -1,0 +1,258 @@
+"""Failures across layer groups and forwards: nothing leaks, nothing wrong is served.
+
+Regression tests for the cases that used to leave pages behind or poison
+the prefix cache: allocation under memory pressure on a sliding-window
+model, a hybrid + sliding store whose groups cannot serve the same hit, a
+forward that raises in layer k (then free, or retry), a swap before the
+first forward, and an Engine whose forward raises once. References are
+mlx-lm's own caches (or greedy generation) on the same tiny models.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from blockmgr import (
+    GroupedStore,
+    GroupedStoreConfig,
+    OutOfBlocks,
+)
+from cache import PagedCache
+from scheduler import Engine, SamplingParams
+from tests.shadow import GroupedShadowStorage
+from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
+
+TOL = 1e-4
+FAULT = "injected fault"
+
+#: name -> (vocabulary, slots): attention, sliding-window and hybrid models.
+MODELS = {
+    "llama": (ATTENTION_VOCAB, 0),
+    "gemma3": (ATTENTION_VOCAB, 0),
+    "lfm2": (HYBRID_VOCAB, 8),
+    "qwen3_next": (HYBRID_VOCAB, 8),
+    "recurrent_gemma": (HYBRID_VOCAB, 8),
+}
+
+
+def tokens(vocab, n, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def reference(model, toks):
+    return model(mx.array([toks]), cache=make_prompt_cache(model))[0]
+
+
+def close(got, want):
+    diff = mx.abs(got - want).max().item()
+    assert diff < TOL, diff
+
+
+class FailingLayer:
+    """Stands for a layer's cache view: reading or writing its cache raises."""
+
+    def __init__(self, view) -> None:
+        self._view = view
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        if name in ("offset", "make_mask", "max_size", "lengths"):
+            return getattr(self._view, name)  # what models read before the layer runs
+        raise RuntimeError(FAULT)
+
+    def __getitem__(self, index):
+        raise RuntimeError(FAULT)
+
+
+def run_failing(pc, model, seq, toks, layer):
+    """A forward over `toks` whose cache access at `layer` raises."""
+    with pytest.raises(RuntimeError, match=FAULT):
+        with pc.step([seq]) as views:
+            views = list(views)
+            views[layer] = FailingLayer(views[layer])
+            model(mx.array([toks]), cache=views)
+
+
+def forward(pc, model, seq, toks):
+    with pc.step([seq]) as views:
+        logits = model(mx.array([toks]), cache=views)[0]
+        mx.eval(logits)
+    return logits
+
+
+def storage(model, slots, **kwargs):
+    return PagedCache.for_model(model, 64, 4, num_slots=slots, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_forward_failing_in_any_layer_computes_nothing(name):
+    vocab, slots = MODELS[name]
+    model = built(name)
+    prompt = tokens(vocab, 23, 1)
+    want = reference(model, prompt)
+    for layer in range(len(model.layers)):
+        pc = storage(model, slots)
+        pc.allocate("a", prompt)
+        run_failing(pc, model, "a", prompt, layer)
+        assert pc.num_computed("a") == 0
+        pc.check_integrity()
+        close(forward(pc, model, "a", prompt), want)  # the retry recomputes
+        pc.free("a")
+        pc.check_integrity()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_failed_forward_never_reaches_the_prefix_cache(name):
+    vocab, slots = MODELS[name]
+    model = built(name)
+    prompt = tokens(vocab, 21, 2)
+    pc = storage(model, slots)
+    pc.allocate("a", prompt[:12])
+    forward(pc, model, "a", prompt[:12])  # 12 tokens really computed
+    pc.append("a", prompt[12:])
+    run_failing(pc, model, "a", prompt[12:], len(model.layers) - 1)
+    pc.free("a")  # only the 12 computed tokens may enter the trie
+    alloc = pc.allocate("b", prompt)
+    assert alloc.num_cached_tokens <= 12
+    close(forward(pc, model, "b", prompt[alloc.num_cached_tokens :]),
+          reference(model, prompt)[alloc.num_cached_tokens :])
+    pc.free("b")
+    pc.reset_prefix_cache()
+    pc.check_integrity()
+    assert all(m.num_free_blocks == m.config.num_blocks for m in pc.block_managers)
+    assert pc.block_manager.num_free_slots == slots
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "lfm2"])
+def test_swap_before_the_first_forward(name):
+    vocab, slots = MODELS[name]
+    model = built(name)
+    prompt = tokens(vocab, 18, 3)
+    pc = storage(model, slots, num_host_blocks=16, num_host_slots=2 if slots else 0)
+    pc.allocate("a", prompt)
+    pc.swap_out("a")
+    pc.flush()
+    pc.swap_in("a")
+    close(forward(pc, model, "a", prompt), reference(model, prompt))
+    pc.check_integrity()
+
+
+def test_allocate_under_pressure_on_a_sliding_model_changes_nothing():
+    model = built("gemma3")
+    pc = PagedCache.for_model(model, 12, 4, window_blocks=12)
+    first = tokens(ATTENTION_VOCAB, 30, 4)
+    pc.allocate("a", first)
+    forward(pc, model, "a", first)
+    before = pc.store.debug_state()
+    with pytest.raises(OutOfBlocks):
+        pc.allocate("b", tokens(ATTENTION_VOCAB, 30, 5))  # 8 pages, 4 free
+    assert pc.store.debug_state() == before
+    assert "b" not in pc.store
+    pc.check_integrity()
+    pc.free("a")
+    second = tokens(ATTENTION_VOCAB, 30, 5)
+    alloc = pc.allocate("b", second)  # a retry works once there is room
+    close(forward(pc, model, "b", second[alloc.num_cached_tokens :]),
+          reference(model, second)[alloc.num_cached_tokens :])
+    pc.check_integrity()
+
+
+def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
+    """The full group holds a snapshot at 24 but the sliding group evicted
+    the window before it: the hit falls to a point both serve (here 12)."""
+    store = GroupedStore(GroupedStoreConfig(
+        num_blocks=40, block_size=4, windows=(None, 6), num_slots=8, window_blocks=9))
+    shadow = GroupedShadowStorage(store)
+    stem = list(range(100, 124))
+
+    def run(seq, toks, chunk_ends):
+        alloc = store.allocate(seq, toks)
+        shadow.apply(alloc.ops)
+        shadow.computed[seq] = alloc.num_cached_tokens
+        for end in chunk_ends:
+            if end > shadow.computed[seq]:
+                shadow.compute(seq, end)
+                shadow.apply(store.cache_prefix(seq, end))
+        shadow.compute(seq)
+        return alloc
+
+    run("a", stem + [1, 2, 3], [12, 24])
+    shadow.apply(store.free("a", shadow.computed.pop("a")))
+    # Fill the sliding pool: its LRU leaves (the window before 24) go first.
+    run("b", [7] * 13, [])
+    shadow.apply(store.free("b", shadow.computed.pop("b")))
+    run("c", [8] * 14, [])
+    shadow.apply(store.free("c", shadow.computed.pop("c")))
+    full, sliding = store.managers
+    assert full.find_prefix(stem + [5], limit=30).num_tokens == 24
+    assert sliding.find_prefix(stem + [5], limit=24).num_tokens < 24
+    before = store.debug_state()
+    assert store.cached_prefix_length(stem + [5]) == 12
+    assert store.debug_state() == before
+    alloc = run("d", stem + [5], [])
+    assert alloc.num_cached_tokens == 12
+    shadow.check_all()
+    store.check_integrity()
+
+
+def greedy_reference(model, prompt, n):
+    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(t) for (t, _), _ in zip(steps, range(n))]
+
+
+class FailingModel:
+    """Wraps a model; the forwards numbered in `fail_at` (counted from
+    `arm()`) raise in layer `layer`. Everything else is the model's."""
+
+    def __init__(self, model, fail_at, layer) -> None:
+        self.model, self.fail_at, self.layer = model, set(fail_at), layer
+        self.calls: int | None = None
+
+    def arm(self) -> None:
+        self.calls = 0
+
+    def __call__(self, inputs, cache=None):
+        if self.calls is not None:
+            self.calls += 1
+            if self.calls in self.fail_at:
+                cache = list(cache)
+                cache[self.layer] = FailingLayer(cache[self.layer])
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "lfm2", "recurrent_gemma"])
+def test_the_engine_continues_after_a_forward_raises(name):
+    vocab, _ = MODELS[name]
+    model = built(name)
+    shared = tokens(vocab, 30, 6)
+    prompts = [shared + tokens(vocab, 3 + i, 10 + i) for i in range(6)]
+    want = [greedy_reference(model, p, 6) for p in prompts]
+    failing = FailingModel(model, fail_at=[2, 5, 9], layer=len(model.layers) - 1)
+    engine = Engine(failing, num_blocks=128, block_size=4, max_num_batched_tokens=40)
+    failing.arm()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts]
+    requests = [engine.get_request(rid) for rid in ids]
+    num_faults = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError as error:
+            assert FAULT in str(error)
+            num_faults += 1
+        engine.check_integrity()
+    assert num_faults == 3
+    assert [r.outputs[0] for r in requests] == want
+    assert engine.scheduler.stats.num_prefix_hit_tokens_total > 0
+    for m in engine.cache.block_managers:
+        assert m.num_sequences == 0
+        assert m.num_free_blocks + m.num_cached_blocks == m.config.num_blocks
+        assert m.num_free_slots + m.stats.num_trie_slots == m.config.num_slots
