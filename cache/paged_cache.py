@@ -88,12 +88,15 @@ class _SeqState:
 
 
 def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
-    """The layer groups of a model: full attention first (always present: it
-    keeps the token ids and slots), then each distinct sliding window."""
-    windows = sorted(
-        {s.window for s in specs if s.kind is not LayerKind.RECURRENT and s.window is not None}
-    )
-    return (None, *windows)
+    """The layer groups of a model: full attention first, then each distinct
+    sliding window. Group 0 also keeps the slots; a model without full
+    attention layers starts with its first window, one without attention
+    layers at all keeps a (page-less in practice) full group."""
+    attention = {s.window for s in specs if s.kind is not LayerKind.RECURRENT}
+    windows = sorted(w for w in attention if w is not None)
+    if None in attention or not windows:
+        return (None, *windows)
+    return tuple(windows)
 
 
 class PagedCache:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from blockmgr.errors import IntegrityError
+from scheduler.simulator.layout import LAYOUTS, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
 from scheduler.simulator.workloads import WORKLOAD_KINDS
@@ -169,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-slots", type=_nonneg_int, help="recurrent slots (default with --hybrid: 2 x max seqs)")
     m.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix trie")
     m.add_argument("--watermark", type=_nonneg_float, help="fraction of pages kept free at admission")
-    m.add_argument("--sliding-window", type=_positive_int, metavar="TOKENS")
+    m.add_argument("--layout", choices=sorted(LAYOUTS),
+                   help="model layer kinds, one store group per attention window (default full)")
+    m.add_argument("--sliding-window", type=_positive_int, metavar="TOKENS",
+                   help="window of the layout's sliding layers (alone: every layer sliding)")
     m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
 
     s = sim.add_argument_group("scheduler")
@@ -225,8 +229,7 @@ def build_config(args):
             wl[key] = getattr(args, opt).spec()
     for opt, key in (
         ("num_blocks", "num_blocks"), ("block_size", "block_size"), ("num_slots", "num_slots"),
-        ("watermark", "watermark"), ("sliding_window", "sliding_window"),
-        ("num_host_blocks", "num_host_blocks"),
+        ("watermark", "watermark"), ("num_host_blocks", "num_host_blocks"),
     ):
         if getattr(args, opt) is not None:
             bm[key] = getattr(args, opt)
@@ -240,7 +243,11 @@ def build_config(args):
     ):
         if getattr(args, opt) is not None:
             sc[key] = getattr(args, opt)
-    if args.hybrid and args.num_slots is None and not bm.get("num_slots"):
+    if args.layout is not None or args.sliding_window is not None:
+        name = args.layout or ("sliding" if args.sliding_window is not None else "full")
+        data["layout"] = layout_named(name, args.sliding_window).to_dict()
+    recurrent = bool(data["layout"].get("recurrent"))
+    if (args.hybrid or recurrent) and args.num_slots is None and not bm.get("num_slots"):
         bm["num_slots"] = 2 * sc["max_num_seqs"]
     if args.hybrid and not bm.get("num_slots"):
         raise ValueError("--hybrid needs --num-slots >= 2")

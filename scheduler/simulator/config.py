@@ -1,7 +1,7 @@
 """The full configuration of one simulation, and its JSON form.
 
-A `SimulationConfig` bundles the workload, the block manager, the scheduler
-and the cost model. `to_dict()` goes into report.json; `from_dict()` of that
+A `SimulationConfig` bundles the workload, the model layout, the block
+manager, the scheduler and the cost model. `to_dict()` goes into report.json; `from_dict()` of that
 dict runs the same simulation again (same seed, same result).
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 from blockmgr import BlockManagerConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.simulator.cost_model import CostModel
+from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.workloads import WorkloadConfig
 
 
@@ -20,6 +21,9 @@ from scheduler.simulator.workloads import WorkloadConfig
 class SimulationConfig:
     """One simulation; validated on construction (`ValueError`).
 
+    layout: the model's layer kinds (`ModelLayout`): the store gets one
+        layer group per attention window, with `block_manager`'s pages
+        each, and its slots.
     vocab_size: token ids are drawn from [0, vocab_size).
     check_every: run `check_integrity()` every this many steps (and at the
         end, plus the leak check); None: no checks.
@@ -36,6 +40,7 @@ class SimulationConfig:
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cost: CostModel = field(default_factory=CostModel)
+    layout: ModelLayout = field(default_factory=ModelLayout)
     vocab_size: int = 32000
     check_every: int | None = None
     sample_every: int = 32
@@ -47,6 +52,7 @@ class SimulationConfig:
             ("block_manager", BlockManagerConfig),
             ("scheduler", SchedulerConfig),
             ("cost", CostModel),
+            ("layout", ModelLayout),
         ):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}")
@@ -65,8 +71,9 @@ class SimulationConfig:
         bm, sched = self.block_manager, self.scheduler
         if bm.num_slots and bm.num_slots < 2:
             raise ValueError("a hybrid simulation needs num_slots >= 2")
-        if sched.preemption == "swap" and getattr(bm, "num_host_blocks", 0) == 0:
+        if sched.preemption == "swap" and bm.num_host_blocks == 0:
             raise ValueError("preemption 'swap' needs host pages (num_host_blocks > 0)")
+        self.layout.store_config(bm)  # raises ValueError when they do not fit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +81,7 @@ class SimulationConfig:
             "block_manager": _fields(self.block_manager),
             "scheduler": _fields(self.scheduler),
             "cost": self.cost.to_dict(),
+            "layout": self.layout.to_dict(),
             "vocab_size": self.vocab_size,
             "check_every": self.check_every,
             "sample_every": self.sample_every,
@@ -92,6 +100,8 @@ class SimulationConfig:
         values: dict[str, Any] = {}
         if "workload" in data:
             values["workload"] = WorkloadConfig.from_dict(data["workload"])
+        if "layout" in data:
+            values["layout"] = ModelLayout.from_dict(data["layout"])
         for name, kind in (
             ("block_manager", BlockManagerConfig),
             ("scheduler", SchedulerConfig),

@@ -1,4 +1,7 @@
-"""The simulation loop: real `Scheduler` + real `BlockManager`, simulated time.
+"""The simulation loop: real `Scheduler` + real `GroupedStore`, simulated time.
+
+The store is the one the engine builds for a model of the configured layout
+(`ModelLayout`: one layer group per attention window, plus recurrent slots).
 
 Each iteration admits the requests that have arrived, asks the scheduler for
 a step, "runs" it (the cost model gives its duration; the sampled tokens are
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from blockmgr import BlockManager, CopyBlock, CopySlot, ZeroSlot
+from blockmgr import BlockManager, CopyBlock, CopySlot, GroupedStore, ZeroSlot
 from blockmgr import ops as bm_ops
 from blockmgr.errors import BlockManagerError
 from scheduler.request import Request, SamplingParams
@@ -83,7 +86,7 @@ class Simulation:
     ) -> None:
         self.config = config
         self.now = 0.0
-        self.bm = BlockManager(config.block_manager)
+        self.bm = GroupedStore(config.layout.store_config(config.block_manager))
         self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
@@ -239,9 +242,10 @@ class Simulation:
         sampled = {}
         context = 0
         live = self._live
+        attended = self.config.layout.attended
         for item in out.seqs:
             end = item.start_position + len(item.token_ids)
-            context += end
+            context += attended(end)
             if not item.sample:
                 continue
             entry = live[item.request_id]
@@ -327,17 +331,39 @@ class Simulation:
         return SimulationResult(cfg, summary, self.metrics, self._num_added)
 
 
-def check_no_leaks(bm: BlockManager, sched: Scheduler) -> str:
-    """After the last request: no live sequence, and every page and slot is
-    free or held by the prefix trie; dropping the trie frees everything.
-    Returns "ok" or raises `LeakError`. Changes the manager (drops the trie)."""
+def check_no_leaks(store: GroupedStore, sched: Scheduler) -> str:
+    """After the last request: no live sequence, and in every layer group
+    every page and slot is free or held by the prefix trie; dropping the
+    tries frees everything. Returns "ok" or raises `LeakError`. Changes the
+    store (drops the tries)."""
     problems = []
     if sched.has_unfinished():
         problems.append(f"scheduler still has {sched.num_running} running, {sched.num_waiting} waiting")
-    if bm.num_sequences:
-        problems.append(f"{bm.num_sequences} sequences still live: {bm.sequence_ids()[:5]}")
-    cfg = bm.config
-    stats = bm.stats
+    if store.num_sequences:
+        problems.append(f"{store.num_sequences} sequences still live: {store.sequence_ids()[:5]}")
+    for group, bm in enumerate(store.managers):
+        problems.extend(f"group {group}: {p}" for p in _cached_only(bm))
+    try:
+        store.reset_prefix_cache()
+    except BlockManagerError as exc:  # pragma: no cover - a manager bug
+        problems.append(f"reset_prefix_cache failed: {exc}")
+    for group, bm in enumerate(store.managers):
+        cfg = bm.config
+        if bm.num_free_blocks != cfg.num_blocks:
+            problems.append(f"group {group}: {cfg.num_blocks - bm.num_free_blocks} pages not "
+                            "free after dropping the trie")
+        if cfg.num_slots and bm.num_free_slots != cfg.num_slots:
+            problems.append(f"{cfg.num_slots - bm.num_free_slots} slots not free after dropping the trie")
+    store.check_integrity()
+    if problems:
+        raise LeakError("; ".join(problems))
+    return "ok"
+
+
+def _cached_only(bm: BlockManager) -> list[str]:
+    """What of one group's memory is held by anything but its trie."""
+    problems = []
+    cfg, stats = bm.config, bm.stats
     used = cfg.num_blocks - bm.num_free_blocks
     if used != stats.num_trie_pages:
         problems.append(f"{used} pages in use but the trie holds {stats.num_trie_pages}")
@@ -345,23 +371,11 @@ def check_no_leaks(bm: BlockManager, sched: Scheduler) -> str:
         used_slots = cfg.num_slots - bm.num_free_slots
         if used_slots != stats.num_trie_slots:
             problems.append(f"{used_slots} slots in use but the trie holds {stats.num_trie_slots}")
-    for kind in ("blocks", "slots"):
-        host_free = getattr(bm, f"num_free_host_{kind}", None)
-        host_total = getattr(cfg, f"num_host_{kind}", 0)
-        if host_free is not None and host_free != host_total:
-            problems.append(f"{host_total - host_free} host {kind} still in use")
-    try:
-        bm.reset_prefix_cache()
-    except BlockManagerError as exc:  # pragma: no cover - a manager bug
-        problems.append(f"reset_prefix_cache failed: {exc}")
-    if bm.num_free_blocks != cfg.num_blocks:
-        problems.append(f"{cfg.num_blocks - bm.num_free_blocks} pages not free after dropping the trie")
-    if cfg.num_slots and bm.num_free_slots != cfg.num_slots:
-        problems.append(f"{cfg.num_slots - bm.num_free_slots} slots not free after dropping the trie")
-    bm.check_integrity()
-    if problems:
-        raise LeakError("; ".join(problems))
-    return "ok"
+    if bm.num_free_host_blocks != cfg.num_host_blocks:
+        problems.append(f"{cfg.num_host_blocks - bm.num_free_host_blocks} host pages still in use")
+    if bm.num_free_host_slots != cfg.num_host_slots:
+        problems.append(f"{cfg.num_host_slots - bm.num_free_host_slots} host slots still in use")
+    return problems
 
 
 def _count_ops(ops) -> tuple[int, int, int]:
