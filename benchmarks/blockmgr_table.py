@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 # Time the checkout this file belongs to, not another copy of `blockmgr`
@@ -37,7 +38,7 @@ from pathlib import Path
 # would be): run as a script, only benchmarks/ is on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from blockmgr import BlockManager, BlockManagerConfig
+from blockmgr import BlockManager, BlockManagerConfig, GroupedStore, GroupedStoreConfig
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixTrie
 
@@ -98,8 +99,21 @@ def unique_prompts(count: int, length: int, first_token: int = 10_000_000) -> li
     return [tokens(length, first_token + i * length) for i in range(count)]
 
 
-def manager(num_blocks: int, prefix_cache: bool = True) -> BlockManager:
-    """An attention-only manager (no recurrent slots) with 16-token pages."""
+#: Layer groups of the grouped-store cases: one full-attention group (what a
+#: plain manager keeps), gemma3's (full + a 1024-token window) and gpt-oss's
+#: (full + a 128-token window).
+LAYOUTS = {"full": (None,), "gemma3": (None, 1024), "gpt_oss": (None, 128)}
+
+
+def manager(num_blocks: int, prefix_cache: bool = True, layout: str | None = None):
+    """An attention-only manager (no recurrent slots) with 16-token pages; a
+    `GroupedStore` of the `layout`'s groups (each with `num_blocks` pages)
+    when one is named."""
+    if layout is not None:
+        return GroupedStore(GroupedStoreConfig(
+            num_blocks=num_blocks, block_size=BLOCK, windows=LAYOUTS[layout],
+            enable_prefix_cache=prefix_cache,
+        ))
     return BlockManager(
         BlockManagerConfig(
             num_blocks=num_blocks, block_size=BLOCK, enable_prefix_cache=prefix_cache
@@ -166,7 +180,7 @@ def make_manager_one_token(prefix_cache: bool) -> Callable[[int], Bench]:
 # -------------------------------------------------- (b) decode append step
 
 
-def make_decode(check_first: bool) -> Callable[[int], Bench]:
+def make_decode(check_first: bool, layout: str | None = None) -> Callable[[int], Bench]:
     """One decode step: `append` one token to each of 256 live sequences.
 
     Prompts are 64..1024 tokens (seeded), so page boundaries are spread and
@@ -179,7 +193,7 @@ def make_decode(check_first: bool) -> Callable[[int], Bench]:
         rng = random.Random(0)
         lengths = [rng.randint(64, 1024) for _ in range(NUM_DECODE_SEQS)]
         num_blocks = sum(pages_for(n + num_calls) for n in lengths) + 16
-        bm = manager(num_blocks)
+        bm = manager(num_blocks, layout=layout)
         ids = [f"seq-{i}" for i in range(NUM_DECODE_SEQS)]
         first = 1_000_000
         for seq_id, length in zip(ids, lengths):
@@ -223,7 +237,7 @@ def make_request_no_cache(num_calls: int) -> Bench:
 # ----------------------------------------- (d) 512-token request, 496 hit
 
 
-def make_request_prefix_hit(num_calls: int) -> Bench:
+def make_request_prefix_hit(num_calls: int, layout: str | None = None) -> Bench:
     """A 512-token request whose first 496 tokens are cached: match +
     allocate + free.
 
@@ -234,7 +248,7 @@ def make_request_prefix_hit(num_calls: int) -> Bench:
     """
     tails = unique_prompts(num_calls + 1, PROMPT - PREFIX_HIT)
     prompts = [tokens(PREFIX_HIT) + tail for tail in tails]
-    bm = manager(pages_for(PROMPT) + num_calls + 16)
+    bm = manager(pages_for(PROMPT) + num_calls + 16, layout=layout)
     bm.allocate("warm", tokens(PREFIX_HIT) + [0])
     bm.free("warm", num_computed=PREFIX_HIT)
     probe = prompts.pop()
@@ -389,6 +403,23 @@ CASES = [
     ),
     Case("e7", "e", "trie match 16k tokens, one edge, query shares int objects", "1k tokens",
          make_trie_match(16384, None, same_objects=True), 500, 50),
+    *(
+        Case(f"g{i}", "g", f"{what}, GroupedStore {layout}", unit, make, calls, iterations)
+        for i, (what, unit, make, calls, iterations, layout) in enumerate(
+            [
+                *(
+                    ("d1", "request", partial(make_request_prefix_hit, layout=layout),
+                     2000, 100, layout)
+                    for layout in LAYOUTS
+                ),
+                *(
+                    ("b1", "seq", make_decode(False, layout), 40, 4, layout)
+                    for layout in ("full", "gemma3")
+                ),
+            ],
+            start=1,
+        )
+    ),
     Case("f1", "f", "16-token new prompt alloc + free, room (no eviction)", "request",
          make_evict(16, full=False), 2000, 100),
     Case("f2", "f", "16-token new prompt alloc + free, evicts 1-page leaf", "request",

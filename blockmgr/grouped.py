@@ -239,16 +239,20 @@ class GroupedStore:
         Raises `OutOfBlocks` / `OutOfSlots` (nothing changed) when any group
         lacks room after eviction. O(groups) per token, amortised.
         """
-        new_tokens = _token_list(new_tokens)
+        if type(new_tokens) is not list:
+            new_tokens = _token_list(new_tokens)
         first, *checked = self._managers
+        num_tokens = len(new_tokens)
         for m in checked:
-            if not m.can_append(seq_id, len(new_tokens)):
+            if not m.can_append(seq_id, num_tokens):
                 m.append(seq_id, new_tokens)  # raises its precise error, changes nothing
                 raise IntegrityError("append succeeded where can_append said no")
-        ops = list(first.append(seq_id, new_tokens))  # checks itself: nothing changed yet
+        ops = first.append(seq_id, new_tokens)  # checks itself: nothing changed yet
         for m in checked:
-            ops.extend(m.append(seq_id, new_tokens))
-        return tuple(ops)
+            more = m.append(seq_id, new_tokens)
+            if more:
+                ops = (*ops, *more)
+        return ops
 
     # -------------------------------------------------------- fork / truncate
 

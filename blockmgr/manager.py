@@ -212,8 +212,12 @@ class BlockManager:
         _check_namespace(namespace)
         if match is None:
             match = self._match(namespace, tokens)
-        num_pages = self._num_new_pages(len(tokens), match.num_tokens)
-        return self._with_match_held(match, self._can_reserve, num_pages + self._watermark(), 1)
+        num_pages = self._num_new_pages(len(tokens), match.num_tokens) + self._watermark()
+        if num_pages <= self._pages.num_free and (
+            self._slots is None or self._slots.num_free
+        ):
+            return True  # the common case: no eviction, so nothing to protect
+        return self._with_match_held(match, self._can_reserve, num_pages, 1)
 
     def allocate(
         self,
