@@ -61,9 +61,12 @@ class HostPagePool:
 
     def swap_in(self, pool: PagePool, host_pages: list[int], pages: list[int]) -> None:
         """Copy host page `host_pages[i]` into device page `pages[i]` of `pool`
-        (one host gather, one in-place device write, lazy). Cost: O(bytes moved)."""
+        (one host gather, one in-place device write, lazy). Cost: O(bytes moved).
+
+        A pool that never received pages copies nothing: the pages swapped out
+        before any forward wrote this layer held no data."""
         if self._keys is None:
-            raise InvalidArgument("swap-in from a host pool that never received pages")
+            return
         s = pool.shape
         rows = _np_rows(host_pages, s.n_kv_heads, self.num_host_blocks)
         k = mx.array(self._keys[rows]).view(s.dtype)
