@@ -13,9 +13,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PagedCache
+from scheduler import Engine, SamplingParams
 from tests.tiny_models import SLIDING_MODELS, built
 
 TOL = 1e-4
@@ -131,3 +133,32 @@ def test_a_long_conversation_keeps_only_window_pages_in_sliding_groups():
     window_pages = -(-16 // BLOCK) + 1
     assert sliding.num_cached_blocks <= 4 * window_pages < full.num_cached_blocks
     pc.check_integrity()
+
+
+def greedy_reference(model, prompt, n):
+    steps = generate_step(mx.array(prompt), model, max_tokens=n)
+    return [int(t) for (t, _), _ in zip(steps, range(n))]
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_engine_reuses_shared_prefixes_on_sliding_models(case, preemption):
+    """Six prompts sharing a 30-token prefix (windows of 12..20 tokens): the
+    engine's greedy outputs are mlx-lm's, later prompts hit the prefix, and a
+    pool small enough to preempt leaks nothing."""
+    name, model, vocab = case
+    shared = tokens(vocab, 30, 20)
+    prompts = [shared + tokens(vocab, 2 + i, 30 + i) for i in range(6)]
+    want = [greedy_reference(model, p, 8) for p in prompts]
+    engine = Engine(model, num_blocks=24, block_size=BLOCK, max_num_batched_tokens=48,
+                    max_num_seqs=4, preemption=preemption, num_host_blocks=64,
+                    num_host_slots=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.tokens for o in outs] == want
+    stats = engine.scheduler.stats
+    assert stats.num_preempted_recompute_total + stats.num_preempted_swap_total > 0
+    assert stats.num_prefix_hit_tokens_total >= 2 * len(shared)  # two or more reuse it whole
+    engine.check_integrity()
+    for m in engine.cache.block_managers:
+        assert m.num_sequences == 0
+        assert m.num_free_blocks + m.num_cached_blocks == m.config.num_blocks
+        assert m.num_free_slots + m.stats.num_trie_slots == m.config.num_slots
