@@ -15,7 +15,13 @@ Life of a sequence:
     cache_prefix(id, n)    snapshot the computed prefix into the trie
     free(id, num_computed) the computed tokens (and slot) go into the trie
 
-Every call either succeeds whole or raises and changes nothing.
+Every call either succeeds whole or raises and changes nothing. Arguments
+are checked (`blockmgr.validation`) before anything changes: token ids are
+non-negative ints (lists, tuples, iterables, numpy integer arrays), ids and
+namespaces hashable. `free` of a live id never fails. Prefix-cache listener
+calls run when a call has finished; their errors are kept
+(`take_listener_errors`), never raised into the caller. The whole contract
+of every layer: design/errors.md.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch, PrefixTrie
 from blockmgr.sequence import Allocation, Sequence
 from blockmgr.stats import PrefixCacheStats
+from blockmgr.validation import check_count, check_hashable, prompt_list, token_list
 
 Plan = tuple[MemoryOp, ...]
 
@@ -79,6 +86,9 @@ class BlockManager:
             else None
         )
         self._seqs: dict[Hashable, Sequence] = {}
+        # Listener calls queued by the trie, delivered when a call is done.
+        self._events: list[tuple] = self._trie.events if self._trie is not None else []
+        self._listener_errors: list[tuple[str, BaseException]] = []
         self._num_watermark_blocks = config.num_watermark_blocks
         self._num_queries = 0
         self._num_hits = 0
@@ -163,14 +173,14 @@ class BlockManager:
         For admission control that counts only new tokens against a budget.
         O(matched tokens + depth).
         """
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
+        tokens = prompt_list(tokens, "tokens")
+        check_hashable("namespace", namespace)
         return self._match(namespace, tokens).num_tokens
 
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
         """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
+        tokens = prompt_list(tokens, "tokens")
+        check_hashable("namespace", namespace)
         match = self._match(namespace, tokens)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens)
         return self._with_match_held(match, self._can_reserve, num_pages + self._watermark(), 1)
@@ -188,8 +198,8 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
+        tokens = prompt_list(tokens, "tokens")
+        check_hashable("namespace", namespace)
         match = self._match(namespace, tokens)
         num_tokens, num_cached = len(tokens), match.num_tokens
         num_pages = self._num_new_pages(num_tokens, num_cached)
@@ -217,6 +227,8 @@ class BlockManager:
             num_borrowed=match.num_locked_pages,
         )
         self._count_query(num_tokens, num_cached)
+        if self._events:
+            self._deliver_events()
         return Allocation(seq_id, table[:], slot, tuple(ops), num_cached, match.branch_point)
 
     def _hold_match(self, match: PrefixMatch) -> None:
@@ -267,7 +279,7 @@ class BlockManager:
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
         seq = self._resident(seq_id)
-        _check_count("num_tokens", num_tokens)
+        num_tokens = check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
         return self._can_reserve(num_pages + copy_page, copy_slot)
 
@@ -279,7 +291,7 @@ class BlockManager:
         the new tokens are released. O(1) amortised per token.
         """
         seq = self._resident(seq_id)
-        new_tokens = _token_list(new_tokens)
+        new_tokens = token_list(new_tokens, "new_tokens")
         if not new_tokens:
             return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
@@ -292,6 +304,8 @@ class BlockManager:
         seq.tokens.extend(new_tokens)
         if self._window is not None:
             self._release_out_of_window(seq, num_before)
+        if self._events:
+            self._deliver_events()
         return ops
 
     def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
@@ -371,7 +385,7 @@ class BlockManager:
         Bad arguments still raise, as in `truncate`.
         """
         seq = self._resident(seq_id)
-        self._check_truncate_target(seq, num_tokens)
+        num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return True
         if not self._window_keeps(seq, num_tokens):
@@ -391,7 +405,7 @@ class BlockManager:
         sliding window, rolling back past released pages is refused.
         """
         seq = self._resident(seq_id)
-        self._check_truncate_target(seq, num_tokens)
+        num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return NO_OPS
         if not self._window_keeps(seq, num_tokens):
@@ -415,15 +429,18 @@ class BlockManager:
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
             self._slots.release(old_slot)
+        if self._events:
+            self._deliver_events()
         return ops
 
-    def _check_truncate_target(self, seq: Sequence, num_tokens: int) -> None:
-        _check_count("num_tokens", num_tokens)
+    def _check_truncate_target(self, seq: Sequence, num_tokens: int) -> int:
+        num_tokens = check_count("num_tokens", num_tokens)
         if num_tokens > len(seq.tokens):
             raise InvalidArgument(
                 f"cannot truncate {seq.seq_id!r} to {num_tokens} tokens: "
                 f"it has {len(seq.tokens)}"
             )
+        return num_tokens
 
     def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
         """Are the pages the token at `num_tokens` would attend to still held?"""
@@ -486,6 +503,8 @@ class BlockManager:
             if took_slot:
                 ops = (CopySlot(seq.slot, snapshot),)
         self._move_lock(seq, node)
+        if self._events:
+            self._deliver_events()
         return ops
 
     def _move_lock(self, seq: Sequence, node) -> None:
@@ -528,6 +547,8 @@ class BlockManager:
         self._pages.release_all(table[first_owned:] if first_owned else table)
         if seq.slot is not None:
             self._slots.release(seq.slot)
+        if self._events:
+            self._deliver_events()
         return NO_OPS
 
     def _own_borrowed(self, seq: Sequence) -> None:
@@ -588,6 +609,8 @@ class BlockManager:
             seq, (self._host_pages, self._pages, SwapIn), (self._host_slots, self._slots, SwapInSlot)
         )
         seq.swapped = False
+        if self._events:
+            self._deliver_events()
         return tuple(ops)
 
     @staticmethod
@@ -620,6 +643,23 @@ class BlockManager:
         """Drop every cached prefix no live sequence is using."""
         if self._trie is not None:
             self._trie.reset()
+            self._deliver_events()
+
+    def take_listener_errors(self) -> list[tuple[str, BaseException]]:
+        """The (event, exception) of every listener call that raised since the
+        last call, oldest first, and forget them.
+
+        A listener runs once the call that cached or evicted has finished and
+        the state is consistent; what it raises cannot change that call's
+        outcome (a `free` of a live id still succeeds), so it is kept here
+        for the owner of the listener instead of being raised into the
+        scheduler's bookkeeping.
+        """
+        errors, self._listener_errors = self._listener_errors, []
+        return errors
+
+    def _deliver_events(self) -> None:
+        self._listener_errors.extend(self._trie.deliver_events())
 
     # ------------------------------------------------------------- internals
 
@@ -653,7 +693,7 @@ class BlockManager:
     def _computed_count(self, seq: Sequence, num_computed: int | None) -> int:
         if num_computed is None:
             return len(seq.tokens)
-        _check_count("num_computed", num_computed)
+        num_computed = check_count("num_computed", num_computed)
         if num_computed > len(seq.tokens):
             raise InvalidArgument(
                 f"{seq.seq_id!r} has {len(seq.tokens)} tokens, not {num_computed}"
@@ -860,34 +900,3 @@ class BlockManager:
 
 #: The match of a manager without a prefix cache (never mutated: empty pages).
 _NO_MATCH = PrefixMatch()
-
-
-def _prompt_list(tokens: Iterable[int]) -> list[int]:
-    tokens = _token_list(tokens)
-    if not tokens:
-        raise InvalidArgument("a prompt needs at least one token")
-    return tokens
-
-
-def _token_list(tokens: Iterable[int]) -> list[int]:
-    """A new list of the tokens (the caller's object is never kept)."""
-    if type(tokens) is list:
-        return tokens[:]  # the common case, without the checks below
-    if isinstance(tokens, (str, bytes, int)):
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
-    try:
-        return list(tokens)
-    except TypeError:
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}") from None
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _check_namespace(namespace: Hashable) -> None:
-    try:
-        hash(namespace)
-    except TypeError:
-        raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None

@@ -43,7 +43,14 @@ from blockmgr.pool import RefCountedPool
 
 
 class PrefixCacheListener(Protocol):
-    """Follows what the trie caches (for a cache-aware router)."""
+    """Follows what the trie caches (for a cache-aware router).
+
+    Called after the block manager call that stored or evicted the entries
+    has finished, in event order, never in the middle of a change: a
+    listener may read the manager. An exception a listener raises is caught
+    and kept (`BlockManager.take_listener_errors()`); it cannot undo or
+    corrupt the change it was told about.
+    """
 
     def stored(self, pages: list[int], tokens: list[int]) -> None: ...
 
@@ -141,6 +148,8 @@ class PrefixTrie:
         self._slots = slots
         self._hybrid = slots is not None
         self._listener = listener
+        #: Listener calls not delivered yet: (method name, pages, tokens or None).
+        self.events: list[tuple] = []
         self._roots: dict[Hashable, TrieNode] = {}
         self._nodes: dict[int, TrieNode] = {}
         self._next_node_id = 0
@@ -372,7 +381,7 @@ class PrefixTrie:
         if len(children) == 1:
             self._reindex(parent)  # it was a leaf
         if self._listener is not None:
-            self._listener.stored(list(blocks), child.tokens)
+            self.events.append(("stored", list(blocks), child.tokens))
         return child
 
     def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
@@ -543,7 +552,7 @@ class PrefixTrie:
             self.num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
-                self._listener.removed(list(node.blocks))
+                self.events.append(("removed", list(node.blocks), None))
             self._detach(node)
             if parent.parent is None:
                 if not parent.children:
@@ -560,6 +569,23 @@ class PrefixTrie:
                 continue
             self._try_merge(parent)
             return
+
+    def deliver_events(self) -> list[tuple[str, BaseException]]:
+        """Call the listener for every queued event, oldest first; return the
+        (event name, exception) of each call that raised. Call it once the
+        manager's state is consistent. O(events)."""
+        errors = []
+        events = self.events
+        while events:
+            name, pages, tokens = events.pop(0)
+            try:
+                if tokens is None:
+                    self._listener.removed(pages)
+                else:
+                    self._listener.stored(pages, tokens)
+            except Exception as exc:  # the change stands; the caller reports it
+                errors.append((name, exc))
+        return errors
 
     # ------------------------------------------------------------- internals
 
@@ -693,7 +719,7 @@ class PrefixTrie:
         where = f"node {node.node_id} [{node.start}, {node.end})"
         if not node.tokens:
             raise IntegrityError(f"{where} has no tokens")
-        if node.namespace != namespace:
+        if node.namespace is not namespace and node.namespace != namespace:  # NaN
             raise IntegrityError(f"{where} is in the wrong namespace")
         if parent.children.get(node.tokens[0]) is not node:
             raise IntegrityError(f"{where} is not filed under its first token")

@@ -451,7 +451,9 @@ class PagedCache:
         elif not any(pending):
             # Nothing reserved (generate_step feeds tokens itself): reserve N each.
             for s in seq_ids:
-                self._append(s, [None] * n, known=False)
+                # Placeholder ids (the manager takes only token ids); `known`
+                # keeps them out of the trie.
+                self._append(s, [0] * n, known=False)
             new = [n] * len(seq_ids)
         else:
             new = [min(p, n) for p in pending]
