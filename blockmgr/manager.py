@@ -52,10 +52,16 @@ from blockmgr.ops import (
     ZeroSlot,
 )
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch, PrefixTrie
+from blockmgr.prefix_trie import (
+    TOKEN_BYTES,
+    PrefixCacheListener,
+    PrefixMatch,
+    PrefixTrie,
+    pack_tokens,
+)
 from blockmgr.sequence import Allocation, Sequence
 from blockmgr.stats import PrefixCacheStats
-from blockmgr.validation import check_count, check_hashable, prompt_list, token_list
+from blockmgr.validation import check_count, check_hashable, packed_prompt, token_list
 
 Plan = tuple[MemoryOp, ...]
 
@@ -173,15 +179,15 @@ class BlockManager:
         For admission control that counts only new tokens against a budget.
         O(matched tokens + depth).
         """
-        tokens = prompt_list(tokens, "tokens")
+        tokens, packed = packed_prompt(tokens, "tokens")
         check_hashable("namespace", namespace)
-        return self._match(namespace, tokens).num_tokens
+        return self._match(namespace, tokens, packed).num_tokens
 
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
         """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
-        tokens = prompt_list(tokens, "tokens")
+        tokens, packed = packed_prompt(tokens, "tokens")
         check_hashable("namespace", namespace)
-        match = self._match(namespace, tokens)
+        match = self._match(namespace, tokens, packed)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens)
         return self._with_match_held(match, self._can_reserve, num_pages + self._watermark(), 1)
 
@@ -198,9 +204,9 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        tokens = prompt_list(tokens, "tokens")
+        tokens, packed = packed_prompt(tokens, "tokens")
         check_hashable("namespace", namespace)
-        match = self._match(namespace, tokens)
+        match = self._match(namespace, tokens, packed)
         num_tokens, num_cached = len(tokens), match.num_tokens
         num_pages = self._num_new_pages(num_tokens, num_cached)
         self._hold_match(match)
@@ -225,6 +231,7 @@ class BlockManager:
             node,
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
+            packed=packed,
         )
         self._count_query(num_tokens, num_cached)
         if self._events:
@@ -374,6 +381,7 @@ class BlockManager:
             seq.num_released,
             anchored=seq.anchored,
             num_borrowed=seq.num_borrowed,  # the same lock holds them
+            packed=seq.packed,
         )
         return NO_OPS
 
@@ -423,6 +431,8 @@ class BlockManager:
         self._pages.incref_all(table[max(num_borrowed, seq.num_released) : seq.num_borrowed])
         seq.num_borrowed = num_borrowed
         del seq.tokens[num_tokens:]
+        if len(seq.packed) > num_tokens * TOKEN_BYTES:
+            seq.packed = seq.packed[: num_tokens * TOKEN_BYTES]
         if seq.locked_node is not None and num_tokens < seq.locked_node.end:
             seq.anchored = False  # new tokens may differ from the node's
         seq.num_released = min(seq.num_released, keep)
@@ -495,7 +505,7 @@ class BlockManager:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
         node, took_slot = trie.insert(
-            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot
+            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot, packed=seq.packed
         )
         ops = NO_OPS
         if snapshot is not None:
@@ -539,7 +549,7 @@ class BlockManager:
         if trie is not None and num_computed and not seq.num_released:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
             start = node if seq.anchored and node.end <= num_computed else None
-            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start)
+            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start, seq.packed)
         if node is not None:
             trie.unlock(node)
         table = seq.block_table
@@ -700,10 +710,10 @@ class BlockManager:
             )
         return num_computed
 
-    def _match(self, namespace: Hashable, tokens: list[int]) -> PrefixMatch:
+    def _match(self, namespace: Hashable, tokens: list[int], packed: bytes) -> PrefixMatch:
         if self._trie is None:
             return _NO_MATCH
-        return self._trie.match(namespace, tokens, limit=len(tokens) - 1)
+        return self._trie.match(namespace, tokens, len(tokens) - 1, packed)
 
     def _num_new_pages(self, num_tokens: int, num_cached: int) -> int:
         block_size = self._block_size
@@ -812,6 +822,8 @@ class BlockManager:
                 raise IntegrityError(f"{where}: page {index} released out of order")
             if index >= first_owned:
                 page_refs[page] += 1
+        if seq.packed != pack_tokens(seq.tokens[: len(seq.packed) // TOKEN_BYTES]):
+            raise IntegrityError(f"{where} has stale packed tokens")
         if seq.num_released and self._window is None:
             raise IntegrityError(f"{where} released pages without a sliding window")
         if (seq.slot is None) != (self._slots is None):

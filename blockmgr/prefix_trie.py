@@ -32,6 +32,7 @@ O(log n) per touched node (sortedcontainers).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,6 +79,7 @@ class TrieNode:
     last_access: int = 0
     leaf_key: tuple[int, int] | None = None
     slot_key: tuple[int, int] | None = None
+    packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
 
     @property
     def is_root(self) -> bool:
@@ -111,6 +113,46 @@ class PrefixMatch:
     branch_point: int | None = None
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
+
+
+#: Bytes per token in `TrieNode.packed` and in a packed query.
+TOKEN_BYTES = 8
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    """Token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
+    return array("Q", tokens).tobytes()
+
+
+def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
+    """`common_prefix_length` over packed tokens: how many tokens of `edge`
+    equal those of `packed` from token `pos` on. O(L) bytes compared by
+    memcmp plus O(log L) slices."""
+    start = pos * TOKEN_BYTES
+    limit = min(len(edge), len(packed) - start) // TOKEN_BYTES
+    lo, hi = 0, limit  # edge[:lo] matches; edge[:hi + 1] does not (or hi == limit)
+    if edge[: limit * TOKEN_BYTES] == packed[start : start + limit * TOKEN_BYTES]:
+        return limit
+    hi = limit - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        a, b = lo * TOKEN_BYTES, mid * TOKEN_BYTES
+        if edge[a:b] == packed[start + a : start + b]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _packed_run(tokens: list[int], packed: bytes, pos: int) -> bytes:
+    """`pack_tokens(tokens[pos:])`, from `packed` (the first
+    `len(packed) // 8` tokens, packed) as far as it reaches."""
+    num_packed = len(packed) // TOKEN_BYTES
+    if num_packed >= len(tokens):
+        return packed[pos * TOKEN_BYTES : len(tokens) * TOKEN_BYTES]
+    if num_packed <= pos:
+        return pack_tokens(tokens[pos:])
+    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:])
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -169,15 +211,19 @@ class PrefixTrie:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
-    def match(self, namespace: Hashable, tokens: list[int], limit: int) -> PrefixMatch:
+    def match(
+        self, namespace: Hashable, tokens: list[int], limit: int, packed: bytes | None = None
+    ) -> PrefixMatch:
         """Find the longest usable cached prefix of `tokens`, at most `limit`.
 
+        `packed`, the tokens as `pack_tokens` gives them, makes the edge
+        compares byte compares (memcmp) instead of int-object compares.
         Pure: changes nothing. O(matched tokens + depth).
         """
         root = self._roots.get(namespace)
         if root is None or limit <= 0:
             return PrefixMatch()
-        path, num_matched = self._walk(root, tokens)
+        path, num_matched = self._walk(root, tokens, packed)
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
@@ -198,7 +244,9 @@ class PrefixTrie:
             return None
         return node
 
-    def _walk(self, root: TrieNode, tokens: list[int]) -> tuple[list[TrieNode], int]:
+    def _walk(
+        self, root: TrieNode, tokens: list[int], packed: bytes | None = None
+    ) -> tuple[list[TrieNode], int]:
         """Nodes along `tokens` (the last may match partly) and tokens matched."""
         path: list[TrieNode] = []
         node, pos, num_tokens = root, 0, len(tokens)
@@ -206,8 +254,17 @@ class PrefixTrie:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            edge = child.tokens
             path.append(child)
+            if packed is not None:
+                edge = child.packed
+                start = pos * TOKEN_BYTES
+                if packed[start : start + len(edge)] == edge:
+                    pos += len(child.tokens)
+                    node = child
+                    continue
+                pos += common_packed_prefix_length(edge, packed, pos)
+                break
+            edge = child.tokens
             if tokens[pos : pos + len(edge)] == edge:
                 pos += len(edge)
                 node = child
@@ -319,6 +376,7 @@ class PrefixTrie:
         pages: list[int],
         slot: int | None = None,
         start: TrieNode | None = None,
+        packed: bytes = b"",
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -328,7 +386,9 @@ class PrefixTrie:
         deepest node wholly inside `tokens` (None if that is the root) and
         whether the slot was taken.
         `start`, a node known to spell `tokens[:start.end]`, skips comparing
-        that part again. O(len(tokens) + depth).
+        that part again; `packed`, the first `len(packed) // 8` tokens
+        packed (`pack_tokens`), is sliced instead of packing those again.
+        O(len(tokens) + depth).
         """
         if start is not None:
             node, pos = start, start.end
@@ -344,7 +404,7 @@ class PrefixTrie:
         while pos < num_tokens:
             child = node.children.get(tokens[pos])
             if child is None:
-                node = self._add_child(node, tokens, pos, pages)
+                node = self._add_child(node, tokens, pos, pages, packed)
                 path.append(node)
                 pos = num_tokens
                 if len(node.parent.children) == 1:
@@ -370,12 +430,14 @@ class PrefixTrie:
         return (node if node.parent is not None else None), took_slot
 
     def _add_child(
-        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int]
+        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int], packed: bytes
     ) -> TrieNode:
         block_size = self._block_size
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
         self._hold_pages(blocks)
-        child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
+        child = self._new_node(
+            parent.namespace, tokens[pos:], pos, parent, blocks, _packed_run(tokens, packed, pos)
+        )
         children = parent.children
         children[tokens[pos]] = child
         if len(children) == 1:
@@ -400,12 +462,14 @@ class PrefixTrie:
             self._hold_pages([node.blocks[cut // block_size - first_index]])
         parent = node.parent
         head = self._new_node(
-            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks
+            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks,
+            node.packed[: num_head_tokens * TOKEN_BYTES],
         )
         head.lock_count = node.lock_count
         head.last_access = node.last_access
         parent.children[head.tokens[0]] = head
         node.tokens = node.tokens[num_head_tokens:]
+        node.packed = node.packed[num_head_tokens * TOKEN_BYTES :]
         node.start = cut
         node.blocks = tail_blocks
         node.parent = head
@@ -438,6 +502,7 @@ class PrefixTrie:
             head_blocks = node.blocks
         child.blocks = head_blocks + child.blocks
         child.tokens = node.tokens + child.tokens
+        child.packed = node.packed + child.packed
         child.start = node.start
         child.parent = node.parent
         child.last_access = max(child.last_access, node.last_access)
@@ -596,9 +661,11 @@ class PrefixTrie:
         start: int,
         parent: TrieNode | None,
         blocks: list[int],
+        packed: bytes | None = None,
     ) -> TrieNode:
         node = TrieNode(
-            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks
+            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks,
+            packed=pack_tokens(tokens) if packed is None else packed,
         )
         self._next_node_id += 1
         if parent is not None:
@@ -727,6 +794,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} does not start where its parent ends")
         if node.end != node.start + len(node.tokens):
             raise IntegrityError(f"{where} has a stale end")
+        if node.packed != pack_tokens(node.tokens):
+            raise IntegrityError(f"{where} has stale packed tokens")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.blocks) != num_blocks:
