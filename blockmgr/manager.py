@@ -61,7 +61,14 @@ from blockmgr.prefix_trie import (
 )
 from blockmgr.sequence import Allocation, Sequence
 from blockmgr.stats import PrefixCacheStats
-from blockmgr.validation import check_count, check_hashable, packed_prompt, token_list
+from blockmgr.validation import (
+    MAX_TOKEN_ID,
+    check_count,
+    check_hashable,
+    packed_prompt,
+    prompt_list,
+    token_list,
+)
 
 Plan = tuple[MemoryOp, ...]
 
@@ -204,7 +211,10 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        tokens, packed = packed_prompt(tokens, "tokens")
+        if self._trie is not None:
+            tokens, packed = packed_prompt(tokens, "tokens")
+        else:  # nothing to match against: no packing
+            tokens, packed = prompt_list(tokens, "tokens"), b""
         check_hashable("namespace", namespace)
         match = self._match(namespace, tokens, packed)
         num_tokens, num_cached = len(tokens), match.num_tokens
@@ -298,12 +308,19 @@ class BlockManager:
         the new tokens are released. O(1) amortised per token.
         """
         seq = self._resident(seq_id)
-        new_tokens = token_list(new_tokens, "new_tokens")
-        if not new_tokens:
-            return NO_OPS
+        if not (  # a decode step's one checked token (`extend` copies it)
+            type(new_tokens) is list
+            and len(new_tokens) == 1
+            and type(new_tokens[0]) is int
+            and 0 <= new_tokens[0] <= MAX_TOKEN_ID
+        ):
+            new_tokens = token_list(new_tokens, "new_tokens")
+            if not new_tokens:
+                return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
-        if num_pages or copy_page or copy_slot:
-            self._reserve(num_pages + copy_page, copy_slot)
+        grows = num_pages or copy_page or copy_slot
+        if grows:
+            self._reserve(num_pages + copy_page, copy_slot)  # may evict: events
         ops = self._make_writable(seq, copy_page, copy_slot)
         if num_pages:
             seq.block_table.extend(self._pages.take(num_pages))
@@ -311,7 +328,7 @@ class BlockManager:
         seq.tokens.extend(new_tokens)
         if self._window is not None:
             self._release_out_of_window(seq, num_before)
-        if self._events:
+        if grows and self._events:
             self._deliver_events()
         return ops
 

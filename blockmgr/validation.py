@@ -79,8 +79,7 @@ def packed_prompt(tokens: Iterable[int], name: str = "prompt") -> tuple[list[int
     For a list of exact ints the one `array('Q')` conversion is both the
     check and the packing. O(n) at C speed.
     """
-    if type(tokens) is list and len(tokens) > _SHORT and type(tokens[0]) is int \
-            and type(tokens[-1]) is int:
+    if type(tokens) is list and tokens and type(tokens[0]) is int and type(tokens[-1]) is int:
         try:
             packed = array("Q", tokens)
         except (TypeError, OverflowError):
