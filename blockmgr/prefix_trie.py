@@ -641,15 +641,19 @@ class PrefixTrie:
         manager's state is consistent. O(events)."""
         errors = []
         events = self.events
-        while events:
-            name, pages, tokens = events.pop(0)
-            try:
-                if tokens is None:
-                    self._listener.removed(pages)
-                else:
-                    self._listener.stored(pages, tokens)
-            except Exception as exc:  # the change stands; the caller reports it
-                errors.append((name, exc))
+        num_delivered = 0
+        try:
+            for name, pages, tokens in events:
+                num_delivered += 1
+                try:
+                    if tokens is None:
+                        self._listener.removed(pages)
+                    else:
+                        self._listener.stored(pages, tokens)
+                except Exception as exc:  # the change stands; the caller reports it
+                    errors.append((name, exc))
+        finally:  # a BaseException (KeyboardInterrupt) leaves the rest queued
+            del events[:num_delivered]
         return errors
 
     # ------------------------------------------------------------- internals

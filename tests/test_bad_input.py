@@ -410,3 +410,33 @@ def test_request_refuses_bad_values(kwargs, error):
     args.update(kwargs)
     with pytest.raises(error):
         Request(**args)
+
+
+def test_an_interrupt_in_a_listener_propagates_and_loses_no_later_event():
+    class Interrupting:
+        def __init__(self):
+            self.removed_pages: list[list[int]] = []
+            self.interrupt = True
+
+        def stored(self, pages, tokens):
+            pass
+
+        def removed(self, pages):
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            self.removed_pages.append(list(pages))
+
+    listener = Interrupting()
+    bm = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4), listener=listener)
+    for seq_id, prompt in (("a", [1, 2, 3]), ("b", [7, 8])):
+        bm.allocate(seq_id, prompt)
+        bm.free(seq_id)
+    with pytest.raises(KeyboardInterrupt):
+        bm.reset_prefix_cache()  # evicts two leaves: two `removed` events
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.config.num_blocks  # the reset itself is complete
+    assert listener.removed_pages == []
+    bm.allocate("c", [4, 5])
+    bm.free("c")  # delivers the event still queued
+    assert len(listener.removed_pages) == 1
