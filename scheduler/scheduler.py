@@ -446,16 +446,16 @@ class Scheduler:
         hybrid model, than recurrent slots), a prompt reaching
         `max_model_len`, or a prompt with more pages than the pool has past
         its watermark. O(1)."""
-        cfg, bm_cfg = self.config, self._bm.config
+        cfg = self.config
+        usable, num_slots = self._store_capacity()
         rid, n = request.request_id, request.sampling.n
         if n > cfg.max_num_seqs:
             raise RequestTooLarge(
                 f"request {rid!r} asks for n={n} samples; max_num_seqs is {cfg.max_num_seqs}"
             )
-        if self._hybrid and n > bm_cfg.num_slots:
+        if self._hybrid and n > num_slots:
             raise RequestTooLarge(
-                f"request {rid!r} asks for n={n} samples; there are {bm_cfg.num_slots} "
-                "recurrent slots"
+                f"request {rid!r} asks for n={n} samples; there are {num_slots} recurrent slots"
             )
         num_prompt = request.num_prompt_tokens
         if cfg.max_model_len is not None and num_prompt >= cfg.max_model_len:
@@ -463,13 +463,18 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens does not fit "
                 f"max_model_len {cfg.max_model_len}"
             )
-        num_pages = -(-num_prompt // bm_cfg.block_size)
-        usable = bm_cfg.num_blocks - bm_cfg.num_watermark_blocks
+        num_pages = -(-num_prompt // self._block_size)
         if num_pages > usable:
             raise RequestTooLarge(
                 f"request {rid!r}: prompt of {num_prompt} tokens needs {num_pages} pages; "
                 f"the pool has {usable} past its watermark"
             )
+
+    def _store_capacity(self) -> tuple[int, int]:
+        """(pages a prompt may take in an empty store: the pool past its
+        watermark; recurrent slots) of the store's main layer group."""
+        bm_config = self._bm.config
+        return bm_config.num_blocks - bm_config.num_watermark_blocks, bm_config.num_slots
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """End a request wherever it is and free everything it holds.
