@@ -16,6 +16,7 @@ from blockmgr.errors import (
     OutOfSlots,
     SequenceSwapped,
     UnknownSequence,
+    WrongArgumentType,
 )
 from blockmgr.manager import BlockManager
 from blockmgr.ops import (
@@ -57,5 +58,6 @@ __all__ = [
     "SwapOut",
     "SwapOutSlot",
     "UnknownSequence",
+    "WrongArgumentType",
     "ZeroSlot",
 ]
