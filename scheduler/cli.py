@@ -12,6 +12,7 @@ design/simulator.md for the workloads and metrics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -260,6 +261,7 @@ def build_config(args):
         bm["num_host_slots"] = bm["num_slots"]  # a hybrid sequence swaps its slot too
     if sc["preemption"] == "swap" and bm.get("num_slots") and not bm.get("num_host_slots"):
         raise ValueError("--hybrid --preemption swap needs --num-host-slots >= 1")
+    _check_pool_sizes(bm)
     if args.cost:
         cost.update(args.cost)
     data.update(workload=wl, block_manager=bm, scheduler=sc, cost=cost)
@@ -301,6 +303,19 @@ def check_trace(path: str) -> None:
                         f"trace {path}: request {spec.request_id!r} has {count} {what} "
                         f"tokens, more than the {limit} a simulated request may have"
                     )
+
+
+#: The most pages (or slots) one simulated pool may have: the bookkeeping
+#: keeps a list entry per page (2**24 pages of 16 tokens hold 268M tokens).
+MAX_POOL_ITEMS = 1 << 24
+
+
+def _check_pool_sizes(bm: dict) -> None:
+    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots"):
+        value = bm.get(key)
+        if isinstance(value, int) and value > MAX_POOL_ITEMS:
+            option = "--" + key.replace("_", "-")
+            raise ValueError(f"{option} {value} is more than the {MAX_POOL_ITEMS} a simulated pool may have")
 
 
 def _load_config(path: str) -> dict:
@@ -408,6 +423,11 @@ def cmd_sweep(args, base) -> int:
 
         base = SimulationConfig.from_dict(data)
     points = grid_points(base, grid, parse_mix)
+    for params, point in points:
+        try:
+            _check_pool_sizes(dataclasses.asdict(point.block_manager))
+        except ValueError as exc:
+            raise ValueError(f"sweep point {params}: {exc}") from None
     jobs = args.jobs or 2
     show = not args.no_progress and sys.stderr.isatty()
     bar = None
@@ -456,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ValueError as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except MemoryError:  # sizes the checks let through but this machine cannot hold
+        print(f"{prog}: error: out of memory; try smaller pools, contexts or a shorter trace",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -31,6 +31,7 @@ CONFIGS = {
     "cost a list": {"cost": []},
     "scheduler partial and bad": {"scheduler": {"policy": 3}},
     "num_blocks float": {"block_manager": {"num_blocks": 1e12}},
+    "num_host_blocks absurd": {"block_manager": {"num_host_blocks": 10**11}},
     "not an object": [1, 2],
 }
 
@@ -76,6 +77,8 @@ def test_bad_config_exits_2_with_one_line(label, tmp_path):
         (["--num-host-slots", "2"], "num_host_slots needs num_slots"),
         (["--num-host-slots", "-1"], "must be >= 0"),
         (["--num-host-slots", "x"], "expected an integer"),
+        (["--num-blocks", "100000000000", "--max-context", "1000"], "a simulated pool may have"),
+        (["--sweep", "num_blocks=100000000000"], "a simulated pool may have"),
     ],
 )
 def test_host_slot_options(extra, message, capsys, tmp_path):
