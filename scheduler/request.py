@@ -136,7 +136,8 @@ class Request:
 
     request_id: any hashable id, unique among live requests (not a tuple:
         tuples name parallel samples, `(request_id, i)`).
-    prompt_tokens: the prompt, at least one token.
+    prompt_tokens: the prompt, at least one token id (checked by
+        `blockmgr.validation.prompt_list`; the engine checks exactly).
     priority: lower runs first under the "priority" policy (as in vLLM).
     namespace: isolates prefix-cache hits (tenant, adapter, cache salt).
     arrival_time: None: stamped by `Scheduler.add_request` with its clock.
@@ -164,7 +165,7 @@ class Request:
             raise InvalidArgument(
                 f"request_id must not be a tuple (reserved for sample ids), got {self.request_id!r}"
             )
-        self.prompt_tokens = prompt_list(self.prompt_tokens, "prompt_tokens", exact=True)
+        self.prompt_tokens = prompt_list(self.prompt_tokens, "prompt_tokens")
         if not isinstance(self.sampling, SamplingParams):
             raise WrongArgumentType(f"sampling must be SamplingParams, got {self.sampling!r:.80}")
         self.priority = check_int("priority", self.priority, None)

@@ -759,7 +759,7 @@ class Scheduler:
                 children = self._fork(seq, tokens, now, results)
                 forks[id(seq)] = children
                 finished.update(id(c) for c in children if c.done)
-            elif self._add_token(seq, seq.index, tokens[0], now, results):
+            elif self._add_token(seq, seq.index, tokens, now, results):
                 finished.add(id(seq))
         if forks or finished:
             self._rebuild_running(forks, finished)
@@ -788,7 +788,11 @@ class Scheduler:
             if item.sample:
                 if item.seq_id not in sampled:
                     raise InvalidArgument(f"sampled has no token for {item.seq_id!r}")
-                tokens = _sampled_tokens(item, sampled[item.seq_id])
+                value = sampled[item.seq_id]
+                if type(value) is int and value >= 0 and item.num_samples == 1:
+                    tokens = value  # the common case, checked inline
+                else:
+                    tokens = _sampled_tokens(item, value)
             plan.append((item, seq, tokens))
         return plan
 
@@ -936,18 +940,18 @@ def _extend(ops: list, plan) -> None:
         ops.extend(plan)
 
 
-def _sampled_tokens(item: ScheduledSeq, value: object) -> list[int]:
-    """The sampled value of one scheduled sequence as `num_samples` ints (one
-    int for several samples means that token for each)."""
+def _sampled_tokens(item: ScheduledSeq, value: object) -> int | list[int]:
+    """The sampled value of one scheduled sequence, checked: an int for one
+    sample, a list of `num_samples` ints for a prompt with several (one int
+    there means that token for each)."""
     name = f"sampled[{item.seq_id!r}]"
-    if item.num_samples > 1 and isinstance(value, (int, np.integer)):
-        value = [value] * item.num_samples
     if isinstance(value, (int, np.integer)):
-        return [check_int(name, value)]
+        token = check_int(name, value)
+        return token if item.num_samples == 1 else [token] * item.num_samples
     tokens = token_list(value, name)
     if len(tokens) != item.num_samples:
         raise InvalidArgument(f"{name} needs {item.num_samples} tokens, got {len(tokens)}")
-    return tokens
+    return tokens[0] if item.num_samples == 1 else tokens
 
 
 def _can_swap_out(kv: Any, seq_id: Hashable) -> bool:
