@@ -40,6 +40,8 @@ def test_add_request_refuses_bad_prompts_and_changes_nothing():
         ("nested", dict(prompt_tokens=[ok]), WrongArgumentType),
         ("float ids", dict(prompt_tokens=[float(t) for t in ok]), WrongArgumentType),
         ("bool id", dict(prompt_tokens=ok + [True]), WrongArgumentType),
+        ("bool id inside", dict(prompt_tokens=ok[:1] + [False] + ok[1:]), WrongArgumentType),
+        ("numpy bool array", dict(prompt_tokens=np.ones(3, dtype=bool)), WrongArgumentType),
         ("id 2**40", dict(prompt_tokens=ok + [2**40]), InvalidArgument),
         ("id == vocab", dict(prompt_tokens=ok + [vocab]), InvalidArgument),
         ("negative id", dict(prompt_tokens=[-1] + ok), InvalidArgument),
