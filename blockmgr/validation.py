@@ -43,10 +43,10 @@ def token_list(tokens: Iterable[int], name: str = "tokens", *, exact: bool = Fal
     Cost: a list of exact ints is copied and converted to an `array('Q')`
     once, at C speed (about 5 ns per token); other input is converted first.
     Without `exact`, a bool or numpy integer inside a long list whose first
-    and last elements are ints is taken as its int value (bool is an int
-    subclass, and telling it apart costs a Python-level pass); `exact=True`
-    makes that pass, for callers whose per-call cost is dominated by
-    something else (the engine's admission).
+    and last elements are ints is kept as it is (equal to, and hashing as,
+    its int value: bool is an int subclass, and telling it apart costs a
+    Python-level pass); `exact=True` makes that pass, for callers whose
+    per-call cost is dominated by something else (the engine's admission).
     """
     if type(tokens) is list:
         if len(tokens) <= _SHORT:
@@ -126,7 +126,9 @@ def _slow_token_list(tokens: object, name: str) -> list[int]:
 
 def _array_token_list(tokens: np.ndarray, name: str) -> list[int]:
     if tokens.ndim != 1:
-        raise WrongArgumentType(f"{name} must be 1-D token ids, got an array of shape {tokens.shape}")
+        raise WrongArgumentType(
+            f"{name} must be 1-D token ids, got an array of shape {tokens.shape}"
+        )
     if tokens.dtype.kind not in "iu":
         raise WrongArgumentType(f"{name} must hold integers, got dtype {tokens.dtype}")
     if tokens.size and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
@@ -162,7 +164,8 @@ def check_count(name: str, value: object) -> int:
 
 def check_number(name: str, value: object, minimum: float | None = None) -> float:
     """A finite real number (int or float, numpy ones too; not bool) as a float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    real = (int, float, np.integer, np.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, real):
         raise WrongArgumentType(f"{name} must be a number, got {value!r:.80}")
     number = float(value)
     if not math.isfinite(number):

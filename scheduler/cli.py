@@ -315,7 +315,9 @@ def _check_pool_sizes(bm: dict) -> None:
         value = bm.get(key)
         if isinstance(value, int) and value > MAX_POOL_ITEMS:
             option = "--" + key.replace("_", "-")
-            raise ValueError(f"{option} {value} is more than the {MAX_POOL_ITEMS} a simulated pool may have")
+            raise ValueError(
+                f"{option} {value} is more than the {MAX_POOL_ITEMS} a simulated pool may have"
+            )
 
 
 def _load_config(path: str) -> dict:

@@ -413,7 +413,9 @@ class Engine:
         try:
             prompts = list(prompts)
         except TypeError:
-            raise WrongArgumentType(f"prompts must be a list of prompts, got {prompts!r:.80}") from None
+            raise WrongArgumentType(
+                f"prompts must be a list of prompts, got {prompts!r:.80}"
+            ) from None
         if sampling is None or isinstance(sampling, SamplingParams):
             params = [sampling or SamplingParams()] * len(prompts)
         else:
