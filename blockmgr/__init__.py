@@ -16,6 +16,7 @@ from blockmgr.errors import (
     OutOfSlots,
     SequenceSwapped,
     UnknownSequence,
+    WrongArgumentType,
 )
 from blockmgr.grouped import GroupedStore
 from blockmgr.kv_store import KVStore
@@ -63,5 +64,6 @@ __all__ = [
     "SwapOut",
     "SwapOutSlot",
     "UnknownSequence",
+    "WrongArgumentType",
     "ZeroSlot",
 ]

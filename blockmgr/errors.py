@@ -49,3 +49,8 @@ class NoSnapshot(BlockManagerError):
 
 class IntegrityError(BlockManagerError, AssertionError):
     """`check_integrity()` found a broken invariant: a bug, never a user error."""
+
+
+class WrongArgumentType(InvalidArgument, TypeError):
+    """An argument of the wrong kind (a str where token ids belong, a float
+    token id, an unhashable id): both an `InvalidArgument` and a `TypeError`."""

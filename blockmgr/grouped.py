@@ -93,6 +93,15 @@ class GroupedStore:
     def enable_prefix_cache(self) -> bool:
         return self.config.enable_prefix_cache
 
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Pages one sequence may hold in an empty store (the smallest group's)."""
+        return min(m.num_usable_blocks for m in self._managers)
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._first
 

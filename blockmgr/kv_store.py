@@ -34,6 +34,17 @@ class KVStore(Protocol):
     def enable_prefix_cache(self) -> bool: ...
 
     @property
+    def num_slots(self) -> int:
+        """Recurrent-state slots (0 for attention-only models)."""
+        ...
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Pages one sequence may hold in an empty store: the pool past its
+        watermark (the smallest group's)."""
+        ...
+
+    @property
     def usage(self) -> float:
         """Fraction of pages in use (the fullest group's)."""
         ...

@@ -15,7 +15,13 @@ Life of a sequence:
     cache_prefix(id, n)    snapshot the computed prefix into the trie
     free(id, num_computed) the computed tokens (and slot) go into the trie
 
-Every call either succeeds whole or raises and changes nothing.
+Every call either succeeds whole or raises and changes nothing. Arguments
+are checked (`blockmgr.validation`) before anything changes: token ids are
+non-negative ints (lists, tuples, iterables, numpy integer arrays), ids and
+namespaces hashable. `free` of a live id never fails. Prefix-cache listener
+calls run when a call has finished; their errors are kept
+(`take_listener_errors`), never raised into the caller. The whole contract
+of every layer: design/errors.md.
 """
 
 from __future__ import annotations
@@ -46,9 +52,23 @@ from blockmgr.ops import (
     ZeroSlot,
 )
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch, PrefixTrie
+from blockmgr.prefix_trie import (
+    TOKEN_BYTES,
+    PrefixCacheListener,
+    PrefixMatch,
+    PrefixTrie,
+    pack_tokens,
+)
 from blockmgr.sequence import Allocation, Sequence
 from blockmgr.stats import PrefixCacheStats
+from blockmgr.validation import (
+    MAX_TOKEN_ID,
+    check_count,
+    check_hashable,
+    packed_prompt,
+    prompt_list,
+    token_list,
+)
 
 Plan = tuple[MemoryOp, ...]
 
@@ -86,6 +106,9 @@ class BlockManager:
             else None
         )
         self._seqs: dict[Hashable, Sequence] = {}
+        # Listener calls queued by the trie, delivered when a call is done.
+        self._events: list[tuple] = self._trie.events if self._trie is not None else []
+        self._listener_errors: list[tuple[str, BaseException]] = []
         self._num_watermark_blocks = config.num_watermark_blocks
         self._num_queries = 0
         self._num_hits = 0
@@ -106,6 +129,15 @@ class BlockManager:
     @property
     def enable_prefix_cache(self) -> bool:
         return self._trie is not None
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Pages one sequence may hold in an empty pool (past the watermark)."""
+        return self.config.num_blocks - self.config.num_watermark_blocks
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -183,12 +215,17 @@ class BlockManager:
         For admission control that counts only new tokens against a budget.
         O(matched tokens + depth).
         """
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
-        return self._match(namespace, tokens).num_tokens
+        tokens, packed = packed_prompt(tokens, "tokens")
+        check_hashable("namespace", namespace)
+        return self._match(namespace, tokens, packed).num_tokens
 
     def find_prefix(
-        self, tokens: Iterable[int], namespace: Hashable = None, limit: int | None = None
+        self,
+        tokens: Iterable[int],
+        namespace: Hashable = None,
+        limit: int | None = None,
+        *,
+        packed: bytes | None = None,
     ) -> PrefixMatch:
         """The longest cached prefix of `tokens` this manager can serve, at
         most `limit` tokens (default and cap: len - 1). Changes nothing.
@@ -197,27 +234,47 @@ class BlockManager:
         window's pages exist only at some points), so a caller combining
         managers asks each again with the shorter limit (see
         `GroupedStore.allocate`). Pass the result to `allocate(match=...)`
-        before any other call on this manager. O(matched tokens + depth).
+        before any other call on this manager. `packed`: what
+        `validation.packed_prompt` returned for `tokens` (then `tokens` is
+        its checked list, not checked or packed again). O(matched tokens +
+        depth).
         """
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
-        return self._match(namespace, tokens, limit)
+        tokens, packed = self._checked_prompt(tokens, namespace, packed)
+        if limit is not None:
+            limit = check_count("limit", limit)
+        return self._match(namespace, tokens, packed, limit)
 
     def can_allocate(
-        self, tokens: Iterable[int], namespace: Hashable = None, *, match: PrefixMatch | None = None
+        self,
+        tokens: Iterable[int],
+        namespace: Hashable = None,
+        *,
+        match: PrefixMatch | None = None,
+        packed: bytes | None = None,
     ) -> bool:
         """Would `allocate(..., tokens, namespace, match=match)` succeed now?
-        Changes nothing."""
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
+        Changes nothing. `packed` as in `find_prefix`."""
+        tokens, packed = self._checked_prompt(tokens, namespace, packed)
         if match is None:
-            match = self._match(namespace, tokens)
+            match = self._match(namespace, tokens, packed)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens) + self._watermark()
         if num_pages <= self._pages.num_free and (
             self._slots is None or self._slots.num_free
         ):
             return True  # the common case: no eviction, so nothing to protect
         return self._with_match_held(match, self._can_reserve, num_pages, 1)
+
+    def _checked_prompt(
+        self, tokens: Iterable[int], namespace: Hashable, packed: bytes | None
+    ) -> tuple[list[int], bytes]:
+        """The prompt as a checked list and its packed bytes (trusted when
+        `packed` is given: the caller checked both)."""
+        if packed is not None:
+            return tokens, packed
+        check_hashable("namespace", namespace)
+        if self._trie is None:  # nothing to match against: no packing
+            return prompt_list(tokens, "tokens"), b""
+        return packed_prompt(tokens, "tokens")
 
     def allocate(
         self,
@@ -226,11 +283,13 @@ class BlockManager:
         namespace: Hashable = None,
         *,
         match: PrefixMatch | None = None,
+        packed: bytes | None = None,
     ) -> Allocation:
         """Reserve pages (and a slot) for a new sequence's prompt.
 
         Shares the longest usable cached prefix (or `match`, a `find_prefix`
-        result of this manager with no call in between); `num_cached_tokens`
+        result of this manager with no call in between; `packed` as in
+        `find_prefix`); `num_cached_tokens`
         of the result says how many tokens need no compute (at most len - 1).
         Evicts least recently used cache entries when memory is short; raises
         `OutOfBlocks` / `OutOfSlots` (changing nothing) when that is not
@@ -238,10 +297,11 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        tokens = _prompt_list(tokens)
-        _check_namespace(namespace)
+        if packed is not None:
+            tokens = tokens[:]  # the sequence's own list: the caller's may be shared
+        tokens, packed = self._checked_prompt(tokens, namespace, packed)
         if match is None:
-            match = self._match(namespace, tokens)
+            match = self._match(namespace, tokens, packed)
         num_tokens, num_cached = len(tokens), match.num_tokens
         num_pages = self._num_new_pages(num_tokens, num_cached)
         self._hold_match(match)
@@ -267,8 +327,11 @@ class BlockManager:
             match.num_released,
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
+            packed=packed,
         )
         self._count_query(num_tokens, num_cached)
+        if self._events:
+            self._deliver_events()
         return Allocation(seq_id, table[:], slot, tuple(ops), num_cached, match.branch_point)
 
     def _hold_match(self, match: PrefixMatch) -> None:
@@ -320,7 +383,7 @@ class BlockManager:
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
         seq = self._resident(seq_id)
-        _check_count("num_tokens", num_tokens)
+        num_tokens = check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
         return self._can_reserve(num_pages + copy_page, copy_slot)
 
@@ -332,12 +395,19 @@ class BlockManager:
         the new tokens are released. O(1) amortised per token.
         """
         seq = self._resident(seq_id)
-        new_tokens = _token_list(new_tokens)
-        if not new_tokens:
-            return NO_OPS
+        if not (  # a decode step's one checked token (`extend` copies it)
+            type(new_tokens) is list
+            and len(new_tokens) == 1
+            and type(new_tokens[0]) is int
+            and 0 <= new_tokens[0] <= MAX_TOKEN_ID
+        ):
+            new_tokens = token_list(new_tokens, "new_tokens")
+            if not new_tokens:
+                return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
-        if num_pages or copy_page or copy_slot:
-            self._reserve(num_pages + copy_page, copy_slot)
+        grows = num_pages or copy_page or copy_slot
+        if grows:
+            self._reserve(num_pages + copy_page, copy_slot)  # may evict: events
         ops = self._make_writable(seq, copy_page, copy_slot)
         if num_pages:
             seq.block_table.extend(self._pages.take(num_pages))
@@ -345,6 +415,8 @@ class BlockManager:
         seq.tokens.extend(new_tokens)
         if self._window is not None:
             self._release_out_of_window(seq, num_before)
+        if grows and self._events:
+            self._deliver_events()
         return ops
 
     def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
@@ -413,6 +485,7 @@ class BlockManager:
             seq.num_released,
             anchored=seq.anchored,
             num_borrowed=seq.num_borrowed,  # the same lock holds them
+            packed=seq.packed,
         )
         return NO_OPS
 
@@ -424,7 +497,7 @@ class BlockManager:
         Bad arguments still raise, as in `truncate`.
         """
         seq = self._resident(seq_id)
-        self._check_truncate_target(seq, num_tokens)
+        num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return True
         if not self._window_keeps(seq, num_tokens):
@@ -444,7 +517,7 @@ class BlockManager:
         sliding window, rolling back past released pages is refused.
         """
         seq = self._resident(seq_id)
-        self._check_truncate_target(seq, num_tokens)
+        num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return NO_OPS
         if not self._window_keeps(seq, num_tokens):
@@ -462,21 +535,26 @@ class BlockManager:
         self._pages.incref_all(table[max(num_borrowed, seq.num_released) : seq.num_borrowed])
         seq.num_borrowed = num_borrowed
         del seq.tokens[num_tokens:]
+        if len(seq.packed) > num_tokens * TOKEN_BYTES:
+            seq.packed = seq.packed[: num_tokens * TOKEN_BYTES]
         if seq.locked_node is not None and num_tokens < seq.locked_node.end:
             seq.anchored = False  # new tokens may differ from the node's
         seq.num_released = min(seq.num_released, keep)
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
             self._slots.release(old_slot)
+        if self._events:
+            self._deliver_events()
         return ops
 
-    def _check_truncate_target(self, seq: Sequence, num_tokens: int) -> None:
-        _check_count("num_tokens", num_tokens)
+    def _check_truncate_target(self, seq: Sequence, num_tokens: int) -> int:
+        num_tokens = check_count("num_tokens", num_tokens)
         if num_tokens > len(seq.tokens):
             raise InvalidArgument(
                 f"cannot truncate {seq.seq_id!r} to {num_tokens} tokens: "
                 f"it has {len(seq.tokens)}"
             )
+        return num_tokens
 
     def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
         """Are the pages the token at `num_tokens` would attend to still held?"""
@@ -531,7 +609,7 @@ class BlockManager:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
         node, took_slot = trie.insert(
-            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot
+            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot, packed=seq.packed
         )
         ops = NO_OPS
         if snapshot is not None:
@@ -539,6 +617,8 @@ class BlockManager:
             if took_slot:
                 ops = (CopySlot(seq.slot, snapshot),)
         self._move_lock(seq, node)
+        if self._events:
+            self._deliver_events()
         return ops
 
     def _move_lock(self, seq: Sequence, node) -> None:
@@ -573,7 +653,7 @@ class BlockManager:
         if trie is not None and num_computed:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
             start = node if seq.anchored and node.end <= num_computed else None
-            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start)
+            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start, seq.packed)
         if node is not None:
             trie.unlock(node)
         table = seq.block_table
@@ -581,6 +661,8 @@ class BlockManager:
         self._pages.release_all(table[first_owned:] if first_owned else table)
         if seq.slot is not None:
             self._slots.release(seq.slot)
+        if self._events:
+            self._deliver_events()
         return NO_OPS
 
     def _own_borrowed(self, seq: Sequence) -> None:
@@ -641,6 +723,8 @@ class BlockManager:
             seq, (self._host_pages, self._pages, SwapIn), (self._host_slots, self._slots, SwapInSlot)
         )
         seq.swapped = False
+        if self._events:
+            self._deliver_events()
         return tuple(ops)
 
     def _move_storage(self, seq: Sequence, pages: tuple, slots: tuple) -> list[MemoryOp]:
@@ -673,6 +757,23 @@ class BlockManager:
         """Drop every cached prefix no live sequence is using."""
         if self._trie is not None:
             self._trie.reset()
+            self._deliver_events()
+
+    def take_listener_errors(self) -> list[tuple[str, BaseException]]:
+        """The (event, exception) of every listener call that raised since the
+        last call, oldest first, and forget them.
+
+        A listener runs once the call that cached or evicted has finished and
+        the state is consistent; what it raises cannot change that call's
+        outcome (a `free` of a live id still succeeds), so it is kept here
+        for the owner of the listener instead of being raised into the
+        scheduler's bookkeeping.
+        """
+        errors, self._listener_errors = self._listener_errors, []
+        return errors
+
+    def _deliver_events(self) -> None:
+        self._listener_errors.extend(self._trie.deliver_events())
 
     # ------------------------------------------------------------- internals
 
@@ -706,7 +807,7 @@ class BlockManager:
     def _computed_count(self, seq: Sequence, num_computed: int | None) -> int:
         if num_computed is None:
             return len(seq.tokens)
-        _check_count("num_computed", num_computed)
+        num_computed = check_count("num_computed", num_computed)
         if num_computed > len(seq.tokens):
             raise InvalidArgument(
                 f"{seq.seq_id!r} has {len(seq.tokens)} tokens, not {num_computed}"
@@ -714,15 +815,12 @@ class BlockManager:
         return num_computed
 
     def _match(
-        self, namespace: Hashable, tokens: list[int], limit: int | None = None
+        self, namespace: Hashable, tokens: list[int], packed: bytes, limit: int | None = None
     ) -> PrefixMatch:
         if self._trie is None:
             return _NO_MATCH
-        cap = len(tokens) - 1
-        if limit is not None:
-            _check_count("limit", limit)
-            cap = min(cap, limit)
-        return self._trie.match(namespace, tokens, limit=cap)
+        cap = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
+        return self._trie.match(namespace, tokens, cap, packed)
 
     def _num_new_pages(self, num_tokens: int, num_cached: int) -> int:
         block_size = self._block_size
@@ -831,6 +929,8 @@ class BlockManager:
                 raise IntegrityError(f"{where}: page {index} released out of order")
             if index >= first_owned:
                 page_refs[page] += 1
+        if seq.packed != pack_tokens(seq.tokens[: len(seq.packed) // TOKEN_BYTES]):
+            raise IntegrityError(f"{where} has stale packed tokens")
         if seq.num_released and self._window is None:
             raise IntegrityError(f"{where} released pages without a sliding window")
         if (seq.slot is None) != (self._slots is None):
@@ -919,34 +1019,3 @@ class BlockManager:
 
 #: The match of a manager without a prefix cache (never mutated: empty pages).
 _NO_MATCH = PrefixMatch()
-
-
-def _prompt_list(tokens: Iterable[int]) -> list[int]:
-    tokens = _token_list(tokens)
-    if not tokens:
-        raise InvalidArgument("a prompt needs at least one token")
-    return tokens
-
-
-def _token_list(tokens: Iterable[int]) -> list[int]:
-    """A new list of the tokens (the caller's object is never kept)."""
-    if type(tokens) is list:
-        return tokens[:]  # the common case, without the checks below
-    if isinstance(tokens, (str, bytes, int)):
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
-    try:
-        return list(tokens)
-    except TypeError:
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}") from None
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _check_namespace(namespace: Hashable) -> None:
-    try:
-        hash(namespace)
-    except TypeError:
-        raise InvalidArgument(f"namespace must be hashable, got {namespace!r}") from None

@@ -40,6 +40,7 @@ O(log n) per touched node (sortedcontainers).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,7 +52,14 @@ from blockmgr.pool import RefCountedPool
 
 
 class PrefixCacheListener(Protocol):
-    """Follows what the trie caches (for a cache-aware router)."""
+    """Follows what the trie caches (for a cache-aware router).
+
+    Called after the block manager call that stored or evicted the entries
+    has finished, in event order, never in the middle of a change: a
+    listener may read the manager. An exception a listener raises is caught
+    and kept (`BlockManager.take_listener_errors()`); it cannot undo or
+    corrupt the change it was told about.
+    """
 
     def stored(self, pages: list[int], tokens: list[int]) -> None: ...
 
@@ -79,6 +87,7 @@ class TrieNode:
     last_access: int = 0
     leaf_key: tuple[int, int] | None = None
     slot_key: tuple[int, int] | None = None
+    packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
 
     @property
     def is_root(self) -> bool:
@@ -116,6 +125,46 @@ class PrefixMatch:
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
     num_released: int = 0
+
+
+#: Bytes per token in `TrieNode.packed` and in a packed query.
+TOKEN_BYTES = 8
+
+
+def pack_tokens(tokens: list[int]) -> bytes:
+    """Token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
+    return array("Q", tokens).tobytes()
+
+
+def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
+    """`common_prefix_length` over packed tokens: how many tokens of `edge`
+    equal those of `packed` from token `pos` on. O(L) bytes compared by
+    memcmp plus O(log L) slices."""
+    start = pos * TOKEN_BYTES
+    limit = min(len(edge), len(packed) - start) // TOKEN_BYTES
+    lo, hi = 0, limit  # edge[:lo] matches; edge[:hi + 1] does not (or hi == limit)
+    if edge[: limit * TOKEN_BYTES] == packed[start : start + limit * TOKEN_BYTES]:
+        return limit
+    hi = limit - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        a, b = lo * TOKEN_BYTES, mid * TOKEN_BYTES
+        if edge[a:b] == packed[start + a : start + b]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _packed_run(tokens: list[int], packed: bytes, pos: int) -> bytes:
+    """`pack_tokens(tokens[pos:])`, from `packed` (the first
+    `len(packed) // 8` tokens, packed) as far as it reaches."""
+    num_packed = len(packed) // TOKEN_BYTES
+    if num_packed >= len(tokens):
+        return packed[pos * TOKEN_BYTES : len(tokens) * TOKEN_BYTES]
+    if num_packed <= pos:
+        return pack_tokens(tokens[pos:])
+    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:])
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -156,6 +205,8 @@ class PrefixTrie:
         self._slots = slots
         self._hybrid = slots is not None
         self._listener = listener
+        #: Listener calls not delivered yet: (method name, pages, tokens or None).
+        self.events: list[tuple] = []
         self._roots: dict[Hashable, TrieNode] = {}
         self._nodes: dict[int, TrieNode] = {}
         self._next_node_id = 0
@@ -175,15 +226,19 @@ class PrefixTrie:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
-    def match(self, namespace: Hashable, tokens: list[int], limit: int) -> PrefixMatch:
+    def match(
+        self, namespace: Hashable, tokens: list[int], limit: int, packed: bytes | None = None
+    ) -> PrefixMatch:
         """Find the longest usable cached prefix of `tokens`, at most `limit`.
 
+        `packed`, the tokens as `pack_tokens` gives them, makes the edge
+        compares byte compares (memcmp) instead of int-object compares.
         Pure: changes nothing. O(matched tokens + depth).
         """
         root = self._roots.get(namespace)
         if root is None or limit <= 0:
             return PrefixMatch()
-        path, num_matched = self._walk(root, tokens)
+        path, num_matched = self._walk(root, tokens, packed)
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
@@ -230,7 +285,9 @@ class PrefixTrie:
             return None
         return node
 
-    def _walk(self, root: TrieNode, tokens: list[int]) -> tuple[list[TrieNode], int]:
+    def _walk(
+        self, root: TrieNode, tokens: list[int], packed: bytes | None = None
+    ) -> tuple[list[TrieNode], int]:
         """Nodes along `tokens` (the last may match partly) and tokens matched."""
         path: list[TrieNode] = []
         node, pos, num_tokens = root, 0, len(tokens)
@@ -238,8 +295,17 @@ class PrefixTrie:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            edge = child.tokens
             path.append(child)
+            if packed is not None:
+                edge = child.packed
+                start = pos * TOKEN_BYTES
+                if packed[start : start + len(edge)] == edge:
+                    pos += len(child.tokens)
+                    node = child
+                    continue
+                pos += common_packed_prefix_length(edge, packed, pos)
+                break
+            edge = child.tokens
             if tokens[pos : pos + len(edge)] == edge:
                 pos += len(edge)
                 node = child
@@ -371,6 +437,7 @@ class PrefixTrie:
         pages: list[int | None],
         slot: int | None = None,
         start: TrieNode | None = None,
+        packed: bytes = b"",
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -380,7 +447,9 @@ class PrefixTrie:
         deepest node wholly inside `tokens` (None if that is the root) and
         whether the slot was taken.
         `start`, a node known to spell `tokens[:start.end]`, skips comparing
-        that part again. O(len(tokens) + depth).
+        that part again; `packed`, the first `len(packed) // 8` tokens
+        packed (`pack_tokens`), is sliced instead of packing those again.
+        O(len(tokens) + depth).
 
         Sliding window: only the pages of the window before `len(tokens)` are
         kept (`None` entries of `pages`, released pages, are skipped), and
@@ -404,7 +473,7 @@ class PrefixTrie:
         while pos < num_tokens:
             child = node.children.get(tokens[pos])
             if child is None:
-                node = self._add_child(node, tokens, pos, pages)
+                node = self._add_child(node, tokens, pos, pages, packed)
                 path.append(node)
                 pos = num_tokens
                 if len(node.parent.children) == 1:
@@ -457,18 +526,25 @@ class PrefixTrie:
                     self._hold_pages([blocks[i]])
 
     def _add_child(
-        self, parent: TrieNode, tokens: list[int], pos: int, pages: list[int | None]
+        self,
+        parent: TrieNode,
+        tokens: list[int],
+        pos: int,
+        pages: list[int | None],
+        packed: bytes,
     ) -> TrieNode:
         block_size = self._block_size
         blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
         self._hold_pages(blocks)
-        child = self._new_node(parent.namespace, tokens[pos:], pos, parent, blocks)
+        child = self._new_node(
+            parent.namespace, tokens[pos:], pos, parent, blocks, _packed_run(tokens, packed, pos)
+        )
         children = parent.children
         children[tokens[pos]] = child
         if len(children) == 1:
             self._reindex(parent)  # it was a leaf
         if self._listener is not None:
-            self._listener.stored(self._present(blocks), child.tokens)
+            self.events.append(("stored", self._present(blocks), child.tokens))
         return child
 
     def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
@@ -487,12 +563,14 @@ class PrefixTrie:
             self._hold_pages([node.blocks[cut // block_size - first_index]])
         parent = node.parent
         head = self._new_node(
-            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks
+            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks,
+            node.packed[: num_head_tokens * TOKEN_BYTES],
         )
         head.lock_count = node.lock_count
         head.last_access = node.last_access
         parent.children[head.tokens[0]] = head
         node.tokens = node.tokens[num_head_tokens:]
+        node.packed = node.packed[num_head_tokens * TOKEN_BYTES :]
         node.start = cut
         node.blocks = tail_blocks
         node.parent = head
@@ -531,6 +609,7 @@ class PrefixTrie:
             head_blocks = node.blocks
         child.blocks = head_blocks + child.blocks
         child.tokens = node.tokens + child.tokens
+        child.packed = node.packed + child.packed
         child.start = node.start
         child.parent = node.parent
         child.last_access = max(child.last_access, node.last_access)
@@ -646,7 +725,7 @@ class PrefixTrie:
             self.num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
-                self._listener.removed(self._present(node.blocks))
+                self.events.append(("removed", self._present(node.blocks), None))
             self._detach(node)
             if parent.parent is None:
                 if not parent.children:
@@ -664,6 +743,27 @@ class PrefixTrie:
             self._try_merge(parent)
             return
 
+    def deliver_events(self) -> list[tuple[str, BaseException]]:
+        """Call the listener for every queued event, oldest first; return the
+        (event name, exception) of each call that raised. Call it once the
+        manager's state is consistent. O(events)."""
+        errors = []
+        events = self.events
+        num_delivered = 0
+        try:
+            for name, pages, tokens in events:
+                num_delivered += 1
+                try:
+                    if tokens is None:
+                        self._listener.removed(pages)
+                    else:
+                        self._listener.stored(pages, tokens)
+                except Exception as exc:  # the change stands; the caller reports it
+                    errors.append((name, exc))
+        finally:  # a BaseException (KeyboardInterrupt) leaves the rest queued
+            del events[:num_delivered]
+        return errors
+
     # ------------------------------------------------------------- internals
 
     def _new_node(
@@ -673,9 +773,11 @@ class PrefixTrie:
         start: int,
         parent: TrieNode | None,
         blocks: list[int],
+        packed: bytes | None = None,
     ) -> TrieNode:
         node = TrieNode(
-            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks
+            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks,
+            packed=pack_tokens(tokens) if packed is None else packed,
         )
         self._next_node_id += 1
         if parent is not None:
@@ -804,7 +906,7 @@ class PrefixTrie:
         where = f"node {node.node_id} [{node.start}, {node.end})"
         if not node.tokens:
             raise IntegrityError(f"{where} has no tokens")
-        if node.namespace != namespace:
+        if node.namespace is not namespace and node.namespace != namespace:  # NaN
             raise IntegrityError(f"{where} is in the wrong namespace")
         if parent.children.get(node.tokens[0]) is not node:
             raise IntegrityError(f"{where} is not filed under its first token")
@@ -812,6 +914,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} does not start where its parent ends")
         if node.end != node.start + len(node.tokens):
             raise IntegrityError(f"{where} has a stale end")
+        if node.packed != pack_tokens(node.tokens):
+            raise IntegrityError(f"{where} has stale packed tokens")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.blocks) != num_blocks:

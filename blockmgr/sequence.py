@@ -24,6 +24,8 @@ class Sequence:
     sequence takes no reference of its own. It owns a reference to every
     other page in its table (from index max(num_released, num_borrowed)).
     While `swapped`, block_table and slot name host pages and a host slot.
+    `packed` is `tokens[:len(packed) // 8]` packed as the trie stores them
+    (the prompt's, from `allocate`), so caching them packs nothing again.
     """
 
     seq_id: Hashable
@@ -36,6 +38,7 @@ class Sequence:
     swapped: bool = False
     anchored: bool = False
     num_borrowed: int = 0
+    packed: bytes = b""
 
     @property
     def first_owned(self) -> int:

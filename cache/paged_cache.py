@@ -230,6 +230,14 @@ class PagedCache:
         return self.store.enable_prefix_cache
 
     @property
+    def num_slots(self) -> int:
+        return self.store.num_slots
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.store.num_usable_blocks
+
+    @property
     def usage(self) -> float:
         return self.store.usage
 
@@ -520,7 +528,9 @@ class PagedCache:
         elif not any(pending):
             # Nothing reserved (generate_step feeds tokens itself): reserve N each.
             for s in seq_ids:
-                self._append(s, [None] * n, known=False)
+                # Placeholder ids (the manager takes only token ids); `known`
+                # keeps them out of the trie.
+                self._append(s, [0] * n, known=False)
             new = [n] * len(seq_ids)
         else:
             new = [min(p, n) for p in pending]

@@ -9,14 +9,16 @@
 from scheduler.request import RequestMetrics, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import (
     RequestOutput,
+    RequestTooLarge,
     ScheduledSeq,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
+    StaleSchedulerOutput,
 )
 
-_LAZY = {"Engine", "EngineConfig", "GenerationOutput"}
+_LAZY = {"AutoRequestId", "Engine", "EngineConfig", "GenerationOutput"}
 
 
 def __getattr__(name: str):
@@ -28,6 +30,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AutoRequestId",
     "Engine",
     "EngineConfig",
     "GenerationOutput",
@@ -35,10 +38,12 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "RequestStatus",
+    "RequestTooLarge",
     "SamplingParams",
     "ScheduledSeq",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StaleSchedulerOutput",
 ]

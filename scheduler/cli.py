@@ -12,6 +12,7 @@ design/simulator.md for the workloads and metrics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sliding-window", type=_positive_int, metavar="TOKENS",
                    help="window of the layout's sliding layers (alone: every layer sliding)")
     m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
+    m.add_argument("--num-host-slots", type=_nonneg_int,
+                   help="host recurrent slots for swap (default with --hybrid and swap: num slots)")
 
     s = sim.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
@@ -209,7 +212,14 @@ def build_config(args):
     from scheduler.simulator.config import SimulationConfig
 
     data = SimulationConfig().to_dict() if args.config is None else _load_config(args.config)
-    data = {**SimulationConfig().to_dict(), **data}
+    defaults = SimulationConfig().to_dict()
+    data = {**defaults, **data}
+    for section in ("workload", "block_manager", "scheduler", "cost"):
+        if not isinstance(data[section], dict):
+            raise ValueError(
+                f"config section {section!r} must be a JSON object, got {data[section]!r:.60}"
+            )
+        data[section] = {**defaults[section], **data[section]}  # missing keys: defaults
     wl, bm, sc = dict(data["workload"]), dict(data["block_manager"]), dict(data["scheduler"])
     cost = dict(data["cost"])
     for opt, key in (
@@ -230,6 +240,7 @@ def build_config(args):
     for opt, key in (
         ("num_blocks", "num_blocks"), ("block_size", "block_size"), ("num_slots", "num_slots"),
         ("watermark", "watermark"), ("num_host_blocks", "num_host_blocks"),
+        ("num_host_slots", "num_host_slots"),
     ):
         if getattr(args, opt) is not None:
             bm[key] = getattr(args, opt)
@@ -253,8 +264,12 @@ def build_config(args):
         raise ValueError("--hybrid needs --num-slots >= 2")
     if sc["preemption"] == "swap" and not bm.get("num_host_blocks"):
         bm["num_host_blocks"] = bm["num_blocks"]
-        if bm.get("num_slots") and "num_host_slots" in bm and not bm["num_host_slots"]:
-            bm["num_host_slots"] = bm["num_slots"]
+    if sc["preemption"] == "swap" and bm.get("num_slots") and args.num_host_slots is None \
+            and not bm.get("num_host_slots"):
+        bm["num_host_slots"] = bm["num_slots"]  # a hybrid sequence swaps its slot too
+    if sc["preemption"] == "swap" and bm.get("num_slots") and not bm.get("num_host_slots"):
+        raise ValueError("--hybrid --preemption swap needs --num-host-slots >= 1")
+    _check_pool_sizes(bm)
     if args.cost:
         cost.update(args.cost)
     data.update(workload=wl, block_manager=bm, scheduler=sc, cost=cost)
@@ -269,6 +284,48 @@ def build_config(args):
             raise ValueError(f"trace file not found: {args.trace}")
         data["trace"] = args.trace
     return SimulationConfig.from_dict(data)
+
+
+#: The most tokens one traced request may have in its prompt or its output
+#: (both are materialised: a bigger one is a broken trace, not a workload).
+MAX_TRACE_REQUEST_TOKENS = 1 << 24
+
+
+def check_trace(path: str) -> None:
+    """Read a trace and refuse requests too large to simulate (ValueError,
+    one line naming the request)."""
+    from scheduler.simulator.trace import TraceError, read_trace
+
+    try:
+        _, sessions = read_trace(path)
+    except (TraceError, UnicodeDecodeError) as exc:
+        raise ValueError(f"trace {path}: {exc}") from None
+    limit = MAX_TRACE_REQUEST_TOKENS
+    for session in sessions:
+        for spec in session:
+            num_prompt = len(spec.tokens) if spec.tokens is not None else sum(
+                length for _, length in spec.prompt)
+            for what, count in (("prompt", num_prompt), ("output", spec.output_len)):
+                if count > limit:
+                    raise ValueError(
+                        f"trace {path}: request {spec.request_id!r} has {count} {what} "
+                        f"tokens, more than the {limit} a simulated request may have"
+                    )
+
+
+#: The most pages (or slots) one simulated pool may have: the bookkeeping
+#: keeps a list entry per page (2**24 pages of 16 tokens hold 268M tokens).
+MAX_POOL_ITEMS = 1 << 24
+
+
+def _check_pool_sizes(bm: dict) -> None:
+    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots"):
+        value = bm.get(key)
+        if isinstance(value, int) and value > MAX_POOL_ITEMS:
+            option = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{option} {value} is more than the {MAX_POOL_ITEMS} a simulated pool may have"
+            )
 
 
 def _load_config(path: str) -> dict:
@@ -323,6 +380,8 @@ def cmd_simulate(args) -> int:
     from scheduler.simulator.workloads import generate
 
     config = build_config(args)
+    if config.trace is not None:
+        check_trace(config.trace)
     if args.sweep is not None:
         return cmd_sweep(args, config)
     if args.jobs is not None:
@@ -374,6 +433,11 @@ def cmd_sweep(args, base) -> int:
 
         base = SimulationConfig.from_dict(data)
     points = grid_points(base, grid, parse_mix)
+    for params, point in points:
+        try:
+            _check_pool_sizes(dataclasses.asdict(point.block_manager))
+        except ValueError as exc:
+            raise ValueError(f"sweep point {params}: {exc}") from None
     jobs = args.jobs or 2
     show = not args.no_progress and sys.stderr.isatty()
     bar = None
@@ -422,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ValueError as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except MemoryError:  # sizes the checks let through but this machine cannot hold
+        print(f"{prog}: error: out of memory; try smaller pools, contexts or a shorter trace",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

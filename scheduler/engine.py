@@ -3,8 +3,8 @@
 Each `step()`:
 
 1. `Scheduler.schedule()` picks the work and reserves pages in the
-   `cache.PagedCache` (which queues its own copy plans);
-2. the scheduled sequences run through the model over `PagedCache.views`:
+   `cache.PagedCache` (which queues and applies its own plans);
+2. the scheduled sequences run through the model over `PagedCache.step` views:
    all single-token rows (decode) in one batched forward, prefill chunks in
    groups of `prefill_batch` (right-padded to the group's longest chunk).
    On the CPU backend a padded multi-sequence prefill costs more than the
@@ -36,6 +36,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, layer_specs
 from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.sampling import KeyChain, sample_rows
@@ -49,6 +51,19 @@ from scheduler.scheduler import (
 from scheduler.storage import build_storage
 
 Callback = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AutoRequestId:
+    """A request id the engine chose: "req-<k>" when printed, but never equal
+    to an id a caller chose (a str "req-0" is a different id)."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"req-{self.index}"
+
+    __repr__ = __str__
 
 
 @dataclass(slots=True)
@@ -119,6 +134,7 @@ class Engine:
         prefill_batch: int = 1,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        vocab_size: int | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -140,10 +156,19 @@ class Engine:
             model, num_blocks, block_size, num_slots=num_slots,
             enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
         )
+        # A sample must stop before one sequence outgrows the whole pool (a
+        # model whose layers all slide releases pages as it goes).
+        capacity = self.cache.num_usable_blocks * block_size
+        bounded = None in self.cache.store.windows
         if config.max_model_len is None:
-            # A sample must stop before one sequence outgrows the whole pool.
-            usable = num_blocks - self.cache.block_manager.config.num_watermark_blocks
-            config.max_model_len = usable * block_size
+            config.max_model_len = capacity
+        elif config.max_model_len > capacity and bounded:
+            raise InvalidArgument(
+                f"max_model_len {config.max_model_len} is more than the pool can hold "
+                f"({capacity} tokens past the watermark): such a sequence could never finish"
+            )
+        self.vocab_size = _model_vocab_size(model) if vocab_size is None else check_int(
+            "vocab_size", vocab_size, 1)
         self.scheduler = Scheduler(config, self.cache, clock=clock)
         self.clock = clock
         self.stats = EngineStats()
@@ -166,23 +191,43 @@ class Engine:
         """Queue a prompt; returns its request id. `callback(output)` is called
         with every `RequestOutput` of the request (new tokens, the end).
 
-        Raises `ValueError` for a prompt longer than `max_model_len`.
+        Everything is checked before anything changes: token ids must be
+        ints in [0, vocab_size) (a list, tuple or numpy integer array;
+        `WrongArgumentType` for text, None, floats, nested lists;
+        `InvalidArgument` out of range), and a request that could never run
+        (`RequestTooLarge`: n > max_num_seqs, a prompt that does not fit
+        max_model_len or the pool) is refused. Automatic ids are
+        `AutoRequestId`s, which no caller-chosen id equals.
         """
+        request = self._make_request(prompt_tokens, sampling, request_id, priority, namespace,
+                                     callback)
+        self.scheduler.check_admissible(request)
+        self._queue(request, callback)
+        return request.request_id
+
+    def _make_request(self, prompt_tokens, sampling, request_id, priority, namespace,
+                      callback) -> Request:
+        """A checked `Request` (nothing queued yet)."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise WrongArgumentType(f"sampling must be SamplingParams, got {sampling!r:.80}")
+        if callback is not None and not callable(callback):
+            raise WrongArgumentType(f"callback must be callable, got {callback!r:.80}")
+        tokens = prompt_list(prompt_tokens, "prompt_tokens", exact=True)
+        check_token_range(tokens, self.vocab_size, "prompt_tokens")
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        request = Request(request_id, list(prompt_tokens), sampling or SamplingParams(),
-                          priority=priority, namespace=namespace)
-        limit = self.scheduler.config.max_model_len
-        if request.num_prompt_tokens >= limit:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len {limit}"
-            )
+            request_id = AutoRequestId(next(self._ids))
+        return Request(request_id, tokens, sampling or SamplingParams(),
+                       priority=priority, namespace=namespace)
+
+    def _queue(self, request: Request, callback: Callback | None) -> None:
+        """Hand a checked request to the scheduler (its last check can still
+        refuse it), then register its callback and key chain."""
         self.scheduler.add_request(request)
+        rid = request.request_id
         if callback is not None:
-            self._callbacks[request_id] = callback
+            self._callbacks[rid] = callback
         if request.sampling.seed is not None:
-            self._keys[request_id] = KeyChain(request.sampling.seed)
-        return request_id
+            self._keys[rid] = KeyChain(request.sampling.seed)
 
     def abort(self, request_id: Hashable) -> None:
         """Stop a request and free its pages (call between steps or from a
@@ -190,6 +235,8 @@ class Engine:
         out = self.scheduler.abort(request_id)
         if out is not None:
             self._deliver([out])
+        self._callbacks.pop(request_id, None)
+        self._keys.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -200,16 +247,19 @@ class Engine:
     # ----------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; returns the step's outputs.
+        """Schedule, run and sample one step; returns the step's outputs
+        (with the aborted output of a request whose callback raised).
 
-        Raises `RuntimeError` when requests wait but nothing can run (a
-        prompt that no longer fits the pool).
+        A step that only preempts (the preempted sequences run again later)
+        returns []. Raises `RuntimeError` when requests wait, nothing runs
+        and nothing was preempted (a state `add_request`'s checks rule out).
         """
         t0 = self.clock()
         out = self.scheduler.schedule()
         t1 = self.clock()
         if out.is_empty:
-            if self.scheduler.has_unfinished() and not self.scheduler.num_running:
+            if (self.scheduler.has_unfinished() and not self.scheduler.num_running
+                    and not out.preempted):
                 raise RuntimeError("requests are waiting but none fits in the page pool")
             return []
         run = _StepRun()
@@ -225,14 +275,13 @@ class Engine:
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled
-        again next step) and deliver the outputs."""
+        again next step) and deliver the outputs (see `_deliver`)."""
         ran = {item.seq_id for item in run.done}
         failed = [item for item in out.seqs if item.seq_id not in ran]
         if failed:
             self.scheduler.unschedule(failed)
         results = self.scheduler.update(replace(out, seqs=run.done), run.sampled)
-        self._deliver(results)
-        return results
+        return self._deliver(results)
 
     def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
         """Forward the scheduled work (decode rows, then prefill chunks),
@@ -331,14 +380,33 @@ class Engine:
             used = bm.config.num_slots - bm.num_free_slots
             stats.peak_state_bytes = max(stats.peak_state_bytes, used * recurrent.bytes_per_slot)
 
-    def _deliver(self, results: list[RequestOutput]) -> None:
+    def _deliver(self, results: list[RequestOutput]) -> list[RequestOutput]:
+        """Call each request's callback with its output. A callback that
+        raises (an `Exception`) does not stop the others: its request is
+        aborted (FINISHED_ABORTED, `Request.error` holds the exception) and
+        its final output is added to the returned list."""
+        failed: list[RequestOutput] = []
         for r in results:
             callback = self._callbacks.get(r.request_id)
             if callback is not None:
-                callback(r)
+                try:
+                    callback(r)
+                except Exception as exc:  # isolate: one request's fault is its own
+                    failed.append(self._abort_failed(r.request_id, exc))
+                    continue
             if r.finished:
                 self._callbacks.pop(r.request_id, None)
                 self._keys.pop(r.request_id, None)
+        return results + [f for f in failed if f is not None]
+
+    def _abort_failed(self, request_id: Hashable, error: Exception) -> RequestOutput | None:
+        self._callbacks.pop(request_id, None)
+        self._keys.pop(request_id, None)
+        request = self.scheduler.get_request(request_id)
+        if request is None:  # it finished in this very step
+            return None
+        request.error = error
+        return self.scheduler.abort(request_id)
 
     # ------------------------------------------------------------ front-ends
 
@@ -347,11 +415,19 @@ class Engine:
         prompts: Iterable[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add `prompts` and yield every `RequestOutput` as steps produce them
-        (request ids are "req-<k>" in `add_request` order)."""
-        self._add_all(prompts, sampling)
-        while self.has_unfinished():
-            yield from self.step()
+        """Add `prompts` (all or none, as `generate`) and yield every
+        `RequestOutput` as steps produce them (automatic ids in prompt order).
+
+        Closing the iterator (or leaving a loop over it early, or an
+        exception in it) aborts the requests it added that have not finished.
+        """
+        ids = self._add_all(prompts, sampling)
+        try:
+            while self.has_unfinished():
+                yield from self.step()
+        finally:
+            for rid in ids:
+                self.abort(rid)  # a no-op for a finished request
 
     def generate(
         self,
@@ -360,7 +436,8 @@ class Engine:
     ) -> list[GenerationOutput]:
         """Run `prompts` to completion; outputs in prompt order.
 
-        `sampling`: one `SamplingParams` for all, or one per prompt. Other
+        `sampling`: one `SamplingParams` for all, or one per prompt. All or
+        nothing: every prompt is checked before any is queued. Other
         requests already queued run too (their outputs are not returned).
         """
         ids = self._add_all(prompts, sampling)
@@ -373,14 +450,32 @@ class Engine:
         ]
 
     def _add_all(self, prompts, sampling) -> list[Hashable]:
-        prompts = [list(p) for p in prompts]
+        """Check every prompt, then queue them all (or none)."""
+        if isinstance(prompts, (str, bytes)) or prompts is None:
+            raise WrongArgumentType(f"prompts must be a list of prompts, got {prompts!r:.80}")
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise WrongArgumentType(
+                f"prompts must be a list of prompts, got {prompts!r:.80}"
+            ) from None
         if sampling is None or isinstance(sampling, SamplingParams):
             params = [sampling or SamplingParams()] * len(prompts)
         else:
             params = list(sampling)
             if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        return [self.add_request(p, s) for p, s in zip(prompts, params)]
+                raise InvalidArgument(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = []
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            try:
+                request = self._make_request(prompt, param, None, 0, None, None)
+                self.scheduler.check_admissible(request)
+            except InvalidArgument as exc:
+                raise type(exc)(f"prompts[{index}]: {exc}") from None
+            requests.append(request)
+        for request in requests:
+            self._queue(request, None)
+        return [r.request_id for r in requests]
 
     # --------------------------------------------------------------- checks
 
@@ -388,3 +483,22 @@ class Engine:
         """The storage's invariants: every layer group's, and the computed
         counts (raises `IntegrityError`)."""
         self.cache.check_integrity()
+
+    def debug_state(self) -> tuple:
+        """The scheduler's and the store's `debug_state()`, plus the engine's
+        own maps: equal before and after a refused call."""
+        return (
+            self.scheduler.debug_state(),
+            self.cache.store.debug_state(),
+            tuple(self._callbacks),
+            tuple(self._keys),
+        )
+
+
+def _model_vocab_size(model: Any) -> int:
+    """The vocabulary size an mlx-lm model declares in its `args`."""
+    try:
+        vocab = model.args.vocab_size
+    except AttributeError:
+        raise InvalidArgument("the model declares no args.vocab_size: pass vocab_size=") from None
+    return check_int("vocab_size", vocab, 1)

@@ -22,6 +22,14 @@ import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.validation import check_hashable, check_int, check_number, prompt_list, token_list
+
+#: Seeds are 64-bit (`mlx.core.random.key`).
+MAX_SEED = 2**64 - 1
+#: Temperatures below this sample greedily (see `SamplingParams.greedy`).
+GREEDY_BELOW = 1e-5
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -51,8 +59,11 @@ class SamplingParams:
     top_p: nucleus sampling, in (0, 1]; 1 keeps every token.
     stop_token_ids: sampling one of these ends the sample (the token is kept
         in the output, as the last one).
-    seed: per-request random seed (reproducible sampling), None for the
-        engine's global generator.
+    seed: per-request random seed in [0, 2**64) (reproducible sampling),
+        None for the engine's global generator.
+
+    Bad values raise `InvalidArgument` (a `ValueError`; `WrongArgumentType`,
+    also a `TypeError`, for the wrong kind), naming the value.
     """
 
     max_tokens: int = 16
@@ -63,29 +74,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _require_int("max_tokens", self.max_tokens, 1)
-        _require_int("n", self.n, 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.n = check_int("n", self.n, 1)
+        self.temperature = check_number("temperature", self.temperature, 0.0)
+        self.top_p = check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        try:
-            stop = tuple(self.stop_token_ids)
-        except TypeError:
-            raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}") from None
-        for t in stop:
-            _require_int("stop token id", t, 0)
-        self.stop_token_ids = stop
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        self.stop_token_ids = tuple(token_list(self.stop_token_ids, "stop_token_ids"))
         if self.seed is not None:
-            _require_int("seed", self.seed, 0)
+            self.seed = check_int("seed", self.seed, 0, MAX_SEED)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature 0, or below `GREEDY_BELOW` (where
+        1 / temperature would overflow float32 and sampling would turn
+        uniform instead of sharp)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)
@@ -132,13 +136,15 @@ class Request:
 
     request_id: any hashable id, unique among live requests (not a tuple:
         tuples name parallel samples, `(request_id, i)`).
-    prompt_tokens: the prompt, at least one token.
+    prompt_tokens: the prompt, at least one token id (checked by
+        `blockmgr.validation.prompt_list`; the engine checks exactly).
     priority: lower runs first under the "priority" policy (as in vLLM).
     namespace: isolates prefix-cache hits (tenant, adapter, cache salt).
     arrival_time: None: stamped by `Scheduler.add_request` with its clock.
 
     Filled in by the scheduler: `status`, `outputs[i]` (tokens of sample i),
-    `finish_reasons[i]`, `metrics`.
+    `finish_reasons[i]`, `metrics`; by the engine: `error`, the exception
+    that aborted the request (its callback raised), else None.
     """
 
     request_id: Hashable
@@ -151,26 +157,19 @@ class Request:
     outputs: list[list[int]] = field(default_factory=list)
     finish_reasons: list[RequestStatus | None] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: BaseException | None = None
 
     def __post_init__(self) -> None:
-        try:
-            hash(self.request_id)
-        except TypeError:
-            raise ValueError(f"request_id must be hashable, got {self.request_id!r}") from None
+        check_hashable("request_id", self.request_id)
         if isinstance(self.request_id, tuple):
-            raise ValueError("request_id must not be a tuple (reserved for sample ids)")
-        if isinstance(self.prompt_tokens, (str, bytes)):
-            raise ValueError("prompt_tokens must be token ids, not text")
-        self.prompt_tokens = list(self.prompt_tokens)
-        if not self.prompt_tokens:
-            raise ValueError("a prompt needs at least one token")
+            raise InvalidArgument(
+                f"request_id must not be a tuple (reserved for sample ids), got {self.request_id!r}"
+            )
+        self.prompt_tokens = prompt_list(self.prompt_tokens, "prompt_tokens")
         if not isinstance(self.sampling, SamplingParams):
-            raise ValueError(f"sampling must be SamplingParams, got {self.sampling!r}")
-        _require_int("priority", self.priority, None)
-        try:
-            hash(self.namespace)
-        except TypeError:
-            raise ValueError(f"namespace must be hashable, got {self.namespace!r}") from None
+            raise WrongArgumentType(f"sampling must be SamplingParams, got {self.sampling!r:.80}")
+        self.priority = check_int("priority", self.priority, None)
+        check_hashable("namespace", self.namespace)
         n = self.sampling.n
         self.outputs = [[] for _ in range(n)]
         self.finish_reasons = [None] * n
@@ -190,10 +189,3 @@ class Request:
         if sample_index is None or self.sampling.n == 1:
             return self.request_id
         return (self.request_id, sample_index)
-
-
-def _require_int(name: str, value: object, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

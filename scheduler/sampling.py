@@ -1,6 +1,7 @@
 """Token sampling for a batch of rows with per-request parameters.
 
-Greedy rows take the argmax (as mlx-lm's `greedy_sampler`); the others
+Greedy rows (temperature 0, or below `GREEDY_BELOW`, where 1 / T would
+overflow float32) take the argmax (as mlx-lm's `greedy_sampler`); the others
 sample from softmax(logits / temperature) after mlx-lm's `apply_top_p`.
 Rows that share (temperature, top_p) and no seed are sampled in one call;
 a seeded request draws from its own key chain, so its tokens do not depend
@@ -44,11 +45,11 @@ def sample_rows(
     rows = len(params)
     if rows != logits.shape[0] or rows != len(keys):
         raise ValueError(f"{logits.shape[0]} logit rows for {rows} params / {len(keys)} keys")
-    if all(p.temperature == 0.0 for p in params):
+    if all(p.greedy for p in params):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     groups: dict[tuple, list[int]] = {}
     for r, (p, k) in enumerate(zip(params, keys)):
-        if p.temperature == 0.0:
+        if p.greedy:
             group = ("greedy",)
         else:  # seeded rows draw alone, from their own key
             group = (p.temperature, p.top_p, -1 if k is None else r)

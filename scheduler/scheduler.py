@@ -42,8 +42,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from blockmgr.errors import BlockManagerError, OutOfBlocks, OutOfSlots
+import numpy as np
+
+from blockmgr.errors import (
+    BlockManagerError,
+    InvalidArgument,
+    OutOfBlocks,
+    OutOfSlots,
+    WrongArgumentType,
+)
 from blockmgr.kv_store import KVStore
+from blockmgr.validation import check_int, token_list
 from scheduler.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
@@ -51,6 +60,15 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 
 # ---------------------------------------------------------------- records
+
+
+class RequestTooLarge(InvalidArgument):
+    """A request that could never be admitted (see `Scheduler.check_admissible`)."""
+
+
+class StaleSchedulerOutput(InvalidArgument):
+    """`update()` got a `SchedulerOutput` that is not the last `schedule()`'s,
+    or one already applied."""
 
 
 @dataclass(slots=True)
@@ -337,6 +355,7 @@ class Scheduler:
         self._pending_ops: list = []
         self._order = itertools.count()
         self._step = 0
+        self._applied_step: int | None = None  # the step `update` last applied
         self._num_swapped = 0
         self.stats = SchedulerStats()
         self._totals = SchedulerStats()
@@ -363,20 +382,52 @@ class Scheduler:
     def waiting_ids(self) -> list[Hashable]:
         return [s.seq_id for s in self._waiting]
 
+    def debug_state(self) -> tuple:
+        """Everything the scheduler tracks, as plain values: equal before and
+        after any call that was refused. For tests; O(requests)."""
+        requests = tuple(
+            (
+                rid,
+                req.status,
+                tuple(tuple(out) for out in req.outputs),
+                tuple(req.finish_reasons),
+                tuple(
+                    (q.seq_id, q.num_computed, q.num_reserved, q.swapped, q.in_flight, q.done)
+                    for q in self._seqs_of[rid]
+                ),
+            )
+            for rid, req in self._requests.items()
+        )
+        return (
+            requests,
+            tuple(self.running_ids()),
+            tuple(self.waiting_ids()),
+            self._step,
+            self._applied_step,
+            self._num_swapped,
+            len(self._pending_ops),
+        )
+
     # ------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (WAITING). O(log waiting).
 
-        Raises `ValueError` for an id that is already live.
+        Refuses, changing nothing: a non-`Request` (`WrongArgumentType`), an
+        id that is already live or a request already scheduled
+        (`InvalidArgument`), and a request that could never run
+        (`RequestTooLarge`: see `check_admissible`).
         """
         if not isinstance(request, Request):
-            raise ValueError(f"expected a Request, got {request!r}")
+            raise WrongArgumentType(f"expected a Request, got {request!r:.80}")
         rid = request.request_id
         if rid in self._requests:
-            raise ValueError(f"request {rid!r} is already live")
+            raise InvalidArgument(f"request {rid!r} is already live")
         if request.status is not RequestStatus.WAITING:
-            raise ValueError(f"request {rid!r} was already scheduled ({request.status.name})")
+            raise InvalidArgument(
+                f"request {rid!r} was already scheduled ({request.status.name})"
+            )
+        self.check_admissible(request)
         if request.arrival_time is None:
             request.arrival_time = self.clock()
         request.metrics.arrival_time = request.arrival_time
@@ -386,6 +437,41 @@ class Scheduler:
         self._requests[rid] = request
         self._seqs_of[rid] = [seq]
         self._waiting.push(seq)
+
+    def check_admissible(self, request: Request) -> None:
+        """Raise `RequestTooLarge` if `request` could never be admitted, even
+        into an empty store: more samples than `max_num_seqs` (or, for a
+        hybrid model, than recurrent slots), a prompt reaching
+        `max_model_len`, or a prompt with more pages than the pool has past
+        its watermark. O(1)."""
+        cfg = self.config
+        usable, num_slots = self._store_capacity()
+        rid, n = request.request_id, request.sampling.n
+        if n > cfg.max_num_seqs:
+            raise RequestTooLarge(
+                f"request {rid!r} asks for n={n} samples; max_num_seqs is {cfg.max_num_seqs}"
+            )
+        if self._hybrid and n > num_slots:
+            raise RequestTooLarge(
+                f"request {rid!r} asks for n={n} samples; there are {num_slots} recurrent slots"
+            )
+        num_prompt = request.num_prompt_tokens
+        if cfg.max_model_len is not None and num_prompt >= cfg.max_model_len:
+            raise RequestTooLarge(
+                f"request {rid!r}: prompt of {num_prompt} tokens does not fit "
+                f"max_model_len {cfg.max_model_len}"
+            )
+        num_pages = -(-num_prompt // self._block_size)
+        if num_pages > usable:
+            raise RequestTooLarge(
+                f"request {rid!r}: prompt of {num_prompt} tokens needs {num_pages} pages; "
+                f"the pool has {usable} past its watermark"
+            )
+
+    def _store_capacity(self) -> tuple[int, int]:
+        """(pages a prompt may take in an empty store: the pool past its
+        watermark; recurrent slots) of the store's main layer group."""
+        return self.kv.num_usable_blocks, self.kv.num_slots
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """End a request wherever it is and free everything it holds.
@@ -642,32 +728,33 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Record a computed step: `sampled[seq_id]` for every scheduled seq
         with `sample` set (an int, or `num_samples` ints for a prompt with
-        n > 1 samples). Returns one output per request that gained tokens or
-        finished. O(scheduled + running)."""
+        n > 1 samples; numpy integers accepted). Returns one output per
+        request that gained tokens or finished. O(scheduled + running).
+
+        Transactional: the output must be the last `schedule()`'s, not yet
+        applied (`StaleSchedulerOutput` otherwise), and every sampled value
+        is checked (`InvalidArgument`, naming it) before anything changes.
+        """
+        plan = self._plan_update(output, sampled)
+        self._applied_step = output.step
         now = self.clock()
         results: dict[Hashable, RequestOutput] = {}
         forks: dict[int, list[_Seq]] = {}
         finished: set[int] = set()
-        for item in output.seqs:
-            seq = self._live_seq(item)
-            if seq is None or not seq.in_flight:
-                continue  # aborted, or unscheduled after a failed forward
+        for item, seq, tokens in plan:
             seq.in_flight = False
             seq.num_computed += item.num_tokens
             seq.request.metrics.num_computed_tokens += item.num_tokens
             if item.is_prefill:
                 self._checkpoint(seq)
-            if not item.sample:
+            if tokens is None:
                 continue
-            tokens = sampled[item.seq_id]
             if seq.index is None:
                 children = self._fork(seq, tokens, now, results)
                 forks[id(seq)] = children
                 finished.update(id(c) for c in children if c.done)
-            else:
-                token = tokens if isinstance(tokens, int) else tokens[0]
-                if self._add_token(seq, seq.index, int(token), now, results):
-                    finished.add(id(seq))
+            elif self._add_token(seq, seq.index, tokens, now, results):
+                finished.add(id(seq))
         if forks or finished:
             self._rebuild_running(forks, finished)
         self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
@@ -681,6 +768,36 @@ class Scheduler:
             seq = self._live_seq(item)
             if seq is not None:
                 seq.in_flight = False
+
+    def _plan_update(self, output: SchedulerOutput, sampled) -> list[tuple]:
+        """Check an `update` call whole; (item, live seq, sampled tokens or
+        None) per scheduled sequence still live and in flight. Changes nothing."""
+        if not isinstance(output, SchedulerOutput):
+            raise WrongArgumentType(f"output must be a SchedulerOutput, got {output!r:.80}")
+        if output.step != self._step or self._applied_step == output.step:
+            raise StaleSchedulerOutput(
+                f"SchedulerOutput of step {output.step} is stale: the last schedule() "
+                f"was step {self._step}"
+                + (", already applied" if self._applied_step == self._step else "")
+            )
+        if not isinstance(sampled, Mapping):
+            raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
+        plan = []
+        for item in output.seqs:
+            seq = self._live_seq(item)
+            if seq is None or not seq.in_flight:
+                continue  # aborted, or unscheduled after a failed forward: ignored
+            tokens = None
+            if item.sample:
+                if item.seq_id not in sampled:
+                    raise InvalidArgument(f"sampled has no token for {item.seq_id!r}")
+                value = sampled[item.seq_id]
+                if type(value) is int and value >= 0 and item.num_samples == 1:
+                    tokens = value  # the common case, checked inline
+                else:
+                    tokens = _sampled_tokens(item, value)
+            plan.append((item, seq, tokens))
+        return plan
 
     def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
         seqs = self._seqs_of.get(item.request_id)
@@ -708,10 +825,6 @@ class Scheduler:
         sharing the prompt's pages (and slot) copy-on-write."""
         req = parent.request
         n = req.sampling.n
-        if isinstance(tokens, int):
-            tokens = [tokens] * n
-        if len(tokens) != n:
-            raise ValueError(f"{parent.seq_id!r} needs {n} sampled tokens, got {len(tokens)}")
         kv = self.kv
         children = []
         for i in range(n):
@@ -722,7 +835,7 @@ class Scheduler:
         parent.done = True
         self._seqs_of[req.request_id] = children
         for i, child in enumerate(children):
-            self._add_token(child, i, int(tokens[i]), now, results)
+            self._add_token(child, i, tokens[i], now, results)
         return children
 
     def _add_token(self, seq: _Seq, index: int, token: int, now: float, results) -> bool:
@@ -830,6 +943,20 @@ def _extend(ops: list, plan) -> None:
         ops.extend(plan)
 
 
+def _sampled_tokens(item: ScheduledSeq, value: object) -> int | list[int]:
+    """The sampled value of one scheduled sequence, checked: an int for one
+    sample, a list of `num_samples` ints for a prompt with several (one int
+    there means that token for each)."""
+    name = f"sampled[{item.seq_id!r}]"
+    if isinstance(value, (int, np.integer)):
+        token = check_int(name, value)
+        return token if item.num_samples == 1 else [token] * item.num_samples
+    tokens = token_list(value, name)
+    if len(tokens) != item.num_samples:
+        raise InvalidArgument(f"{name} needs {item.num_samples} tokens, got {len(tokens)}")
+    return tokens[0] if item.num_samples == 1 else tokens
+
+
 def _can_swap_out(kv: KVStore, seq_id: Hashable) -> bool:
     try:
         return kv.can_swap_out(seq_id)
@@ -838,14 +965,13 @@ def _can_swap_out(kv: KVStore, seq_id: Hashable) -> bool:
 
 
 def _require_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    check_int(name, value, minimum)
 
 
 __all__ = [
     "RequestOutput",
+    "RequestTooLarge",
+    "StaleSchedulerOutput",
     "ScheduledSeq",
     "Scheduler",
     "SchedulerConfig",

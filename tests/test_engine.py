@@ -128,7 +128,7 @@ def test_streaming_yields_the_generated_tokens_in_order():
     engine = Engine(model, num_blocks=256, block_size=8)
     seen: dict = {}
     for out in engine.stream(prompts[:4], SamplingParams(max_tokens=MAX_TOKENS)):
-        seen.setdefault(out.request_id, []).extend(out.new_tokens.get(0, []))
+        seen.setdefault(str(out.request_id), []).extend(out.new_tokens.get(0, []))
     assert [seen[f"req-{i}"] for i in range(4)] == want[:4]
     got = []
     engine.add_request(prompts[5], SamplingParams(max_tokens=MAX_TOKENS),

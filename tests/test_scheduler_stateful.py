@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from blockmgr import BlockManager, BlockManagerConfig
+from blockmgr import BlockManager, BlockManagerConfig, InvalidArgument
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.scheduler import SchedulerOutput
 from tests.shadow import ShadowStorage
 from tests.test_scheduler import assert_no_leak, shadow_step
 
@@ -44,6 +45,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.shadow = ShadowStorage(self.bm)
         self.rng = random.Random(0)
         self.next_id = 0
+        self.last_output = None  # applied: any update with it is stale
 
     @precondition(lambda self: hasattr(self, "s"))
     @rule(
@@ -64,7 +66,34 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "s"))
     @rule()
     def step(self):
-        shadow_step(self.s, self.bm, self.shadow, self.rng)
+        self.last_output = shadow_step(self.s, self.bm, self.shadow, self.rng)
+
+    @precondition(lambda self: hasattr(self, "s"))
+    @rule(kind=st.integers(0, 6), value=st.sampled_from([1.5, None, -1, "x", [1, 2]]))
+    def bad_call(self, kind, value):
+        """A refused call: nothing in the scheduler or the store may move."""
+        s, bm = self.s, self.bm
+        live = [rid for rid in range(self.next_id) if s.get_request(rid) is not None]
+        calls = [
+            lambda: s.add_request(Request(live[0] if live else 0, [1, 2], SamplingParams()))
+            if live else s.add_request("not a request"),
+            lambda: s.add_request(Request("huge", [1] * (bm.config.num_blocks * 4 + 1))),
+            lambda: s.add_request(Request("wide", [1, 2], SamplingParams(n=6))),
+            lambda: s.update(SchedulerOutput(s._step + 1, []), {}),  # never scheduled
+            lambda: s.update(SchedulerOutput(s._step, []), {}) if s._applied_step == s._step
+            else s.update("not an output", {}),
+            lambda: s.update(self.last_output, {x.seq_id: value for x in self.last_output.seqs})
+            if self.last_output is not None else s.add_request(None),
+            lambda: s.add_request(Request("x", [1, 2], priority=0.5)),
+        ]
+        before = (s.debug_state(), bm.debug_state())
+        try:
+            calls[kind]()
+        except InvalidArgument:
+            pass
+        else:
+            raise AssertionError("a bad call was accepted")
+        assert (s.debug_state(), bm.debug_state()) == before, "a refused call changed the state"
 
     @precondition(lambda self: hasattr(self, "s") and self.next_id > 0)
     @rule(which=st.integers(0, 1000), between=st.booleans())

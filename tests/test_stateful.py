@@ -20,9 +20,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+import numpy as np
+
 from blockmgr import (
     BlockManager,
     BlockManagerConfig,
+    BlockManagerError,
     NoSnapshot,
     OutOfBlocks,
     OutOfHostMemory,
@@ -38,6 +41,11 @@ prompts = st.builds(
     st.lists(st.integers(0, 6), min_size=1, max_size=9),
 )
 namespaces = st.sampled_from([None, "tenant-b"])
+# Token lists every call must refuse (typed error, nothing changed).
+BAD_TOKENS = [
+    [1, None], [1, 2.0], [True], [3, -1], [[1]], [1, {}], "ab", None, 5,
+    np.array([1.5]), np.array([[1, 2]]), [1, "x"], list(range(20)) + [None],
+]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -203,6 +211,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert expect_ok
         self.shadow.apply(self.result)
+
+    @rule(data=st.data(), tokens=st.sampled_from(BAD_TOKENS))
+    def bad_call(self, data, tokens) -> None:
+        """A refused call of any kind: bad tokens, counts, ids."""
+        live = self.live()
+        target = data.draw(st.sampled_from(live)) if live else "missing"
+        bm = self.bm
+        calls = [
+            lambda: bm.allocate("bad-new", tokens),
+            lambda: bm.allocate("bad-new", []),
+            lambda: bm.can_allocate(tokens),
+            lambda: bm.cached_prefix_length(tokens),
+            lambda: bm.append(target, tokens),
+            lambda: bm.allocate(target if live else ["unhashable"], [1]),
+            lambda: bm.fork(target, target if live else "x"),
+            lambda: bm.free(target, data.draw(st.sampled_from([-1, 1.5, True, 10**6, "1"]))),
+            lambda: bm.truncate(target, data.draw(st.sampled_from([-1, 2.0, 10**6, None]))),
+            lambda: bm.cache_prefix(target, -3),
+            lambda: bm.can_append(target, -1),
+            lambda: bm.free("missing"),
+        ]
+        call = data.draw(st.sampled_from(calls))
+        assert self.refused(call, BlockManagerError), "a bad call was accepted"
 
     @rule()
     def reset_prefix_cache(self) -> None:

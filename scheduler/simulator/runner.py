@@ -30,7 +30,7 @@ from blockmgr import BlockManager, CopyBlock, CopySlot, GroupedStore, ZeroSlot
 from blockmgr import ops as bm_ops
 from blockmgr.errors import BlockManagerError
 from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import RequestTooLarge, Scheduler
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
@@ -164,8 +164,12 @@ class Simulation:
         )
         outputs = [text(derive_key(spec.output_key, i), spec.output_len) for i in range(spec.n)]
         self._live[spec.request_id] = _Live(spec, session, index, request, outputs, closed)
-        self.scheduler.add_request(request)
         self._num_added += 1
+        try:
+            self.scheduler.add_request(request)
+        except RequestTooLarge:  # it could never run: aborted on arrival
+            request.metrics.arrival_time = when
+            self._finish(spec.request_id, aborted=True)
 
     # ----------------------------------------------------------------- loop
 
