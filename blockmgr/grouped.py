@@ -29,6 +29,7 @@ from blockmgr.ops import MemoryOp
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PrefixCacheStats
+from blockmgr.validation import check_hashable, packed_prompt, token_list
 
 Plan = tuple[MemoryOp, ...]
 
@@ -171,14 +172,15 @@ class GroupedStore:
 
     def cached_prefix_length(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
         """How many tokens `allocate` would reuse right now (every group). Pure."""
-        return self._common_hit(_token_list(tokens), namespace)[0].num_tokens
+        tokens, packed = _checked(tokens, namespace)
+        return self._common_hit(tokens, namespace, packed)[0].num_tokens
 
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
         """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
-        tokens = _token_list(tokens)
-        matches = self._common_hit(tokens, namespace)
+        tokens, packed = _checked(tokens, namespace)
+        matches = self._common_hit(tokens, namespace, packed)
         return all(
-            m.can_allocate(tokens, namespace, match=match)
+            m.can_allocate(tokens, namespace, match=match, packed=packed)
             for m, match in zip(self._managers, matches)
         )
 
@@ -193,14 +195,15 @@ class GroupedStore:
         changing no group. O(groups x (prompt pages + matched tokens)).
         """
         _check_new_id(self._first, seq_id)
-        tokens = _token_list(tokens)
-        matches = self._common_hit(tokens, namespace)
+        tokens, packed = _checked(tokens, namespace)
+        matches = self._common_hit(tokens, namespace, packed)
         for m, match in zip(self._managers, matches):
-            if not m.can_allocate(tokens, namespace, match=match):
-                m.allocate(seq_id, tokens, namespace, match=match)  # raises, changes nothing
+            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
+                # raises its precise error, changes nothing
+                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
                 raise IntegrityError("allocate succeeded where can_allocate said no")
         allocs = [
-            m.allocate(seq_id, tokens, namespace, match=match)
+            m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
             for m, match in zip(self._managers, matches)
         ]
         first = allocs[0]
@@ -214,19 +217,19 @@ class GroupedStore:
             max(branch_points) if branch_points else None,
         )
 
-    def _common_hit(self, tokens: list, namespace: Hashable) -> list[PrefixMatch]:
+    def _common_hit(self, tokens: list, namespace: Hashable, packed: bytes) -> list[PrefixMatch]:
         """Each group's match at the longest hit all groups can serve.
 
         A group asked with a limit returns its longest servable hit within it;
         the limit only falls, and the loop ends once every group in a row
-        agreed with it. Pure. Validates `tokens` and `namespace`.
+        agreed with it. Pure; `tokens` and `packed` come from `_checked`.
         """
         managers = self._managers
         limit = len(tokens)
         matches: list[PrefixMatch] = [None] * len(managers)  # type: ignore[list-item]
         num_agreeing, g = 0, 0
         while num_agreeing < len(managers):
-            match = managers[g].find_prefix(tokens, namespace, limit)
+            match = managers[g].find_prefix(tokens, namespace, limit, packed=packed)
             matches[g] = match
             if match.num_tokens < limit:
                 limit = match.num_tokens
@@ -249,7 +252,7 @@ class GroupedStore:
         lacks room after eviction. O(groups) per token, amortised.
         """
         if type(new_tokens) is not list:
-            new_tokens = _token_list(new_tokens)
+            new_tokens = token_list(new_tokens, "new_tokens")
         first, *checked = self._managers
         num_tokens = len(new_tokens)
         for m in checked:
@@ -379,13 +382,8 @@ def _check_new_id(manager: BlockManager, seq_id: Hashable) -> None:
         raise DuplicateSequence(f"sequence {seq_id!r} is already live")
 
 
-def _token_list(tokens: Iterable[int]) -> list:
-    """The tokens as a list, read once (each group's manager checks them)."""
-    if type(tokens) is list:
-        return tokens
-    if isinstance(tokens, (str, bytes, int)):
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}")
-    try:
-        return list(tokens)
-    except TypeError:
-        raise InvalidArgument(f"tokens must be a sequence of ints, got {tokens!r}") from None
+def _checked(tokens: Iterable[int], namespace: Hashable) -> tuple[list[int], bytes]:
+    """The prompt checked once for every group: its ids as a list and packed
+    (what each group's trie compares), and the namespace hashable."""
+    check_hashable("namespace", namespace)
+    return packed_prompt(tokens, "tokens")
