@@ -33,10 +33,10 @@ from blockmgr.errors import (
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
-from cache.layers import LayerKind, LayerSpec, layer_specs
+from cache.layers import LayerKind, LayerSpec, LayoutEntry, cache_layout, layer_specs
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
-from cache.views import AttentionView, BatchState, RecurrentLayerView
+from cache.views import AttentionView, BatchState, RecurrentLayerView, nest_views
 
 
 class RecurrentBackend(Protocol):
@@ -96,8 +96,13 @@ class PagedCache:
         num_host_blocks: int = 0,
         num_host_slots: int = 0,
         paged_attention: bool = True,
+        layout: Sequence[LayoutEntry] | None = None,
     ) -> None:
-        """`window_blocks`: pages of each sliding-window group (default num_blocks).
+        """`specs`: one per cache position (`layers.layer_specs`); `layout`
+        nests positions into model layers (`layers.cache_layout`; None: one
+        position per layer), so `views` gives a ``CacheList`` of views where
+        the model keeps several caches in one layer.
+        `window_blocks`: pages of each sliding-window group (default num_blocks).
         `num_host_blocks` / `num_host_slots`: swap space per group (host pages) and
         for recurrent state (the backend must have as many host slots).
         `paged_attention`: serve mlx-lm's attention calls from the pool in
@@ -108,9 +113,11 @@ class PagedCache:
         if has_recurrent and (recurrent is None or num_slots < 1):
             raise InvalidArgument("recurrent layers need num_slots > 0 and a recurrent backend")
         self.specs = specs
+        self._layout = None if layout is None else list(layout)
         self.block_size = block_size
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
+        num_slots = num_slots if has_recurrent else 0  # nothing would hold slot state
         self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}
         windows = sorted({s.window for s in specs if s.kind is not LayerKind.RECURRENT},
@@ -161,7 +168,7 @@ class PagedCache:
         ):
             recurrent = default_recurrent_backend(model, num_slots, num_host_slots)
         return cls(specs, num_blocks, block_size, num_slots=num_slots, recurrent=recurrent,
-                   num_host_slots=num_host_slots, **kwargs)
+                   num_host_slots=num_host_slots, layout=cache_layout(model), **kwargs)
 
     # --- inspection ----------------------------------------------------------
 
@@ -412,7 +419,7 @@ class PagedCache:
                 out[i] = RecurrentLayerView(batch, i)
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self._pool_for, spec.window)
-        return out
+        return out if self._layout is None else nest_views(out, self._layout)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -441,9 +448,15 @@ class PagedCache:
 
     # --- StepSource (used by the views) ----------------------------------------
 
-    def _begin_step(self, seq_ids: Sequence, n: int, num_new) -> dict[int, StepPlan]:
+    def _begin_step(self, seq_ids: Sequence, n: int | None, num_new) -> dict[int, StepPlan]:
         states = [self._state(s) for s in seq_ids]
         pending = [self.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
+        if n is None:  # the model never said its input width: the pending tokens
+            n = max(num_new or pending)
+            if n == 0:
+                raise InvalidArgument(
+                    f"{list(seq_ids)!r}: this model never tells its cache how many tokens "
+                    "it feeds; reserve them first (allocate / append)")
         if num_new is not None:
             if any(not 0 <= k <= min(p, n) for k, p in zip(num_new, pending)):
                 raise InvalidArgument(f"num_new {num_new} exceeds pending {pending} or N={n}")
