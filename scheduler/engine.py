@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 
 from cache import LayerKind, PagedCache, layer_specs
+from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.sampling import KeyChain, sample_rows
 from scheduler.scheduler import (
@@ -88,6 +89,11 @@ class Engine:
     come as keywords (`max_num_batched_tokens`, `max_num_seqs`, `policy`,
     `preemption`, `long_prefill_token_threshold`, `max_model_len`) or as a
     whole `scheduler_config`. Not thread-safe: one caller drives `step()`.
+
+    `batch_probe` (default on): when built, compare a few batched and
+    single-row forwards of the model (`batch_probe.probe_batching`, 13
+    forwards of at most 6 tokens on private storage); where mlx-lm's model
+    code cannot batch (`self.batching`), those rows run one by one.
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class Engine:
         num_host_blocks: int = 0,
         num_host_slots: int = 0,
         prefill_batch: int = 1,
+        batch_probe: bool = True,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         **scheduler_kwargs: Any,
@@ -124,6 +131,12 @@ class Engine:
         self.cache = PagedCache.for_model(
             model, num_blocks, block_size, num_slots=num_slots,
             enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
+        )
+        # Rows the model's own code cannot batch run one by one (see batch_probe).
+        self.batching = (
+            probe_batching(model, probe_cache(model, block_size, hybrid),
+                           probe_prefill=prefill_batch > 1)
+            if batch_probe else BatchSupport()
         )
         if config.preemption == "swap" and not hasattr(self.cache, "swap_out"):
             raise ValueError("this PagedCache cannot swap; use preemption='recompute'")
@@ -211,9 +224,12 @@ class Engine:
         sampled: dict[Hashable, Any] = {}
         decode = [s for s in out.seqs if s.num_tokens == 1]
         prefill = [s for s in out.seqs if s.num_tokens > 1]
-        if decode:
+        if decode and self.batching.decode:
             sampled.update(self._forward(decode))
-        k = self.prefill_batch
+        elif decode:
+            for seq in decode:
+                sampled.update(self._forward([seq]))
+        k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:
                 sampled.update(self._prefill_one(seq))
