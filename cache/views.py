@@ -212,6 +212,29 @@ class AttentionView:
     # --- the rest of the protocol ------------------------------------------
 
     @property
+    def keys(self) -> mx.array:
+        """The step's key history (`KVCache.keys` as `keys_and_values` bounds it)."""
+        return self.keys_and_values()[0]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        # mlx-lm models assign only `mx.depends(cache.keys, ...)` of the same
+        # arrays, to order evaluation (deepseek_v32, minimax_m3_vl); the pages
+        # are the storage and are evaluated with the pools, so nothing to keep.
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        """The step's value history (see `keys`)."""
+        return self.keys_and_values()[1]
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        # deepseek_v32's indexer blanks the values it never reads (graph size);
+        # see `keys`.
+        pass
+
+    @property
     def state(self) -> tuple[mx.array, ...]:
         """The layer's pool arrays, for `mx.eval` only (see `PagePool.arrays`)."""
         pool = self._pool_for(self._layer, None, None)

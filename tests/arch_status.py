@@ -66,10 +66,9 @@ MLX_LM_LIMITS: dict[tuple[str, str], str] = {
 
 #: Open project gaps on whole architectures (every check fails the same way).
 PROJECT_GAPS: dict[str, str] = {
-    "deepseek_v32": "project gap: its indexer reads and assigns KVCache's raw .keys/.values "
-                    "arrays, which paged views do not have",
-    "glm_moe_dsa": "project gap: it runs deepseek_v32's indexer, which reads and assigns "
-                   "KVCache's raw .keys/.values arrays, which paged views do not have",
+    "minimax_m3_vl": "project gap: its sparse-attention index cache stores keys with values of "
+                     "another head count and width 0 ([B, 1, L, 0]); a page pool holds K and V "
+                     "of one head count (dense layers alone pass every check)",
     "deepseek_v41": "project gap: its own LayerCache (window + compressed groups + index keys) "
                     "has no paged counterpart",
     "longcat_flash_ngram": "project gap: its n-gram context lives in an ArraysCache whose array "

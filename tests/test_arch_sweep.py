@@ -38,7 +38,7 @@ FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 #: family, and each architecture a closed gap was found on.
 QUICK = ("llama", "deepseek_v3", "gemma3_text", "plamo3", "lfm2", "qwen3_next", "mamba",
          "rwkv7", "kimi_linear", "afm7", "gemma3n", "gemma2", "jamba", "granitemoehybrid",
-         "falcon_h1", "longcat_flash", "llama4")
+         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32")
 
 
 def _cases():
