@@ -16,9 +16,13 @@ fails until its entry is removed.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler import Engine, SamplingParams
@@ -121,3 +125,25 @@ def test_engine_without_probe_batches_rows_mlx_lm_computes_wrong():
     assert engine.batching == BatchSupport()
     with pytest.raises(ValueError):  # 3 rows: mlx-lm's mask does not broadcast
         engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+
+
+@pytest.mark.parametrize("keep_fetched", [True, False])
+def test_keys_and_values_is_the_fetched_history(keep_fetched):
+    """`keys_and_values()` after a step equals mlx-lm's `KVCache` history,
+    whether the model still holds what `update_and_fetch` returned or not
+    (then it is re-gathered from the pages)."""
+    rng = np.random.default_rng(0)
+    pc = PagedCache(layer_specs(_model("llama"))[:1], num_blocks=8, block_size=4)
+    ref = KVCache()
+    pc.allocate("a", list(range(7)))
+    for n in (5, 2):
+        views = pc.views(["a"])
+        k, v = (mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for _ in "kv")
+        views[0].make_mask(n)
+        fetched = views[0].update_and_fetch(k, v)
+        ref.update_and_fetch(k, v)
+        if not keep_fetched:
+            del fetched
+            gc.collect()
+        for got, want in zip(views[0].keys_and_values(), ref.keys_and_values()):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
