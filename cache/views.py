@@ -376,6 +376,14 @@ class RecurrentLayerView(ArraysCache):
         """The batch's state arrays after the last step (empty before any step)."""
         return self._view().state if self._batch.steps else []
 
+    @property
+    def batch_size(self) -> int:
+        return len(self._batch.seq_ids)
+
+    def empty(self) -> bool:
+        """No sequence of the batch has computed a token (ArraysCache: no state)."""
+        return not any(self._batch.owner._computed(self._batch.seq_ids))
+
     def is_trimmable(self) -> bool:
         return False  # recurrent state cannot be cut; see PagedCache.truncate
 

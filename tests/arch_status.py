@@ -26,9 +26,9 @@ UNBUILDABLE: dict[str, str] = {
     "olmo": "mlx-lm's olmo needs the ai2-olmo package (its module exits on import without it)",
     "prism_hadamard_qwen35": "mlx-lm builds prism_hadamard_qwen35 only from a 2-bit Hadamard-pack "
                              "checkpoint (its ModelArgs refuse any other config)",
-    "phi3small": "mlx-lm's phi3small block-sparse attention aborts the process on MLX CPU "
-                 "(double free) and gives a prompt's prefix other logits than the prompt, "
-                 "on mlx-lm's own caches",
+    "phi3small": "mlx-lm's phi3small block-sparse attention (layer 0 always has it) kills "
+                 "the process on MLX CPU (segfault / double free) on mlx-lm's own caches, and "
+                 "where it runs gives a prompt's prefix other logits than the whole prompt",
 }
 
 _SSM_PADDING = ("mlx-lm's {} lets a row's right padding into its recurrent state ({}), so a "
