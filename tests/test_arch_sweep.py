@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from blockmgr.errors import InvalidArgument
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler import Engine, SamplingParams
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
@@ -147,3 +148,21 @@ def test_keys_and_values_is_the_fetched_history(keep_fetched):
             gc.collect()
         for got, want in zip(views[0].keys_and_values(), ref.keys_and_values()):
             np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_maskless_model_needs_reserved_tokens_and_a_refusal_changes_nothing():
+    """mamba never tells its cache its input width: a forward with nothing
+    reserved is refused (typed error, storage unchanged); the same forward
+    after `append` matches mlx-lm."""
+    model = _model("mamba")
+    pc = PagedCache.for_model(model, num_blocks=16, block_size=8, num_slots=4)
+    prompt, nxt = tokens(22, 7), tokens(23, 1)
+    pc.allocate("a", prompt)
+    forward(model, pc, ["a"], [prompt])
+    with pytest.raises(InvalidArgument):
+        model(mx.array([nxt]), cache=pc.views(["a"]))
+    assert (pc.num_tokens("a"), pc.num_computed("a")) == (7, 7)
+    pc.check_integrity()
+    pc.append("a", nxt)
+    got = forward(model, pc, ["a"], [nxt])[0]
+    close(got, reference(model, prompt + nxt, [7])[7:], "decode after the refusal")
