@@ -2,6 +2,11 @@
 
 Read from `model.make_cache()` when the model has it (mlx-lm's own choice of
 cache per layer), else one full-attention layer per `model.layers`.
+
+A layer whose cache is an mlx-lm ``CacheList`` (several caches in one layer:
+falcon_h1's attention + Mamba, longcat_flash's two attention blocks) counts
+as several *cache positions*. `layer_specs` lists the positions flat, in
+order; `cache_layout` says how they nest back into the model's layers.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from enum import Enum
 from typing import Any
 
 from blockmgr.errors import InvalidArgument
+
+#: One model layer's entry: a flat position, or the positions of a CacheList.
+LayoutEntry = int | tuple[int, ...]
 
 
 class LayerKind(Enum):
@@ -28,17 +36,45 @@ class LayerSpec:
 
 
 def layer_specs(model: Any) -> list[LayerSpec]:
-    """The cache kind of every layer of `model`. Cost: one `make_cache()` call.
+    """The cache kind of every cache position of `model` (one per layer, or
+    one per member of a layer's ``CacheList``). Cost: one `make_cache()` call.
 
     Raises `InvalidArgument` for caches that have no paged counterpart
-    (quantized, chunked, nested `CacheList`, `RotatingKVCache` with `keep`).
+    (quantized, nested `CacheList`, `RotatingKVCache` with `keep`, model-
+    specific classes such as deepseek_v41's `LayerCache`).
     """
     if hasattr(model, "make_cache"):
-        return [_spec_of(c, i) for i, c in enumerate(model.make_cache())]
+        leaves, _ = _flatten(model.make_cache())
+        return [_spec_of(c, i) for i, c in enumerate(leaves)]
     layers = getattr(model, "layers", None)
     if layers is None:
         raise InvalidArgument("model has neither make_cache() nor layers")
     return [LayerSpec(LayerKind.ATTENTION) for _ in layers]
+
+
+def cache_layout(model: Any) -> list[LayoutEntry] | None:
+    """How `layer_specs`' positions nest into the model's layers, or None
+    when every layer has one cache (the identity)."""
+    if not hasattr(model, "make_cache"):
+        return None
+    _, layout = _flatten(model.make_cache())
+    return None if all(isinstance(e, int) for e in layout) else layout
+
+
+def _flatten(caches: list) -> tuple[list, list[LayoutEntry]]:
+    leaves: list = []
+    layout: list[LayoutEntry] = []
+    for layer, cache in enumerate(caches):
+        if type(cache).__name__ != "CacheList":
+            layout.append(len(leaves))
+            leaves.append(cache)
+            continue
+        members = list(cache.caches)
+        if any(type(m).__name__ == "CacheList" for m in members):
+            raise InvalidArgument(f"layer {layer}: nested CacheList")
+        layout.append(tuple(range(len(leaves), len(leaves) + len(members))))
+        leaves.extend(members)
+    return leaves, layout
 
 
 def _spec_of(cache: Any, index: int) -> LayerSpec:
@@ -48,8 +84,13 @@ def _spec_of(cache: Any, index: int) -> LayerSpec:
     if name == "RotatingKVCache":
         if getattr(cache, "keep", 0):
             # Attention sinks (keep > 0) would pin the first pages; not supported.
-            raise InvalidArgument(f"layer {index}: RotatingKVCache with keep > 0")
+            raise InvalidArgument(f"cache position {index}: RotatingKVCache with keep > 0")
         return LayerSpec(LayerKind.SLIDING, int(cache.max_size))
+    if name == "ChunkedKVCache":
+        # Keeps the last chunk_size keys before each step (maybe_trim_front),
+        # i.e. the window of chunk_size + 1 keys of the step's first query;
+        # the model builds its own chunk mask over that history.
+        return LayerSpec(LayerKind.SLIDING, int(cache.chunk_size) + 1)
     if name == "ArraysCache" or hasattr(cache, "cache") and hasattr(cache, "advance"):
         return LayerSpec(LayerKind.RECURRENT)
-    raise InvalidArgument(f"layer {index}: no paged counterpart for {name}")
+    raise InvalidArgument(f"cache position {index}: no paged counterpart for {name}")

@@ -29,10 +29,10 @@ from blockmgr.errors import IntegrityError, InvalidArgument, SequenceSwapped, Un
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
-from cache.layers import LayerKind, LayerSpec
+from cache.layers import LayerKind, LayerSpec, LayoutEntry
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
-from cache.views import AttentionView, BatchState, RecurrentLayerView
+from cache.views import AttentionView, BatchState, RecurrentLayerView, nest_views
 
 Plan = tuple[MemoryOp, ...]
 
@@ -128,8 +128,13 @@ class PagedCache:
         num_host_blocks: int = 0,
         num_host_slots: int = 0,
         paged_attention: bool = True,
+        layout: Sequence[LayoutEntry] | None = None,
     ) -> None:
-        """`window_blocks`: pages of each sliding-window group (default num_blocks).
+        """`specs`: one per cache position (`layers.layer_specs`); `layout`
+        nests positions into model layers (`layers.cache_layout`; None: one
+        position per layer), so `views` gives a ``CacheList`` of views where
+        the model keeps several caches in one layer.
+        `window_blocks`: pages of each sliding-window group (default num_blocks).
         `num_host_blocks` / `num_host_slots`: swap space per group (host pages) and
         for recurrent state (the backend must have as many host slots).
         `paged_attention`: serve mlx-lm's attention calls from the pool in
@@ -139,10 +144,8 @@ class PagedCache:
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
         if has_recurrent and (recurrent is None or num_slots < 1):
             raise InvalidArgument("recurrent layers need num_slots > 0 and a recurrent backend")
-        if num_slots and not has_recurrent:
-            raise InvalidArgument(
-                f"num_slots={num_slots!r} but the model has no recurrent layer (give 0)"
-            )
+        num_slots = num_slots if has_recurrent else 0  # nothing would hold slot state
+        num_host_slots = num_host_slots if has_recurrent else 0
         windows = layer_windows(specs)
         self.store = GroupedStore(
             GroupedStoreConfig(
@@ -158,6 +161,7 @@ class PagedCache:
             )
         )
         self.specs = specs
+        self._layout = None if layout is None else list(layout)
         self.block_size = block_size
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
@@ -479,7 +483,7 @@ class PagedCache:
                 out[i] = RecurrentLayerView(batch, i)
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
-        return out, batch
+        return (out if self._layout is None else nest_views(out, self._layout)), batch
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -513,14 +517,21 @@ class PagedCache:
 
     # --- StepSource (what the views call) ------------------------------------
 
-    def begin_step(self, batch: BatchState, n: int, num_new) -> dict[int, StepPlan]:
-        """Start a forward of `n` input positions over the batch's sequences:
+    def begin_step(self, batch: BatchState, n: int | None, num_new) -> dict[int, StepPlan]:
+        """Start a forward of `n` input positions over the batch's sequences
+        (None: the model never said its input width; the pending tokens):
         reserve pages if nothing is pending (generate_step), apply queued
         ops, plan every group's indices. The step's tokens are in flight
         until `commit_step`."""
         seq_ids = batch.seq_ids
         states = [self._state(s) for s in seq_ids]
         pending = [self.store.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
+        if n is None:
+            n = max(num_new or pending)
+            if n == 0:
+                raise InvalidArgument(
+                    f"{list(seq_ids)!r}: this model never tells its cache how many tokens "
+                    "it feeds; reserve them first (allocate / append)")
         if num_new is not None:
             if any(not 0 <= k <= min(p, n) for k, p in zip(num_new, pending)):
                 raise InvalidArgument(f"num_new {num_new} exceeds pending {pending} or N={n}")

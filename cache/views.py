@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from blockmgr.errors import InvalidArgument
 from cache.page_pool import PagePool
@@ -34,7 +35,7 @@ class StepSource(Protocol):
 
     @property
     def paged_attention(self) -> bool: ...
-    def begin_step(self, batch: BatchState, n: int, num_new) -> dict[int, StepPlan]: ...
+    def begin_step(self, batch: BatchState, n: int | None, num_new) -> dict[int, StepPlan]: ...
     def commit_step(self, batch: BatchState) -> None: ...
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
     def computed_counts(self, seq_ids: Sequence) -> list[int]: ...
@@ -46,7 +47,7 @@ class BatchState:
     """Step bookkeeping shared by the views of one `views()` call."""
 
     __slots__ = ("owner", "seq_ids", "auto_commit", "steps", "trims", "last_trim", "plans",
-                 "recurrent", "_num_new")
+                 "recurrent", "masked", "_num_new")
 
     def __init__(
         self, owner: StepSource, seq_ids: Sequence, num_new=None, auto_commit: bool = True
@@ -62,10 +63,13 @@ class BatchState:
         self.last_trim = 0
         self.plans: dict[int, StepPlan] = {}
         self.recurrent: Mapping[int, Any] = {}  # backend views of the current step
+        self.masked = False  # the model builds masks: they start the steps
         self._num_new = num_new  # explicit chunk lengths for the first step only
 
-    def plan(self, calls: int, group: int, n: int) -> StepPlan:
-        """The plan of the view's next step, starting the step if it is the first."""
+    def plan(self, calls: int, group: int, n: int | None) -> StepPlan:
+        """The plan of the view's next step, starting the step if it is the
+        first. `n` (input width) None: the step covers the pending tokens
+        (for models that never tell their caches how many tokens they feed)."""
         if calls == self.steps:
             if self.steps:
                 self.owner.commit_step(self)  # the model is past the last step
@@ -127,6 +131,22 @@ class AttentionView:
         """The sliding window (RotatingKVCache's name for it), else None."""
         return self._window
 
+    @property
+    def start_position(self) -> int | mx.array:
+        """Position of the first key the history holds before this step's
+        write (`ChunkedKVCache`'s name: llama4 builds its chunk mask from it):
+        the window's first key for the step's first query, 0 without window."""
+        offset = self.offset
+        if self._window is None:
+            return 0 if isinstance(offset, int) else mx.zeros_like(offset)
+        if isinstance(offset, int):
+            return max(0, offset - (self._window - 1))
+        return mx.maximum(offset - (self._window - 1), 0)
+
+    def maybe_trim_front(self) -> None:
+        """`ChunkedKVCache` protocol: nothing to do, the window's block
+        manager releases pages that fall out of it."""
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         plan = self._batch.plan(self._calls, self._group, keys.shape[2])
         pool = self._pool_for(self._layer, keys, values)
@@ -141,17 +161,23 @@ class AttentionView:
         if plan.exact and plan.offsets[0] == 0:
             # A fresh prefill: the history is exactly the new keys, no gather.
             k_hist, v_hist = keys, values
-        elif (first := plan.first_run_page) is not None:
-            k_hist, v_hist = pool.run_view(first, *plan.history_slice())
         else:
-            # Lazy: never evaluated when `attend` serves the attention call.
-            k_hist, v_hist = pool.gather(plan.gather_rows(h), plan.batch, plan.length)
-            if plan.exact:
-                start, stop = plan.history_slice()
-                if start or stop != plan.length:
-                    k_hist, v_hist = k_hist[:, :, start:stop], v_hist[:, :, start:stop]
+            k_hist, v_hist = _history(plan, pool)
         self._fetched = (weakref.ref(k_hist), weakref.ref(v_hist))
         return k_hist, v_hist
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The history the last `update_and_fetch` returned (mlx-lm's protocol
+        for KV-shared layers: a later layer attends over this layer's keys).
+        Cost: nothing while the model still holds that history, else one
+        gather of the step's pages."""
+        if self._fetched is not None:
+            k_hist, v_hist = self._fetched[0](), self._fetched[1]()
+            if k_hist is not None and v_hist is not None:
+                return k_hist, v_hist
+        if self._calls == 0:
+            raise InvalidArgument(f"layer {self._layer}: keys_and_values before any update")
+        return _history(self._batch.plans[self._group], self._pool_for(self._layer, None, None))
 
     def attend(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
@@ -184,10 +210,39 @@ class AttentionView:
         return paged_attention(queries, *pool.arrays(), index, scale)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        self._batch.masked = True
         plan = self._batch.plan(self._calls, self._group, N)
+        if N == 1 and window_size is not None and self._window is not None:
+            # A RotatingKVCache keeps only max_size keys, so in decode mlx-lm
+            # attends over at most that many whatever window it asks for
+            # (plamo3 asks for max_size + 1).
+            window_size = min(window_size, self._window)
         return plan.mask(N, window_size, return_array)
 
     # --- the rest of the protocol ------------------------------------------
+
+    @property
+    def keys(self) -> mx.array:
+        """The step's key history (`KVCache.keys` as `keys_and_values` bounds it)."""
+        return self.keys_and_values()[0]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        # mlx-lm models assign only `mx.depends(cache.keys, ...)` of the same
+        # arrays, to order evaluation (deepseek_v32, minimax_m3_vl); the pages
+        # are the storage and are evaluated with the pools, so nothing to keep.
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        """The step's value history (see `keys`)."""
+        return self.keys_and_values()[1]
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        # deepseek_v32's indexer blanks the values it never reads (graph size);
+        # see `keys`.
+        pass
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -223,6 +278,22 @@ class AttentionView:
         return f"AttentionView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
 
 
+def _history(plan: StepPlan, pool: PagePool) -> tuple[mx.array, mx.array]:
+    """The step's history ``[B, H, T, D]`` after its write: a strided view of
+    the pool when a lone row's pages are one run, else a lazy gather (never
+    evaluated when `attend` serves the attention call), sliced to exactly the
+    visible keys for a lone row."""
+    if (first := plan.first_run_page) is not None:
+        return pool.run_view(first, *plan.history_slice())
+    k_hist, v_hist = pool.gather(plan.gather_rows(pool.shape.n_kv_heads), plan.batch,
+                                 plan.length)
+    if plan.exact:
+        start, stop = plan.history_slice()
+        if start or stop != plan.length:
+            k_hist, v_hist = k_hist[:, :, start:stop], v_hist[:, :, start:stop]
+    return k_hist, v_hist
+
+
 def _is_step_mask(mask, plan: StepPlan, window: int | None) -> bool:
     """Whether `mask` is what the step's `make_mask` gives for `window`, so
     that the masks `paged_attention` builds from the plan mean the same."""
@@ -233,50 +304,71 @@ def _is_step_mask(mask, plan: StepPlan, window: int | None) -> bool:
     return mask is plan.made_mask(window)
 
 
-class RecurrentLayerView:
+class RecurrentLayerView(ArraysCache):
     """One recurrent layer's cache for a batch (mlx-lm's ``ArraysCache`` protocol).
+
+    A subclass of mlx-lm's ``ArraysCache`` (whose constructor it never runs:
+    no state of its own) because some models write their state only into
+    caches of that type (mamba). Every method a model calls is overridden.
 
     Lives as long as the batch, like `AttentionView`; each step it forwards to
     the recurrent backend's view of that step (built when the step starts,
     with the slots the sequences hold after any copy-on-write, and per-row
     `lengths` when rows are padded). A step starts at the first `make_mask`
     of a forward (mlx-lm's models build masks before running any layer) or
-    at an attention layer's first call. Cost per call: the backend view's.
+    at an attention layer's first call; for models that never build masks
+    (mamba, rwkv7), at the first state access of a forward (the step then
+    covers the pending tokens, or `num_new`). Cost per call: the backend
+    view's.
     """
 
-    __slots__ = ("_batch", "_layer", "_seen")
+    __slots__ = ("_batch", "_layer", "_seen", "_written")
 
     def __init__(self, batch: BatchState, layer: int) -> None:
         self._batch = batch
         self._layer = layer
         self._seen = 0  # last step this layer took part in
+        self._written: set[int] = set()  # arrays this layer wrote in step `_seen`
 
     def __bool__(self) -> bool:  # mlx-lm tests `if cache` to use the state at all
         return True
 
-    def _view(self) -> Any:
+    def _view(self, reading: int | None = None) -> Any:
         batch = self._batch
-        if batch.steps == 0:
-            raise InvalidArgument(
-                f"recurrent layer {self._layer} used before the step started "
-                "(build the model's masks first, as mlx-lm's models do)"
-            )
-        self._seen = batch.steps
+        if batch.steps == 0 or (not batch.masked and reading in self._written
+                                and self._seen == batch.steps):
+            # A model that never calls make_mask (mamba, rwkv7): the step
+            # starts at the first state access of a forward, i.e. the first
+            # access at all or a read of an array this layer already wrote.
+            batch.plan(batch.steps, 0, None)
+        if self._seen != batch.steps:
+            self._seen = batch.steps
+            self._written.clear()
         return batch.recurrent[self._layer]
 
     def make_mask(self, n: int, **_: Any) -> mx.array | None:
         """Right-padding mask ``[B, n]`` (None when no row is padded). Starts
         a step when this layer already took part in the current one."""
         batch = self._batch
+        batch.masked = True
         if self._seen == batch.steps:
             batch.plan(batch.steps, 0, n)
         return self._view().make_mask(n)
 
     def __getitem__(self, i: int) -> mx.array | None:
-        return self._view()[i]
+        return self._view(reading=i)[i]
 
     def __setitem__(self, i: int, value: mx.array) -> None:
         self._view()[i] = value
+        self._written.add(i)
+
+    def __len__(self) -> int:
+        return len(self._view())
+
+    def __iter__(self):
+        """The state arrays in order (models unpack ``a, b = cache``)."""
+        view = self._view(reading=0)
+        return iter([view[i] for i in range(len(view))])
 
     @property
     def lengths(self) -> mx.array | None:
@@ -294,6 +386,14 @@ class RecurrentLayerView:
         """The batch's state arrays after the last step (empty before any step)."""
         return self._view().state if self._batch.steps else []
 
+    @property
+    def batch_size(self) -> int:
+        return len(self._batch.seq_ids)
+
+    def empty(self) -> bool:
+        """No sequence of the batch has computed a token (ArraysCache: no state)."""
+        return not any(self._batch.owner.computed_counts(self._batch.seq_ids))
+
     def is_trimmable(self) -> bool:
         return False  # recurrent state cannot be cut; see PagedCache.truncate
 
@@ -309,3 +409,11 @@ class RecurrentLayerView:
 
     def __repr__(self) -> str:
         return f"RecurrentLayerView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
+
+
+def nest_views(flat: list, layout: Sequence[int | tuple[int, ...]]) -> list:
+    """One entry per model layer: the view of a position, or an mlx-lm
+    ``CacheList`` of the views of a layer's positions (its own class, so
+    models index it as they index theirs)."""
+    return [flat[e] if isinstance(e, int) else CacheList(*(flat[i] for i in e))
+            for e in layout]

@@ -38,6 +38,12 @@ def is_recurrent_cache(cache: Any) -> bool:
     )
 
 
+def cache_positions(caches: list) -> list:
+    """The caches of `make_cache()` flat: a layer's ``CacheList`` members
+    each take a position, in order (the positions `cache.layer_specs` uses)."""
+    return [c for layer in caches for c in getattr(layer, "caches", (layer,))]
+
+
 def probe_specs(model: Any) -> dict[int, list[ArraySpec | None]]:
     """Per-slot specs of every recurrent layer, read after a 1-token forward.
 
@@ -48,7 +54,7 @@ def probe_specs(model: Any) -> dict[int, list[ArraySpec | None]]:
     logits = model(mx.array([[0]], dtype=mx.int32), cache=caches)
     mx.eval(logits)
     specs: dict[int, list[ArraySpec | None]] = {}
-    for layer, c in enumerate(caches):
+    for layer, c in enumerate(cache_positions(caches)):
         if is_recurrent_cache(c):
             specs[layer] = [
                 None if a is None else ArraySpec(tuple(a.shape[1:]), a.dtype) for a in c.cache
@@ -103,7 +109,7 @@ class RecurrentPools:
         """
         sizes = {
             layer: len(c.cache)
-            for layer, c in enumerate(model.make_cache())
+            for layer, c in enumerate(cache_positions(model.make_cache()))
             if is_recurrent_cache(c)
         }
         specs = probe_specs(model) if probe and sizes else None

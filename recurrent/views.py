@@ -86,6 +86,14 @@ class RecurrentView:
     def __bool__(self) -> bool:
         return True  # a view always stands for at least one sequence
 
+    def __len__(self) -> int:
+        return self._pool.num_arrays
+
+    def __iter__(self):
+        """The arrays in order, as iterating an `ArraysCache`'s list (models
+        unpack ``conv, state = cache``)."""
+        return iter([self[i] for i in range(self._pool.num_arrays)])
+
     def advance(self, n: int) -> None:
         """The layer consumed `n` positions (padded included); as `ArraysCache`."""
         if self.lengths is not None:

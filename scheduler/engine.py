@@ -39,6 +39,7 @@ import mlx.core as mx
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, layer_specs
+from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.sampling import KeyChain, sample_rows
 from scheduler.scheduler import (
@@ -118,6 +119,11 @@ class Engine:
     come as keywords (`max_num_batched_tokens`, `max_num_seqs`, `policy`,
     `preemption`, `long_prefill_token_threshold`, `max_model_len`) or as a
     whole `scheduler_config`. Not thread-safe: one caller drives `step()`.
+
+    `batch_probe` (default on): when built, compare a few batched and
+    single-row forwards of the model (`batch_probe.probe_batching`, 13
+    forwards of at most 6 tokens on private storage); where mlx-lm's model
+    code cannot batch (`self.batching`), those rows run one by one.
     """
 
     def __init__(
@@ -132,6 +138,7 @@ class Engine:
         num_host_blocks: int = 0,
         num_host_slots: int = 0,
         prefill_batch: int = 1,
+        batch_probe: bool = True,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
@@ -155,6 +162,12 @@ class Engine:
         self.cache = build_storage(
             model, num_blocks, block_size, num_slots=num_slots,
             enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
+        )
+        # Rows the model's own code cannot batch run one by one (see batch_probe).
+        self.batching = (
+            probe_batching(model, probe_cache(model, block_size, hybrid),
+                           probe_prefill=prefill_batch > 1)
+            if batch_probe else BatchSupport()
         )
         # A sample must stop before one sequence outgrows the whole pool (a
         # model whose layers all slide releases pages as it goes).
@@ -288,9 +301,12 @@ class Engine:
         recording in `run` what finished."""
         decode = [s for s in out.seqs if s.num_tokens == 1]
         prefill = [s for s in out.seqs if s.num_tokens > 1]
-        if decode:
+        if decode and self.batching.decode:
             self._run_group(decode, run)
-        k = self.prefill_batch
+        elif decode:
+            for seq in decode:
+                self._run_group([seq], run)
+        k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:
                 self._prefill_one(seq, run)
@@ -496,9 +512,13 @@ class Engine:
 
 
 def _model_vocab_size(model: Any) -> int:
-    """The vocabulary size an mlx-lm model declares in its `args`."""
+    """The vocabulary size an mlx-lm model declares in its `args`, else the
+    width of its logits for one token (one tiny forward on mlx-lm's caches)."""
     try:
         vocab = model.args.vocab_size
     except AttributeError:
-        raise InvalidArgument("the model declares no args.vocab_size: pass vocab_size=") from None
+        from mlx_lm.models.cache import make_prompt_cache
+
+        logits = model(mx.array([[0]], dtype=mx.int32), cache=make_prompt_cache(model))
+        vocab = int(logits.shape[-1])
     return check_int("vocab_size", vocab, 1)

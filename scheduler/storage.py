@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from blockmgr.errors import InvalidArgument
-from cache.layers import LayerKind, layer_specs
+from cache.layers import LayerKind, cache_layout, layer_specs
 from cache.paged_cache import PagedCache, RecurrentBackend
 from recurrent import RecurrentPools
 
@@ -31,20 +30,16 @@ def build_storage(
 
     For a hybrid model give `num_slots` > 0; the recurrent storage defaults
     to `RecurrentPools.for_model(model, num_slots)` (one 1-token probe
-    forward, every slot allocated up front). An attention-only model takes
-    no slots (`num_slots` > 0 raises `InvalidArgument`). Other keywords go
-    to `PagedCache`.
+    forward, every slot allocated up front); an attention-only model holds
+    no slots whatever `num_slots` says. Layers that keep several caches
+    (mlx-lm's ``CacheList``) get one view per cache, nested the same way
+    (`cache_layout`). Other keywords go to `PagedCache`.
     """
     specs = layer_specs(model)
     has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
-    if not has_recurrent and (num_slots or recurrent is not None):
-        raise InvalidArgument(
-            f"the model has no recurrent layer: give num_slots=0 (got {num_slots!r}) "
-            "and no recurrent backend"
-        )
     if has_recurrent and recurrent is None and num_slots > 0:
         recurrent = RecurrentPools.for_model(model, num_slots, num_host_slots=num_host_slots)
     return PagedCache(
         specs, num_blocks, block_size, num_slots=num_slots, recurrent=recurrent,
-        num_host_slots=num_host_slots, **kwargs,
+        num_host_slots=num_host_slots, layout=cache_layout(model), **kwargs,
     )
