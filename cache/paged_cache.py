@@ -220,6 +220,14 @@ class PagedCache:
             if state.known > num_tokens:
                 raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
 
+    def debug_state(self) -> tuple:
+        """The store's `debug_state()` and each sequence's computed state, as
+        plain values: equal before and after a refused call. O(state)."""
+        seqs = tuple(
+            (seq_id, st.computed, st.known, st.in_flight) for seq_id, st in self._seqs.items()
+        )
+        return self.store.debug_state(), seqs
+
     @property
     def recurrent(self) -> RecurrentBackend | None:
         """The recurrent-state backend (None for attention-only models)."""

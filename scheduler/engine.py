@@ -22,8 +22,12 @@ Hybrid models (LFM2, Qwen3-Next: `ArraysCache` layers) get recurrent slots
 
 A forward that raises counts as never run: its tokens are not computed
 (`PagedCache.step` rolls it back), the scheduler gives the same work again
-next step, outputs of the forwards that did finish are kept, and `step()`
-re-raises the error. The next `step()` continues.
+next step, and outputs of the forwards that did finish are kept. Rows of a
+failed batch then run alone; a row that keeps failing alone has its request
+aborted with the error (`scheduler.faults`). An `Exception` is contained
+that way and counted (`EngineStats.num_forward_errors`); any other
+`BaseException` (KeyboardInterrupt) is re-raised after the rollback. The
+next `step()` continues either way.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
+from scheduler.faults import ForwardFaults
 from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.sampling import KeyChain, sample_rows
 from scheduler.scheduler import (
@@ -86,10 +91,12 @@ class GenerationOutput:
 @dataclass(slots=True)
 class _StepRun:
     """What of a step's work finished: items (a sampling chunk's head may
-    finish without its tail) and their samples."""
+    finish without its tail), their samples, and the requests to abort
+    because their forward keeps failing (with the error)."""
 
     done: list[ScheduledSeq] = field(default_factory=list)
     sampled: dict[Hashable, Any] = field(default_factory=dict)
+    aborts: list[tuple[Hashable, Exception]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -97,7 +104,8 @@ class EngineStats:
     """Counters and timings (seconds) over the engine's life.
 
     peak_kv_bytes: most KV page bytes held at once (sequences + prefix trie);
-    peak_state_bytes: likewise for recurrent slots.
+    peak_state_bytes: likewise for recurrent slots;
+    num_forward_errors: forwards that raised (rolled back and retried).
     """
 
     num_steps: int = 0
@@ -109,6 +117,7 @@ class EngineStats:
     forward_time: float = 0.0
     peak_kv_bytes: int = 0
     peak_state_bytes: int = 0
+    num_forward_errors: int = 0
     step_times: list[float] = field(default_factory=list)
 
 
@@ -124,6 +133,8 @@ class Engine:
     single-row forwards of the model (`batch_probe.probe_batching`, 13
     forwards of at most 6 tokens on private storage); where mlx-lm's model
     code cannot batch (`self.batching`), those rows run one by one.
+    `max_forward_retries`: solo failures in a row after which a request's
+    forward fault is its own and it is aborted (`scheduler.faults`).
     """
 
     def __init__(
@@ -139,6 +150,7 @@ class Engine:
         num_host_slots: int = 0,
         prefill_batch: int = 1,
         batch_probe: bool = True,
+        max_forward_retries: int = 2,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
@@ -148,6 +160,7 @@ class Engine:
                 or prefill_batch < 1:
             raise ValueError(f"prefill_batch must be an int >= 1, got {prefill_batch!r}")
         self.prefill_batch = prefill_batch
+        self.faults = ForwardFaults(check_int("max_forward_retries", max_forward_retries, 1))
         if scheduler_config is not None and scheduler_kwargs:
             raise ValueError("give either scheduler_config or scheduler keywords, not both")
         config = scheduler_config or SchedulerConfig(**scheduler_kwargs)
@@ -250,6 +263,7 @@ class Engine:
             self._deliver([out])
         self._callbacks.pop(request_id, None)
         self._keys.pop(request_id, None)
+        self.faults.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -278,7 +292,7 @@ class Engine:
         run = _StepRun()
         try:
             self._run(out, run)
-        except BaseException:
+        except BaseException:  # not an Exception (those are contained): re-raise
             self._settle(out, run)
             raise
         t2 = self.clock()
@@ -288,12 +302,21 @@ class Engine:
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled
-        again next step) and deliver the outputs (see `_deliver`)."""
+        again next step), abort the requests whose forward keeps failing, and
+        deliver the outputs (see `_deliver`)."""
         ran = {item.seq_id for item in run.done}
         failed = [item for item in out.seqs if item.seq_id not in ran]
         if failed:
             self.scheduler.unschedule(failed)
         results = self.scheduler.update(replace(out, seqs=run.done), run.sampled)
+        for request_id, error in run.aborts:
+            request = self.scheduler.get_request(request_id)
+            if request is not None:
+                request.error = error
+                results.append(self.scheduler.abort(request_id))
+        for r in results:
+            if r.finished:
+                self.faults.forget(r.request_id)
         return self._deliver(results)
 
     def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
@@ -301,22 +324,41 @@ class Engine:
         recording in `run` what finished."""
         decode = [s for s in out.seqs if s.num_tokens == 1]
         prefill = [s for s in out.seqs if s.num_tokens > 1]
-        if decode and self.batching.decode:
-            self._run_group(decode, run)
-        elif decode:
-            for seq in decode:
-                self._run_group([seq], run)
+        alone = [s for s in decode if self.faults.isolated(s.request_id)]
+        together = [s for s in decode if not self.faults.isolated(s.request_id)]
+        if together and self.batching.decode:
+            self._run_group(together, run)
+        else:
+            alone = together + alone
+        for seq in alone:
+            self._run_group([seq], run)
         k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:
                 self._prefill_one(seq, run)
             return
-        for i in range(0, len(prefill), k):
-            self._run_group(prefill[i : i + k], run)
+        alone = [s for s in prefill if self.faults.isolated(s.request_id)]
+        together = [s for s in prefill if not self.faults.isolated(s.request_id)]
+        for i in range(0, len(together), k):
+            self._run_group(together[i : i + k], run)
+        for seq in alone:
+            self._prefill_one(seq, run)
 
     def _run_group(self, group: list[ScheduledSeq], run: _StepRun) -> None:
-        run.sampled.update(self._forward(group))
+        """One forward over `group`; a raising one is recorded (`run`), not
+        raised: the other groups of the step still run."""
+        try:
+            run.sampled.update(self._forward(group))
+        except Exception as error:
+            self._failed(group, error, run)
+            return
         run.done.extend(group)
+        self.faults.succeeded(s.request_id for s in group)
+
+    def _failed(self, group: list[ScheduledSeq], error: Exception, run: _StepRun) -> None:
+        self.stats.num_forward_errors += 1
+        for request_id in self.faults.failed([s.request_id for s in group]):
+            run.aborts.append((request_id, error))
 
     def _prefill_one(self, seq: ScheduledSeq, run: _StepRun) -> None:
         """A chunk that samples runs as all-but-last (no logits) then the last
@@ -328,13 +370,21 @@ class Engine:
         tail = replace(
             seq, token_ids=seq.token_ids[-1:], start_position=seq.start_position + head.num_tokens
         )
-        self._forward([head])
+        try:
+            self._forward([head])
+        except Exception as error:
+            self._failed([seq], error, run)
+            return
         try:
             run.sampled.update(self._forward([tail]))
-        except BaseException:
+        except BaseException as error:
             run.done.append(head)  # computed: only the tail runs again
-            raise
+            if not isinstance(error, Exception):
+                raise
+            self._failed([seq], error, run)
+            return
         run.done.append(seq)
+        self.faults.succeeded([seq.request_id])
 
     def _forward(self, group: list[ScheduledSeq]) -> dict[Hashable, Any]:
         """One forward over `group`; returns the samples of its picked rows. A
