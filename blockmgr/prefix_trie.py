@@ -519,6 +519,8 @@ class PrefixTrie:
                 return  # wholly before the window
             first_index = node.start // block_size
             blocks = node.blocks
+            if None not in blocks:
+                continue  # nothing to fill (the common case, checked at C speed)
             for i in range(max(0, first - first_index), len(blocks)):
                 index = first_index + i
                 if blocks[i] is None and index < len(pages) and pages[index] is not None:
@@ -949,6 +951,8 @@ def _last_none(pages: list[int | None], first: int, last: int) -> int | None:
     """The highest index in [first, last] whose page is None (or missing)."""
     if last >= len(pages):
         return last
+    if None not in pages[first : last + 1]:
+        return None  # the common case, checked at C speed
     for index in range(last, first - 1, -1):
         if pages[index] is None:
             return index

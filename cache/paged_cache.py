@@ -191,7 +191,7 @@ class PagedCache:
 
     @property
     def block_manager(self) -> BlockManager:
-        """Group 0's manager (full attention: token ids, slots, prefix trie)."""
+        """Group 0's manager (full attention when the model has it; the slots)."""
         return self.store.managers[0]
 
     @property
@@ -269,7 +269,8 @@ class PagedCache:
         return self._state(seq_id).computed
 
     def block_table(self, seq_id: Hashable, layer: int | None = None) -> list[int | None]:
-        """Page table of `seq_id` in `layer`'s group (default: full attention)."""
+        """Page table of `seq_id` in `layer`'s group (default: group 0, full attention
+        when the model has it)."""
         group = 0 if layer is None else self._group_of[layer]
         return self.store.block_table(seq_id, group)
 
