@@ -308,6 +308,11 @@ class GroupedStore:
             ops.extend(m.free(seq_id, num_computed))
         return tuple(ops)
 
+    def take_listener_errors(self) -> list[tuple[str, BaseException]]:
+        """What the listener (on group 0) raised since the last call; see
+        `BlockManager.take_listener_errors`."""
+        return self._first.take_listener_errors()
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence uses, in every group."""
         for m in self._managers:

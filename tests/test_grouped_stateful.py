@@ -115,3 +115,35 @@ class SlidingRecurrentMachine(GroupedMachine):
 TestGrouped = _test_case(GroupedMachine)
 TestHybridSliding = _test_case(HybridSlidingMachine)
 TestSlidingRecurrent = _test_case(SlidingRecurrentMachine)
+
+
+def test_a_raising_listener_on_a_grouped_store_changes_no_outcome():
+    """The listener follows group 0; what it raises is kept for its owner and
+    the calls (free of a live id included) succeed in every group."""
+
+    class Raising:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def stored(self, pages, tokens):
+            self.calls += 1
+            raise RuntimeError("listener fault")
+
+        def removed(self, pages):
+            raise RuntimeError("listener fault")
+
+    listener = Raising()
+    store = GroupedStore(GroupedStoreConfig(num_blocks=8, block_size=4, windows=(None, 6)),
+                         listener)
+    shadow = GroupedShadowStorage(store)
+    shadow.apply(store.allocate("a", list(range(10))).ops)
+    shadow.computed["a"] = 0
+    shadow.compute("a")
+    shadow.apply(store.free("a"))
+    assert "a" not in store and listener.calls == 1
+    errors = store.take_listener_errors()
+    assert [event for event, _ in errors] == ["stored"]
+    store.check_integrity()
+    alloc = store.allocate("b", list(range(10)) + [99])  # the trie kept "a" in every group
+    assert alloc.num_cached_tokens == 10
+    store.check_integrity()
