@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from blockmgr.errors import IntegrityError
-from scheduler.simulator.layout import LAYOUTS, layout_named
+from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
 from scheduler.simulator.workloads import WORKLOAD_KINDS
@@ -257,7 +257,7 @@ def build_config(args):
     if args.layout is not None or args.sliding_window is not None:
         name = args.layout or ("sliding" if args.sliding_window is not None else "full")
         data["layout"] = layout_named(name, args.sliding_window).to_dict()
-    recurrent = bool(data["layout"].get("recurrent"))
+    recurrent = ModelLayout.from_dict(data["layout"]).recurrent  # ValueError if malformed
     if (args.hybrid or recurrent) and args.num_slots is None and not bm.get("num_slots"):
         bm["num_slots"] = 2 * sc["max_num_seqs"]
     if args.hybrid and not bm.get("num_slots"):

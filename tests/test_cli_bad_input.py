@@ -33,7 +33,25 @@ CONFIGS = {
     "num_blocks float": {"block_manager": {"num_blocks": 1e12}},
     "num_host_blocks absurd": {"block_manager": {"num_host_blocks": 10**11}},
     "not an object": [1, 2],
+    "layout a list": {"layout": [1, 5]},
+    "layout with an unknown key": {"layout": {"full": 1, "moe": 2}},
+    "layout without layers": {"layout": {"full": 0}},
+    "layout window without sliding layers": {"layout": {"full": 1, "window": 64}},
+    "window in the block manager": {"block_manager": {"sliding_window": 64}},
 }
+LAYOUT_OPTIONS = {
+    "a window for a layout without sliding layers": (["--layout", "qwen3_next",
+                                                      "--sliding-window", "64"], "no sliding"),
+    "a recurrent layout with one slot": (["--layout", "qwen3_next", "--num-slots", "1"],
+                                         "num_slots"),
+    "an unknown layout": (["--layout", "nope"], "invalid choice"),
+}
+
+
+@pytest.mark.parametrize("label", sorted(LAYOUT_OPTIONS))
+def test_bad_layout_options_exit_2_with_one_line(label, tmp_path):
+    argv, message = LAYOUT_OPTIONS[label]
+    one_line_exit_2(TINY + argv, tmp_path, message)
 
 
 def one_line_exit_2(argv, tmp_path, message=""):
