@@ -74,7 +74,8 @@ class PagePool:
         Lazy; costs O(n) once evaluated (no pool copy, see module doc).
         """
         self._keys[rows, cols] = keys.astype(self.shape.dtype)
-        self._values[rows, cols] = values.astype(self.shape.dtype)
+        if self.shape.v_head_dim:
+            self._values[rows, cols] = values.astype(self.shape.dtype)
 
     def gather(self, rows: mx.array, batch: int, length: int) -> tuple[mx.array, mx.array]:
         """Pages `rows` (``[batch * n_kv_heads * pages]``, batch-major) as arrays.
@@ -83,9 +84,14 @@ class PagePool:
         likewise, `length` = pages * block_size. One take per array; cost is
         a copy of the gathered bytes.
         """
-        h = self.shape.n_kv_heads
-        k = mx.take(self._keys, rows, axis=0).reshape(batch, h, length, -1)
-        v = mx.take(self._values, rows, axis=0).reshape(batch, h, length, -1)
+        s = self.shape
+        h = s.n_kv_heads
+        # Explicit widths: a -1 beside a zero-width axis (values of width 0,
+        # as an index cache stores) divides by zero inside MLX.
+        k = mx.take(self._keys, rows, axis=0).reshape(batch, h, length, s.k_head_dim)
+        if not s.v_head_dim:
+            return k, mx.zeros((batch, h, length, 0), s.dtype)
+        v = mx.take(self._values, rows, axis=0).reshape(batch, h, length, s.v_head_dim)
         return k, v
 
     def run_view(self, first_page: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
@@ -98,20 +104,27 @@ class PagePool:
         s = self.shape
         lo = first_page * s.block_size + start
         hi = first_page * s.block_size + stop
-        k = self._keys.reshape(1, s.n_kv_heads, -1, s.k_head_dim)[:, :, lo:hi]
-        v = self._values.reshape(1, s.n_kv_heads, -1, s.v_head_dim)[:, :, lo:hi]
+        num_rows = s.num_blocks * s.block_size
+        k = self._keys.reshape(1, s.n_kv_heads, num_rows, s.k_head_dim)[:, :, lo:hi]
+        if not s.v_head_dim:
+            return k, mx.zeros((1, s.n_kv_heads, hi - lo, 0), s.dtype)
+        v = self._values.reshape(1, s.n_kv_heads, num_rows, s.v_head_dim)[:, :, lo:hi]
         return k, v
 
     def read_pages(self, rows: mx.array) -> tuple[mx.array, mx.array]:
         """Copies of page rows `rows` (lazy). Evaluate them before `write_pages`
         into this pool: a gather of the pool in the same graph as a write to
         it makes MLX copy the whole pool."""
-        return mx.take(self._keys, rows, axis=0), mx.take(self._values, rows, axis=0)
+        keys = mx.take(self._keys, rows, axis=0)
+        if not self.shape.v_head_dim:  # MLX cannot take from a zero-width array
+            return keys, mx.zeros((rows.shape[0], self.shape.block_size, 0), self.shape.dtype)
+        return keys, mx.take(self._values, rows, axis=0)
 
     def write_pages(self, rows: mx.array, keys: mx.array, values: mx.array) -> None:
         """Overwrite whole page rows in place (`keys`/`values` as from `read_pages`)."""
         self._keys[rows] = keys
-        self._values[rows] = values
+        if self.shape.v_head_dim:
+            self._values[rows] = values
 
     def copy_pages(self, src_rows: mx.array, dst_rows: mx.array) -> None:
         """Copy whole page rows ``src_rows[i] -> dst_rows[i]`` (one batched op).

@@ -152,8 +152,9 @@ class AttentionView:
         pool = self._pool_for(self._layer, keys, values)
         h = keys.shape[1]
         src, rows, cols = plan.write_index(h)
-        k = keys.reshape(-1, keys.shape[-1])
-        v = values.reshape(-1, values.shape[-1])
+        num_rows = keys.shape[0] * keys.shape[1] * keys.shape[2]  # no -1: widths may be 0
+        k = keys.reshape(num_rows, keys.shape[-1])
+        v = values.reshape(num_rows, values.shape[-1])
         if src is not None:  # padded rows: keep real tokens only
             k, v = mx.take(k, src, axis=0), mx.take(v, src, axis=0)
         pool.write(rows, cols, k, v)

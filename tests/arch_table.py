@@ -23,7 +23,12 @@ import mlx_lm
 
 from tests.arch_checks import CHECKS
 from tests.arch_models import architectures, build
-from tests.arch_status import MLX_LM_LIMITS, PROJECT_GAPS, UNBUILDABLE, expected_failure
+from tests.arch_status import (
+    PROJECT_CHECK_GAPS,
+    PROJECT_GAPS,
+    UNBUILDABLE,
+    expected_failure,
+)
 
 PASS, EXPECTED, UNEXPECTED, SKIPPED = "pass", "expected", "FAIL", "-"
 
@@ -46,8 +51,9 @@ class Row:
         if self.name in PROJECT_GAPS:
             return "not supported (project gap)"
         if EXPECTED in values:
-            limits = any((self.name, c) in MLX_LM_LIMITS for c in self.outcomes)
-            return "runs; mlx-lm cannot batch it" if limits else "runs; prefix reuse pending"
+            if any((self.name, c) in PROJECT_CHECK_GAPS for c in self.outcomes):
+                return "partly supported (project gap)"
+            return "runs; mlx-lm cannot batch it"
         return "full"
 
 

@@ -126,3 +126,25 @@ def test_copy_waves_keep_call_order():
     # write-after-read is safe in one batch (reads happen first)
     assert copy_waves([CopyBlock(2, 7), CopyBlock(1, 2)]) == [([2, 1], [7, 2])]
     assert copy_waves([]) == []
+
+
+def test_a_pool_of_zero_width_values_stores_keys_only():
+    """An index cache (minimax_m3_vl) stores keys with values of width 0:
+    every pool operation works on it (MLX cannot take from or reshape with
+    -1 a zero-width array) and the keys round-trip like a numpy reference."""
+    shape = PoolShape(num_blocks=6, block_size=4, n_kv_heads=1, k_head_dim=3, v_head_dim=0,
+                      dtype=mx.float32)
+    pool = PagePool(shape)
+    keys = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    rows = page_rows(pool, [2, 2, 2, 2, 5, 5, 5, 5])
+    cols = mx.array([0, 1, 2, 3, 0, 1, 2, 3], dtype=mx.int32)
+    pool.write(rows, cols, mx.array(keys), mx.zeros((8, 0)))
+    k, v = pool.gather(page_rows(pool, [2, 5]), batch=1, length=8)
+    mx.eval(k, v)
+    np.testing.assert_array_equal(np.array(k).reshape(8, 3), keys)
+    assert v.shape == (1, 1, 8, 0)
+    pool.copy_pages(page_rows(pool, [2]), page_rows(pool, [0]))
+    k, v = pool.run_view(0, 0, 4)
+    mx.eval(k, v)
+    np.testing.assert_array_equal(np.array(k).reshape(4, 3), keys[:4])
+    assert v.shape == (1, 1, 4, 0)
