@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from blockmgr.errors import IntegrityError
@@ -161,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--samples", type=_positive_int, metavar="N", help="parallel: samples per request (default 4)")
     w.add_argument("--trace", metavar="FILE", help="replay a JSONL trace instead of generating")
     w.add_argument("--write-trace", metavar="FILE", help="write the generated workload as a trace")
+    w.add_argument("--trace-block-tokens", type=_positive_int, metavar="TOKENS",
+                   help="tokens per prefix-id (hash_ids) block of the trace (default: its header, "
+                        "else 512 as in Mooncake traces)")
+    w.add_argument("--time-scale", type=_positive_float, metavar="F",
+                   help="multiply the trace's arrival and think times by F (0.5: twice the load)")
 
     m = sim.add_argument_group("block manager")
     m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
@@ -261,6 +267,11 @@ def build_config(args):
         if not Path(args.trace).is_file():
             raise ValueError(f"trace file not found: {args.trace}")
         data["trace"] = args.trace
+    for opt in ("trace_block_tokens", "time_scale"):
+        if getattr(args, opt) is not None:
+            if data.get("trace") is None:
+                raise ValueError(f"--{opt.replace('_', '-')} needs --trace")
+            data[opt] = getattr(args, opt)
     return SimulationConfig.from_dict(data)
 
 
@@ -303,16 +314,20 @@ def _total_requests(config) -> int:
     """Requests the run will submit (a trace is read, and validated, once more)."""
     if config.trace is None:
         return config.workload.num_requests
-    from scheduler.simulator.trace import read_trace
+    from scheduler.simulator.trace import TraceWarning, read_trace
 
-    _, sessions = read_trace(config.trace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
+        _, sessions = read_trace(config.trace, config.trace_block_tokens, config.time_scale)
+    for warning in caught:
+        print(f"blockmgr: warning: {warning.message}", file=sys.stderr)
     return sum(len(session) for session in sessions)
 
 
 def cmd_simulate(args) -> int:
     from scheduler.simulator.report import format_table, summary_rows, write_report
     from scheduler.simulator.runner import run_simulation
-    from scheduler.simulator.trace import TraceError, write_trace
+    from scheduler.simulator.trace import TraceError, TraceWarning, write_trace
     from scheduler.simulator.workloads import generate
 
     config = build_config(args)
@@ -328,9 +343,11 @@ def cmd_simulate(args) -> int:
             raise ValueError(f"cannot write trace {args.write_trace}: {exc.strerror}") from None
     show = not args.no_progress and sys.stderr.isatty()
     try:
-        bar, update = _progress_bar(_total_requests(config), show) if show else (None, None)
+        bar, update = _progress_bar(_total_requests(config), show)
         try:
-            result = run_simulation(config, progress=update)
+            with warnings.catch_warnings():  # _total_requests has reported them
+                warnings.simplefilter("ignore", TraceWarning)
+                result = run_simulation(config, progress=update)
         finally:
             if bar is not None:
                 bar.close()

@@ -103,6 +103,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("time per output token p50 / p99", _pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
         ("end-to-end p50 / p99", _pair(lat["e2e_s"], "s")),
         ("prefix hit rate (token-weighted)", f"{pc['hit_rate'] * 100:.1f} %"),
+        *_bound_rows(pc),
         ("page usage peak / mean", f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
                                    f" of {mem['num_blocks']} pages"),
         ("internal fragmentation mean", f"{mem['fragmentation_mean'] * 100:.2f} %"),
@@ -120,6 +121,15 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         checks = summary["checks"]
         rows.append(("integrity checks / leak check", f"{checks['integrity_checks']} / {checks['leaks']}"))
     return rows
+
+
+def _bound_rows(pc: dict) -> list[tuple[str, str]]:
+    """The trace's infinite-cache hit rate beside the first-admission one."""
+    bound = pc.get("infinite_cache_hit_rate")
+    if bound is None:
+        return []
+    return [("first-admission hit rate / infinite cache",
+             f"{pc['first_admission_hit_rate'] * 100:.1f} % / {bound * 100:.1f} %")]
 
 
 def _slot_rows(slots: dict | None) -> list[tuple[str, str]]:
@@ -153,7 +163,7 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         "",
         f"Workload {_mix(wl['mix'])}, {wl['num_requests']} requests, arrival {wl['arrival']}"
         + (f" at {wl['rate']} sessions/s" if wl["arrival"] == "poisson" else f", {wl['concurrency']} clients")
-        + f", seed {wl['seed']}" + (f", replayed from `{cfg['trace']}`" if cfg.get("trace") else "") + ".",
+        + f", seed {wl['seed']}" + _trace_note(cfg) + ".",
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
         + (f", {bm['num_slots']} recurrent slots (hybrid)" if bm.get("num_slots") else "")
         + (", prefix cache on" if bm["enable_prefix_cache"] else ", prefix cache off") + ".",
@@ -186,6 +196,17 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     for name in report.get("plots", []):
         lines += [f"## {captions.get(name, name)}", "", f"![{captions.get(name, name)}]({name})", ""]
     return "\n".join(lines)
+
+
+def _trace_note(cfg: dict) -> str:
+    if not cfg.get("trace"):
+        return ""
+    note = f", replayed from `{cfg['trace']}`"
+    if cfg.get("trace_block_tokens"):
+        note += f" with {cfg['trace_block_tokens']}-token prefix blocks"
+    if cfg.get("time_scale", 1.0) != 1.0:
+        note += f", times x {cfg['time_scale']:g}"
+    return note
 
 
 def _mix(mix: dict) -> str:

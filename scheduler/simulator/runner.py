@@ -31,6 +31,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
+from scheduler.simulator.prefix_bound import PrefixBound
 from scheduler.simulator.tokens import TokenSource, derive_key
 from scheduler.simulator.trace import iter_sessions, read_trace
 from scheduler.simulator.workloads import RequestSpec, generate
@@ -88,6 +89,8 @@ class Simulation:
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
         self._sessions = iter(sessions) if sessions is not None else _sessions_of(config)
+        # The infinite-cache bound, for traces (O(distinct texts) memory).
+        self._bound = PrefixBound() if config.trace is not None else None
         self._progress = progress
         self._heap: list = []
         self._order = itertools.count()
@@ -161,6 +164,8 @@ class Simulation:
         )
         outputs = [text(derive_key(spec.output_key, i), spec.output_len) for i in range(spec.n)]
         self._live[spec.request_id] = _Live(spec, session, index, request, outputs, closed)
+        if self._bound is not None:
+            self._bound.observe(spec)
         self.scheduler.add_request(request)
         self._num_added += 1
 
@@ -317,6 +322,8 @@ class Simulation:
             wall_seconds=wall,
         )
         summary["requests"]["submitted"] = self._num_added
+        if self._bound is not None:
+            summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
         if cfg.check_every is not None:
             bm.check_integrity()
             self.metrics.num_integrity_checks += 1
@@ -383,7 +390,7 @@ def _count_ops(ops) -> tuple[int, int, int]:
 def _sessions_of(config: SimulationConfig) -> Iterator[list[RequestSpec]]:
     if config.trace is None:
         return generate(config.workload)
-    _, sessions = read_trace(config.trace)
+    _, sessions = read_trace(config.trace, config.trace_block_tokens, config.time_scale)
     return iter_sessions(_ordered(sessions))
 
 
