@@ -43,6 +43,9 @@ from scheduler.scheduler import (
 )
 
 Callback = Callable[[RequestOutput], None]
+#: Called after every non-empty step with its scheduled work and its duration
+#: (engine clock seconds, scheduling + forward + update).
+StepListener = Callable[[SchedulerOutput, float], None]
 
 
 @dataclass(slots=True)
@@ -104,6 +107,7 @@ class Engine:
         prefill_batch: int = 1,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        step_listener: StepListener | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -133,6 +137,7 @@ class Engine:
             config.max_model_len = usable * block_size
         self.scheduler = Scheduler(config, self.cache, clock=clock)
         self.clock = clock
+        self.step_listener = step_listener
         self.stats = EngineStats()
         self._callbacks: dict[Hashable, Callback] = {}
         self._keys: dict[Hashable, KeyChain] = {}
@@ -149,16 +154,19 @@ class Engine:
         priority: int = 0,
         namespace: Hashable = None,
         callback: Callback | None = None,
+        arrival_time: float | None = None,
     ) -> Hashable:
         """Queue a prompt; returns its request id. `callback(output)` is called
         with every `RequestOutput` of the request (new tokens, the end).
+        `arrival_time` (engine clock) defaults to now; a replay gives the
+        trace's arrival, so queueing before the call counts in the TTFT.
 
         Raises `ValueError` for a prompt longer than `max_model_len`.
         """
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request = Request(request_id, list(prompt_tokens), sampling or SamplingParams(),
-                          priority=priority, namespace=namespace)
+                          priority=priority, namespace=namespace, arrival_time=arrival_time)
         limit = self.scheduler.config.max_model_len
         if request.num_prompt_tokens >= limit:
             raise ValueError(
@@ -204,6 +212,8 @@ class Engine:
         results = self.scheduler.update(out, sampled)
         self._record(out, t0, t1, t2)
         self._deliver(results)
+        if self.step_listener is not None:
+            self.step_listener(out, self.stats.step_times[-1])
         return results
 
     def _run(self, out: SchedulerOutput) -> dict[Hashable, Any]:

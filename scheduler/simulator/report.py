@@ -167,7 +167,7 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
         + (f", {bm['num_slots']} recurrent slots (hybrid)" if bm.get("num_slots") else "")
         + (", prefix cache on" if bm["enable_prefix_cache"] else ", prefix cache off") + ".",
-        "All times are simulated seconds from the cost model, except bookkeeping and wall time.",
+        _time_note(report["summary"]),
         "Every metric and the full config are in `report.json`.",
         "",
         "| metric | value |",
@@ -198,6 +198,16 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _time_note(summary: dict) -> str:
+    engine = summary.get("engine")
+    if engine is None:
+        return "All times are simulated seconds from the cost model, except bookkeeping and wall time."
+    blas = engine["machine"]["blas"]
+    return (f"Real engine on {engine['model']}: all times are engine step times on this machine "
+            f"(idle gaps between arrivals skipped), BLAS {blas['name']} "
+            f"({blas['matmul_1024_gflops']:.0f} GFLOPS).")
+
+
 def _trace_note(cfg: dict) -> str:
     if not cfg.get("trace"):
         return ""
@@ -215,3 +225,53 @@ def _mix(mix: dict) -> str:
     total = sum(mix.values())
     return ", ".join(f"{k} {v / total:.0%}" for k, v in mix.items())
 
+
+
+#: (label, path into the summary) of the metrics two runs are compared on.
+COMPARED = (
+    ("throughput, output tok/s", ("throughput", "output_tokens_per_s")),
+    ("throughput, requests/s", ("throughput", "requests_per_s")),
+    ("TTFT p50, s", ("latency", "ttft_s", "p50")),
+    ("TTFT p90, s", ("latency", "ttft_s", "p90")),
+    ("TTFT p99, s", ("latency", "ttft_s", "p99")),
+    ("TPOT p50, s", ("latency", "tpot_s", "p50")),
+    ("TPOT p90, s", ("latency", "tpot_s", "p90")),
+    ("prefix hit rate", ("prefix_cache", "hit_rate")),
+    ("peak pages used", ("memory", "pages_used_peak")),
+    ("preemptions", ("preemptions", "total")),
+)
+
+
+def comparison_rows(first: dict, second: dict) -> list[tuple[str, float | None, float | None, float | None]]:
+    """(metric, first, second, second / first - 1) for every `COMPARED` metric;
+    the difference is None when either value is missing or the first is 0."""
+    rows = []
+    for label, path in COMPARED:
+        a, b = _at(first, path), _at(second, path)
+        diff = b / a - 1 if a and b is not None else None
+        rows.append((label, a, b, diff))
+    return rows
+
+
+def _at(summary: dict, path: tuple[str, ...]) -> float | None:
+    value = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def format_comparison(rows, first_name: str, second_name: str) -> str:
+    """A markdown table of `comparison_rows`."""
+    lines = [f"| metric | {first_name} | {second_name} | difference |", "|---|---|---|---|"]
+    for label, a, b, diff in rows:
+        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | "
+                     f"{'n/a' if diff is None else f'{diff * 100:+.1f} %'} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}"
