@@ -127,9 +127,11 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
 def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder):
     from scheduler.engine import Engine
 
-    pages = (grid.max_context + max(grid.prefill_chunks)) // grid.block_size + 2
-    pages += max(grid.decode_batches) * (grid.decode_steps + max(grid.mixed_chunks) + 2)
-    pages = 2 * pages + 64
+    per_page = grid.block_size
+    pages = -(-(grid.max_context + max(grid.prefill_chunks) + 1) // per_page)  # the long prompt
+    pages += max(grid.decode_batches) * (-(-(grid.decode_steps + 2) // per_page) + 1)
+    pages += -(-max(grid.mixed_chunks) // per_page) + 1
+    pages = 2 * pages + 16  # room for the trie's finished outputs
     return Engine(model, num_blocks=pages, block_size=grid.block_size,
                   max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches) + 2,
                   step_listener=recorder)
@@ -246,6 +248,8 @@ def blas_info() -> dict:
         "optimized": bool(optimized) or darwin,
         "libraries": usable,
         "ld_preload": os.environ.get("LD_PRELOAD"),
+        "threads": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+                    if k in os.environ},
         "matmul_1024_gflops": 2 * 1024**3 / best / 1e9,
     }
 

@@ -3,9 +3,9 @@ real model, recorded exactly as a simulation is, so the two reports can be
 compared metric by metric (`report.comparison_rows`).
 
 Time is the engine's own: a replay clock that runs with the wall clock
-while the engine steps and jumps forward when nothing is queued (no idle
-waiting for the next arrival); the replay's own bookkeeping between steps
-(building prompts, metrics, memory snapshots) is paused out. A request
+only inside `Engine.step()` and jumps forward to the next arrival when
+nothing is queued (no idle waiting); the replay's own bookkeeping between
+steps (building prompts, metrics, memory snapshots) takes no replay time. A request
 arrives at its workload time and is added with that arrival, so TTFT counts
 the queueing before the step that admits it, as in the simulator.
 
@@ -40,25 +40,30 @@ class ReplayError(ValueError):
 
 
 class ReplayClock:
-    """Seconds since the replay began, minus paused time, plus skips."""
+    """Replay seconds: time spent inside `running()` blocks, plus skips.
+    Stopped otherwise, so only the engine's own steps take time."""
 
     def __init__(self) -> None:
-        self._offset = -time.perf_counter()
+        self._elapsed = 0.0
+        self._started: float | None = None
 
     def now(self) -> float:
-        return time.perf_counter() + self._offset
+        if self._started is None:
+            return self._elapsed
+        return self._elapsed + time.perf_counter() - self._started
 
     def skip_to(self, when: float) -> None:
-        """Jump forward to `when` (never back)."""
-        self._offset += max(0.0, when - self.now())
+        """Jump forward to `when` (never back); only while stopped."""
+        self._elapsed = max(self._elapsed, when)
 
     @contextmanager
-    def paused(self):
-        start = time.perf_counter()
+    def running(self):
+        self._started = time.perf_counter()
         try:
             yield
         finally:
-            self._offset -= time.perf_counter() - start
+            self._elapsed += time.perf_counter() - self._started
+            self._started = None
 
 
 class Replay:
@@ -158,8 +163,7 @@ class Replay:
     def run(self) -> SimulationResult:
         wall = time.perf_counter()
         while True:
-            with self.clock.paused():
-                self._admit()
+            self._admit()
             if self.engine.has_unfinished():
                 self._step()
                 continue
@@ -173,21 +177,20 @@ class Replay:
         engine = self.engine
         before = engine.stats.schedule_time
         try:
-            results = engine.step()
+            with self.clock.running():
+                results = engine.step()
         except RuntimeError:
             if engine.scheduler.num_running or not engine.scheduler.num_waiting:
                 raise
-            with self.clock.paused():
-                self._abort_head()
+            self._abort_head()
             return
-        with self.clock.paused():
-            for r in results:
-                if r.finished:
-                    spec, session, index, request = self._live.pop(r.request_id)
-                    self._done(spec, session, index, request, aborted=False)
-            if self._last_step is not None:
-                self._record(*self._last_step, engine.stats.schedule_time - before)
-                self._last_step = None
+        for r in results:
+            if r.finished:
+                spec, session, index, request = self._live.pop(r.request_id)
+                self._done(spec, session, index, request, aborted=False)
+        if self._last_step is not None:
+            self._record(*self._last_step, engine.stats.schedule_time - before)
+            self._last_step = None
 
     def _abort_head(self) -> None:
         """Nothing runs and the head of the queue does not fit: drop it."""
