@@ -8,10 +8,12 @@ the 10 % target (throughput, TTFT p50/p90, TPOT p50).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/fidelity.py --preset qwen3-0.6b --layers 4 \\
-        [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...]
+        [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...] \\
+        [--clock cpu]   # with OPENBLAS_NUM_THREADS=1 in the environment
 
-Real times are wall-clock step times on a shared machine: the load average
-before and after each replay is recorded beside its numbers.
+Real times are step times on a shared machine, by the wall clock or by
+this process's CPU time (`--clock cpu`, the same clock for calibration and
+replay); the load average before and after each replay is recorded.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ WORKLOADS = dict([
     workload("no-sharing", rate=0.5, enable_prefix_cache=False),
     workload("parallel-4", mix={"parallel": 1.0}, rate=0.4, num_requests=16),
     workload("multiturn", mix={"multiturn": 1.0}, rate=0.15, num_requests=30, think_time=1.0),
-    workload("small-pool", rate=1.0, num_blocks=96),
+    workload("small-pool", rate=1.0, num_blocks=96, max_context=1024),
 ])
 
 
@@ -75,25 +77,27 @@ def main() -> int:
     parser.add_argument("--profile", help="use this profile (else calibrate first and write one)")
     parser.add_argument("--out", default="fidelity.json")
     parser.add_argument("--only", help="comma-separated workload names")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
     args = parser.parse_args()
 
     model, description = load_model(ModelSpec(preset=args.preset, layers=args.layers))
     if args.profile and Path(args.profile).is_file():
         cost = read_cost(args.profile)
     else:
-        profile = calibrate(model, description, CalibrationGrid(),
+        profile = calibrate(model, description, CalibrationGrid(), clock=args.clock,
                             progress=lambda label: print(f"  calibrated {label}", file=sys.stderr))
         write_profile(args.profile or "cost-profile.json", profile)
         cost = profile.cost
     names = args.only.split(",") if args.only else list(WORKLOADS)
     results = {"machine": machine_info(), "model": description | {"config": None},
-               "cost": cost.to_dict(), "workloads": {}}
+               "clock": args.clock, "cost": cost.to_dict(), "workloads": {}}
     for name in names:
         base = WORKLOADS[name]
         config = SimulationConfig.from_dict({**base.to_dict(), "cost": cost.to_dict()})
         load_before = os.getloadavg()
         start = time.perf_counter()
-        real = run_replay(config, model, description).summary
+        real = run_replay(config, model, description, clock=args.clock).summary
         wall = time.perf_counter() - start
         load_after = os.getloadavg()
         sim = run_simulation(config).summary

@@ -210,6 +210,9 @@ def _add_model_options(parser) -> None:
                      help="an architecture with random weights: qwen3-0.6b, llama-3.2-1b, "
                           "qwen3-0.6b-sliding, lfm2-350m")
     g.add_argument("--layers", type=_positive_int, metavar="N", help="keep the first N layers")
+    g.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by the wall clock (default) or by this process's CPU time, "
+                        "which leaves out other processes' use of a shared machine")
     g.add_argument("--shape", type=_shape, metavar="K=V,...",
                    help="preset config fields to replace, e.g. hidden_size=256,vocab_size=32000")
 
@@ -432,7 +435,8 @@ def cmd_replay(args) -> int:
 
         config = SimulationConfig.from_dict({**config.to_dict(), "vocab_size": vocab_size(description)})
     result = _run_with_progress(args, config,
-                                lambda update: run_replay(config, model, description, progress=update))
+                                lambda update: run_replay(config, model, description, progress=update,
+                                                          clock=args.clock))
     return _write_and_print(args, result, "blockmgr replay")
 
 
@@ -497,7 +501,7 @@ def cmd_calibrate(args) -> int:
     try:
         profile = calibrate(model, description, grid,
                             progress=(lambda label: (bar.update(1), bar.set_postfix_str(label)))
-                            if bar is not None else None)
+                            if bar is not None else None, clock=args.clock)
     finally:
         if bar is not None:
             bar.close()

@@ -216,10 +216,11 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path):
     assert 0 < pc["first_admission_hit_rate"] <= pc["infinite_cache_hit_rate"]
 
 
-def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path, clock):
     """A request arriving late: its latency is its own steps, not the wait
     for its arrival. A second one arriving during the first step waits for
-    that step, as it would in the simulator."""
+    that step, as it would in the simulator. Either clock."""
     from scheduler.simulator.replay import Replay
 
     model, description = tiny_model()
@@ -230,8 +231,9 @@ def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path):
                               "output_len": 1}) + "\n")
     cfg = SimulationConfig(trace=str(path), vocab_size=101,
                            block_manager=BlockManagerConfig(num_blocks=16, block_size=16))
-    replay = Replay(cfg, model, description)
+    replay = Replay(cfg, model, description, clock=clock)
     summary = replay.run().summary
+    assert summary["engine"]["clock"] == clock
     step_times = replay.engine.stats.step_times
     assert len(step_times) == 4
     ttft, e2e = summary["latency"]["ttft_s"], summary["latency"]["e2e_s"]
@@ -265,7 +267,8 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     shape = ",".join(f"{k}={v}" for k, v in TINY_SHAPE.items())
     model = ["--preset", "qwen3-0.6b", "--layers", "1", "--shape", shape]
     profile = tmp_path / "profile.json"
-    assert main(["calibrate", *model, "--quick", "--no-progress", "--out", str(profile)]) == 0
+    assert main(["calibrate", *model, "--quick", "--no-progress", "--clock", "cpu",
+                 "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "per-step error median" in printed
     data = json.loads(profile.read_text())
@@ -275,6 +278,9 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "mixed B=4 L=32"} <= labels
     assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
     assert data["cost"]["copy_per_page"] > 0
+    assert data["grid"]["clock"] == "cpu"
+    assert len(data["steps"]) == data["fit"]["num_steps"]
+    assert all(len(terms) == len(data["step_fields"]) for _, _, terms in data["steps"])
 
     workload = ["--workload", "chat", "-n", "8", "--rate", "50", "--max-context", "256",
                 "--num-blocks", "64", "--no-plots", "--no-progress"]

@@ -40,6 +40,12 @@ from scheduler.simulator.tokens import TokenSource
 
 Progress = Callable[[str], None]
 
+#: What a measured second is. "wall": elapsed time. "cpu": this process's
+#: CPU time (all threads), which leaves out the time other processes hold
+#: the cores: on a shared machine with one BLAS thread it is what an idle
+#: machine's wall clock would read.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
 
 @dataclass(slots=True, frozen=True)
 class CalibrationGrid:
@@ -85,9 +91,11 @@ QUICK_GRID = CalibrationGrid(
 
 
 class _Recorder:
-    """The step listener: (label, shape, seconds) of every engine step."""
+    """The step listener: (label, shape, seconds) of every engine step, and
+    the clock the engines read."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.label = "warmup"
         self.samples: list[StepSample] = []
 
@@ -97,19 +105,22 @@ class _Recorder:
 
 
 def calibrate(model: Any, description: dict, grid: CalibrationGrid,
-              progress: Progress | None = None) -> CostProfile:
-    """Measure `model` over `grid` and fit a profile. Minutes of CPU time."""
+              progress: Progress | None = None, clock: str = "wall") -> CostProfile:
+    """Measure `model` over `grid` with `clock` (see `CLOCKS`) and fit a
+    profile. Minutes of CPU time."""
     from scheduler.simulator.engine_models import vocab_size
 
     tick = progress or (lambda label: None)
     source = TokenSource(min(vocab_size(description), 32000))
-    recorder = _Recorder()
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    recorder = _Recorder(CLOCKS[clock])
     for repeat in range(grid.repeats):
         for chunk in grid.prefill_chunks:
             _measure_prefill(model, grid, chunk, source, recorder, repeat)
             tick(f"prefill chunk {chunk}")
         _measure_decode(model, grid, source, recorder, repeat, tick)
-    copy_seconds = measure_page_copy(model, description, grid)
+    copy_seconds = measure_page_copy(model, description, grid, CLOCKS[clock])
     tick("page copies")
     fixed = {"copy_per_page": copy_seconds, "swap_per_page": copy_seconds}
     cost, fit = fit_cost_model(recorder.samples, fixed)
@@ -118,9 +129,10 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
         fit=fit,
         machine=machine_info(),
         model=description,
-        grid={**grid.to_dict(), "copy_per_page_measured_s": copy_seconds,
+        grid={**grid.to_dict(), "clock": clock, "copy_per_page_measured_s": copy_seconds,
               "not_measured": ["copy_per_slot"]},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        samples=tuple(recorder.samples),
     )
 
 
@@ -134,7 +146,7 @@ def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder)
     pages = 2 * pages + 16  # room for the trie's finished outputs
     return Engine(model, num_blocks=pages, block_size=grid.block_size,
                   max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches) + 2,
-                  step_listener=recorder)
+                  clock=recorder.clock, step_listener=recorder)
 
 
 def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int) -> None:
@@ -189,7 +201,8 @@ def _measure_mixed(engine, recorder, source, prefix, batch, chunk, steps, own) -
         engine.step()
 
 
-def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid) -> float:
+def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per KV page copied (all attention layers, K and V), as one
     batched gather + scatter per pool array: the storage's copy and swap."""
     import mlx.core as mx
@@ -206,11 +219,11 @@ def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid) -> f
     src, dst = mx.arange(0, n), mx.arange(2 * n, 3 * n)
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = clock()
         for pool in pools:
             pool[dst] = pool[src]
         mx.eval(pools)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best / n
 
 

@@ -7,12 +7,17 @@ fits and where it was measured, as a JSON file.
              "points": [{"label", "steps", "measured_s", "predicted_s",
                          "rel_error"}, ...]},
      "machine": {...}, "mlx_version": "...", "blas": {...}, "model": {...},
-     "grid": {...}, "created": "ISO time"}
+     "grid": {...}, "created": "ISO time",
+     "step_fields": [CostModel field names],
+     "steps": [[label, seconds, [the multiplier of each field]], ...]}
 
 `blockmgr calibrate` writes one; `blockmgr simulate --profile FILE` reads it.
 Reading never imports MLX. Fitting (`fit_cost_model`) is a non-negative
-least-squares fit of the per-step times on `StepShape.terms()`, on relative
-errors, so short decode steps weigh as much as long prefill steps.
+least-squares fit of the per-step times on `StepShape.terms()`, each step's error divided by
+its grid point's mean step time: short decode steps weigh as much as long
+prefill steps, and within a point the fit matches the mean (timing noise on
+a shared machine is skewed; a fit of per-step relative errors would
+under-predict the mean).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 from scheduler.simulator.cost_model import CostModel, StepShape
 from scheduler.simulator.json_file import read_json
 
+_TERM_NAMES = tuple(f.name for f in fields(CostModel))
 PROFILE_TYPE = "blockmgr-cost-profile"
 PROFILE_VERSION = 1
 
@@ -55,12 +61,21 @@ def fit_cost_model(samples: Sequence[StepSample], fixed: dict[str, float] | None
     known = np.array([fixed.get(n, 0.0) for n in names])
     free = [i for i, n in enumerate(names) if n not in fixed and terms[:, i].any()]
     target = seconds - terms @ known
-    weights = 1.0 / seconds
+    weights = 1.0 / _label_means(samples)
     solution = nnls(terms[:, free] * weights[:, None], target * weights)
     coefficients = known.copy()
     coefficients[free] = solution
     model = CostModel(**dict(zip(names, (float(c) for c in coefficients))))
     return model, fit_report(model, samples)
+
+
+def _label_means(samples: Sequence[StepSample]) -> np.ndarray:
+    """Each sample's grid-point mean step time (its weight's scale)."""
+    totals: dict[str, list[float]] = {}
+    for s in samples:
+        totals.setdefault(s.label, []).append(s.seconds)
+    means = {label: float(np.mean(values)) for label, values in totals.items()}
+    return np.array([means[s.label] for s in samples])
 
 
 def fit_report(model: CostModel, samples: Sequence[StepSample]) -> dict:
@@ -118,6 +133,7 @@ class CostProfile:
     model: dict
     grid: dict
     created: str
+    samples: tuple[StepSample, ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +147,8 @@ class CostProfile:
             "model": self.model,
             "grid": self.grid,
             "created": self.created,
+            "step_fields": list(_TERM_NAMES),
+            "steps": [[s.label, s.seconds, list(s.shape.terms())] for s in self.samples],
         }
 
 

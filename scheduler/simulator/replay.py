@@ -40,17 +40,18 @@ class ReplayError(ValueError):
 
 
 class ReplayClock:
-    """Replay seconds: time spent inside `running()` blocks, plus skips.
-    Stopped otherwise, so only the engine's own steps take time."""
+    """Replay seconds: `timer` time spent inside `running()` blocks, plus
+    skips. Stopped otherwise, so only the engine's own steps take time."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer=time.perf_counter) -> None:
+        self._timer = timer
         self._elapsed = 0.0
         self._started: float | None = None
 
     def now(self) -> float:
         if self._started is None:
             return self._elapsed
-        return self._elapsed + time.perf_counter() - self._started
+        return self._elapsed + self._timer() - self._started
 
     def skip_to(self, when: float) -> None:
         """Jump forward to `when` (never back); only while stopped."""
@@ -58,11 +59,11 @@ class ReplayClock:
 
     @contextmanager
     def running(self):
-        self._started = time.perf_counter()
+        self._started = self._timer()
         try:
             yield
         finally:
-            self._elapsed += time.perf_counter() - self._started
+            self._elapsed += self._timer() - self._started
             self._started = None
 
 
@@ -70,16 +71,21 @@ class Replay:
     """One replay. `run()` once."""
 
     def __init__(self, config: SimulationConfig, model: Any, description: dict,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, clock: str = "wall") -> None:
         from scheduler.engine import Engine
+        from scheduler.simulator.calibrate import CLOCKS
         from scheduler.simulator.engine_models import vocab_size
+
+        if clock not in CLOCKS:
+            raise ReplayError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
 
         if config.vocab_size > vocab_size(description):
             raise ReplayError(f"the workload's vocab_size {config.vocab_size} exceeds the "
                               f"model's {vocab_size(description)}")
         self.config = config
         self.description = description
-        self.clock = ReplayClock()
+        self.clock_name = clock
+        self.clock = ReplayClock(CLOCKS[clock])
         bm = config.block_manager
         self.num_slots = bm.num_slots
         self.engine = Engine(
@@ -229,6 +235,7 @@ class Replay:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
         summary["engine"] = {
             "model": {k: v for k, v in self.description.items() if k != "config"},
+            "clock": self.clock_name,
             "steps": engine.stats.num_steps,
             "forward_seconds": engine.stats.forward_time,
             "schedule_seconds": engine.stats.schedule_time,
@@ -245,6 +252,7 @@ class Replay:
 
 
 def run_replay(config: SimulationConfig, model: Any, description: dict,
-               progress: ProgressFn | None = None) -> SimulationResult:
-    """Replay `config`'s workload on the real engine (see `Replay`)."""
-    return Replay(config, model, description, progress).run()
+               progress: ProgressFn | None = None, clock: str = "wall") -> SimulationResult:
+    """Replay `config`'s workload on the real engine (see `Replay`); `clock`
+    is "wall" or "cpu" (`calibrate.CLOCKS`)."""
+    return Replay(config, model, description, progress, clock).run()
