@@ -77,6 +77,8 @@ def main() -> int:
     parser.add_argument("--profile", help="use this profile (else calibrate first and write one)")
     parser.add_argument("--out", default="fidelity.json")
     parser.add_argument("--only", help="comma-separated workload names")
+    parser.add_argument("--num-slots", type=int, default=0,
+                        help="recurrent slots for every workload (hybrid models)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
     args = parser.parse_args()
@@ -94,7 +96,9 @@ def main() -> int:
                "clock": args.clock, "cost": cost.to_dict(), "workloads": {}}
     for name in names:
         base = WORKLOADS[name]
-        config = SimulationConfig.from_dict({**base.to_dict(), "cost": cost.to_dict()})
+        data = base.to_dict()
+        data["block_manager"]["num_slots"] = args.num_slots
+        config = SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
         load_before = os.getloadavg()
         start = time.perf_counter()
         real = run_replay(config, model, description, clock=args.clock).summary

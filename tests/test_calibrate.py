@@ -248,6 +248,23 @@ def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path, clock):
     assert sum(step_times) <= summary["throughput"]["simulated_seconds"] < 500
 
 
+def test_replay_samples_of_a_parallel_request_differ(tmp_path):
+    """n = 4 samples are drawn, not argmax'd: four different outputs reach
+    the trie, as the workload's four texts do in the simulator."""
+    from scheduler.simulator.replay import Replay
+
+    model, description = tiny_model()
+    path = tmp_path / "n4.jsonl"
+    path.write_text(json.dumps({"id": "p", "arrival": 0.0, "prompt_tokens": list(range(1, 33)),
+                                "output_len": 40, "n": 4}) + "\n")
+    cfg = SimulationConfig(trace=str(path), vocab_size=101,
+                           block_manager=BlockManagerConfig(num_blocks=64, block_size=16))
+    replay = Replay(cfg, model, description)
+    assert replay.run().summary["requests"]["output_tokens"] == 160
+    # 2 prompt pages, then per sample 32 + 40 - 1 computed tokens: pages 3..5 its own.
+    assert replay.engine.cache.block_manager.stats.num_trie_pages == 2 + 4 * 3
+
+
 def test_replay_rejects_closed_loop_and_a_vocabulary_too_large():
     from scheduler.simulator.replay import ReplayError, run_replay
 

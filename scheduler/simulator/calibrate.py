@@ -283,12 +283,19 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "processor": _cpu_name(),
         "cpu_count": os.cpu_count(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average": _load_average(),
         "python": platform.python_version(),
         "mlx_version": mx.__version__,
         "mlx_device": str(mx.default_device()),
         "blas": blas_info(),
     }
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _cpu_name() -> str:

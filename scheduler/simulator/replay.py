@@ -10,7 +10,8 @@ arrives at its workload time and is added with that arrival, so TTFT counts
 the queueing before the step that admits it, as in the simulator.
 
 The prompts are the workload's token texts; the sampled tokens are the
-model's (greedy), so a follow-up turn whose prompt quotes the previous
+model's (greedy; seeded at temperature 1 for n > 1 samples, so they differ
+as the workload's do), so a follow-up turn whose prompt quotes the previous
 answer finds the workload's answer text, not the model's, in the trie (a
 smaller hit than in the simulator, for multiturn and agent workloads only).
 Open-loop arrivals only: a closed-loop workload raises `ReplayError`.
@@ -138,11 +139,11 @@ class Replay:
             self._add(when, session, index)
 
     def _add(self, when: float, session: list[RequestSpec], index: int) -> None:
-        from scheduler.request import Request, SamplingParams
+        from scheduler.request import Request
 
         spec = session[index]
         prompt = list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)
-        sampling = SamplingParams(max_tokens=spec.output_len, n=spec.n)
+        sampling = _sampling(spec)
         self._num_added += 1
         if self._bound is not None:
             self._bound.observe(spec)
@@ -249,6 +250,18 @@ class Replay:
                 "leaks": check_no_leaks(bm, engine.scheduler),
             }
         return SimulationResult(cfg, summary, self.metrics, self._num_added)
+
+
+def _sampling(spec: RequestSpec):
+    """Greedy for one sample; n > 1 samples draw at temperature 1 from a seed
+    of the request, so they differ as the workload's samples do (greedy
+    samples would be identical, and the trie would store their outputs once)."""
+    from scheduler.request import SamplingParams
+
+    if spec.n == 1:
+        return SamplingParams(max_tokens=spec.output_len)
+    return SamplingParams(max_tokens=spec.output_len, n=spec.n, temperature=1.0,
+                          seed=spec.output_key % (1 << 31))
 
 
 def run_replay(config: SimulationConfig, model: Any, description: dict,
