@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
                    help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
     r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
+    r.add_argument("--ray", metavar="ADDRESS",
+                   help="run the sweep on a Ray cluster (an address, or 'local' to start one here; "
+                        "needs the ray extra)")
 
     rep = sub.add_parser(
         "replay",
@@ -176,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(rep)
     _add_workload_options(rep)
     _add_run_options(rep)
-    rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None)
+    rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None, ray=None)
 
     cal = sub.add_parser(
         "calibrate",
@@ -410,8 +413,8 @@ def cmd_simulate(args) -> int:
     config = build_config(args)
     if args.sweep is not None:
         return cmd_sweep(args, config)
-    if args.jobs is not None:
-        raise ValueError("--jobs only applies to --sweep")
+    if args.jobs is not None or args.ray is not None:
+        raise ValueError("--jobs and --ray only apply to --sweep")
     if args.write_trace is not None:
         try:
             write_trace(args.write_trace, generate(config.workload),
@@ -571,7 +574,8 @@ def cmd_sweep(args, base) -> int:
             bar = tqdm(total=len(points), unit="run", desc="sweep", file=sys.stderr)
         except ImportError:
             bar = None
-    rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None)
+    rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None,
+                     ray_address=args.ray)
     if bar is not None:
         bar.close()
     params = list(grid)
