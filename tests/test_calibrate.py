@@ -53,6 +53,8 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
                + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100)
     assert cost.time_of(shape) == pytest.approx(by_hand)
+    terms = shape.terms()  # what the fit multiplies: the same sum
+    assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
 
 
 def test_first_order_step_time_is_unchanged():

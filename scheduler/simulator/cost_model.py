@@ -142,8 +142,24 @@ class CostModel:
                              "and decode_per_token cannot all be 0")
 
     def time_of(self, shape: StepShape) -> float:
-        """Seconds the step of this shape takes. O(fields)."""
-        return sum(c * t for c, t in zip(self.coefficients(), shape.terms()))
+        """Seconds the step of this shape takes: the sum over fields of field
+        x the matching `shape.terms()` entry, written out (once per step, so
+        it must be cheap). O(1)."""
+        s = shape
+        return (
+            self.step_overhead
+            + self.prefill_per_token * s.prefill_tokens
+            + self.decode_per_token * s.decode_rows
+            + self.attention_per_context_token * s.context_tokens
+            + self.copy_per_page * s.page_copies
+            + self.copy_per_slot * s.slot_copies
+            + self.swap_per_page * s.swaps
+            + self.prefill_chunk_overhead * s.prefill_chunks
+            + self.prefill_sample_overhead * s.sampled_chunks
+            + self.prefill_attention_per_token_pair * s.prefill_token_pairs
+            + (self.decode_batch_overhead if s.decode_rows else 0.0)
+            + self.decode_padded_context_token * s.decode_rows * s.longest_decode_context
+        )
 
     def step_time(
         self,
