@@ -413,8 +413,9 @@ def cmd_simulate(args) -> int:
     config = build_config(args)
     if args.sweep is not None:
         return cmd_sweep(args, config)
-    if args.jobs is not None or args.ray is not None:
-        raise ValueError("--jobs and --ray only apply to --sweep")
+    for option in ("jobs", "ray"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option} only applies to --sweep")
     if args.write_trace is not None:
         try:
             write_trace(args.write_trace, generate(config.workload),

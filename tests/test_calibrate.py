@@ -12,6 +12,7 @@ import pytest
 
 from blockmgr import BlockManagerConfig, CopyBlock, CopySlot
 from scheduler.cli import main
+from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from scheduler.simulator import CostModel, SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.cost_model import StepShape, step_shape
@@ -30,9 +31,10 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=101)
 
 
-def seq(n: int, start: int, sample: bool, samples: int = 1) -> ScheduledSeq:
+def seq(n: int, start: int, sample: bool, samples: int = 1, temperature: float = 0.0) -> ScheduledSeq:
+    request = Request("r", [1] * (start + n), SamplingParams(n=samples, temperature=temperature))
     return ScheduledSeq(seq_id=object(), request_id="r", token_ids=[1] * n, start_position=start,
-                        is_prefill=n > 1, sample=sample, num_samples=samples)
+                        is_prefill=n > 1, sample=sample, num_samples=samples, request=request)
 
 
 # ------------------------------------------------------------------ shape
@@ -40,18 +42,18 @@ def seq(n: int, start: int, sample: bool, samples: int = 1) -> ScheduledSeq:
 
 def test_step_shape_counts_the_engines_rows_and_chunks():
     out = SchedulerOutput(step=0, seqs=[
-        seq(1, 40, True), seq(1, 7, True), seq(1, 99, True),  # decode rows
-        seq(30, 0, False), seq(12, 50, True),                 # prefill chunks
+        seq(1, 40, True), seq(1, 7, True, temperature=1.0), seq(1, 99, True),  # decode rows
+        seq(30, 0, False), seq(12, 50, True, samples=4, temperature=0.7),    # prefill chunks
     ], ops=(CopyBlock(1, 2), CopyBlock(3, 4), CopySlot(0, 1)))
     shape = step_shape(out)
     assert shape == StepShape(
         prefill_tokens=42, decode_rows=3, context_tokens=41 + 8 + 100 + 30 + 62,
         prefill_chunks=2, sampled_chunks=1, prefill_token_pairs=30 * 15 + 12 * (50 + 6),
-        longest_decode_context=100, page_copies=2, slot_copies=1, swaps=0,
+        longest_decode_context=100, random_samples=1 + 4, page_copies=2, slot_copies=1, swaps=0,
     )
     cost = CostModel(**{f.name: float(i + 1) for i, f in enumerate(fields(CostModel))})
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
-               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100)
+               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5)
     assert cost.time_of(shape) == pytest.approx(by_hand)
     terms = shape.terms()  # what the fit multiplies: the same sum
     assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
@@ -121,7 +123,8 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
                       attention_per_context_token=2e-6, copy_per_page=3e-4, copy_per_slot=0.0,
                       swap_per_page=0.0, prefill_chunk_overhead=0.015,
                       prefill_sample_overhead=0.12, prefill_attention_per_token_pair=1e-8,
-                      decode_batch_overhead=0.2, decode_padded_context_token=5e-7)
+                      decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
+                      random_sample_per_row=0.004)
     samples = simulated_samples(truth)
     assert len(samples) > 200
     fitted, fit = fit_cost_model(samples, {"copy_per_page": 3e-4})
@@ -294,7 +297,8 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     assert data["model"]["preset"] == "qwen3-0.6b" and data["model"]["config"]["hidden_size"] == 64
     assert data["mlx_version"] and {"name", "optimized", "matmul_1024_gflops"} <= set(data["blas"])
     labels = {p["label"] for p in data["fit"]["points"]}
-    assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "mixed B=4 L=32"} <= labels
+    assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "decode drawn B=4 C=64",
+            "mixed B=4 L=32"} <= labels
     assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
     assert data["cost"]["copy_per_page"] > 0
     assert data["grid"]["clock"] == "cpu"

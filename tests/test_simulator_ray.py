@@ -30,4 +30,4 @@ def test_a_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):
     assert (tmp_path / "sweep.json").is_file()
     capsys.readouterr()
     assert main(["simulate", "-n", "20", "--ray", "local", "--out", str(tmp_path)]) == 2
-    assert "--ray only apply to --sweep" in capsys.readouterr().err
+    assert "--ray only applies to --sweep" in capsys.readouterr().err

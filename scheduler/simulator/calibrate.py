@@ -12,8 +12,10 @@ with its `StepShape`. The grid:
   trie; for each batch size B and context C, B requests whose prompts are
   the base's first C tokens plus one token of their own hit the trie and
   decode `decode_steps` tokens side by side. Also batches whose contexts are
-  spread over [C/8, C] (padding), and mixed steps: a prefill chunk joining
-  running decodes;
+  spread over [C/4, C] (padding), batches whose tokens are drawn at
+  temperature 1 (softmax and a categorical draw per row, 30x an argmax over
+  a 152k vocabulary), and mixed steps: a prefill chunk joining running
+  decodes;
 * page copies and swaps: a batched copy of pages of this model's layout
   between two MLX pools (the storage's copy-on-write and host swap are such
   copies on a CPU), timed per page.
@@ -76,7 +78,7 @@ class CalibrationGrid:
     @property
     def num_points(self) -> int:
         """Progress units: prefill engines, decode points, mixed points, copies."""
-        decode = len(self.decode_batches) * len(self.decode_contexts) * 2
+        decode = len(self.decode_batches) * (len(self.decode_contexts) * 2 + 1)
         return self.repeats * (len(self.prefill_chunks) + decode + len(self.mixed_chunks)) + 1
 
     def to_dict(self) -> dict:
@@ -149,11 +151,18 @@ def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder)
                   clock=recorder.clock, step_listener=recorder)
 
 
-def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int) -> None:
+def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int,
+         drawn: bool = False) -> None:
+    """Generate `prompts` greedily, or (`drawn`) at temperature 1, seeded."""
     from scheduler.request import SamplingParams
 
     recorder.label = label
-    engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    if drawn:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i)
+                  for i in range(len(prompts))]
+        engine.generate(prompts, params)
+    else:
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
 
 
 def _measure_prefill(model, grid, chunk, source, recorder, repeat) -> None:
@@ -181,7 +190,12 @@ def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
             prompts = [base[:c] + [next(own) % source.vocab_size] for c in spread]
             _run(engine, recorder, f"decode spread B={batch} C<={context}", prompts, steps)
             tick(f"decode spread B={batch} C<={context}")
-    batch, context = max(grid.decode_batches), min(grid.decode_contexts)
+    context = min(grid.decode_contexts)
+    for batch in grid.decode_batches:
+        prompts = [base[:context] + [next(own) % source.vocab_size] for _ in range(batch)]
+        _run(engine, recorder, f"decode drawn B={batch} C={context}", prompts, steps, drawn=True)
+        tick(f"decode drawn B={batch} C={context}")
+    batch = max(grid.decode_batches)
     for chunk in grid.mixed_chunks:
         _measure_mixed(engine, recorder, source, base[:context], batch, chunk, steps, own)
         tick(f"mixed L={chunk}")

@@ -15,6 +15,8 @@ by `CostModel.time_of(StepShape)`:
                                 new tokens x (start + new tokens / 2)
     + decode_batch_overhead * (1 if any decode row)
     + decode_padded_context_token * decode rows x longest decode context
+    + random_sample_per_row * tokens drawn at temperature > 0 (softmax and a
+                              categorical draw over the vocabulary, per row)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
 
@@ -54,6 +56,7 @@ class StepShape:
     sampled_chunks: int = 0
     prefill_token_pairs: float = 0.0
     longest_decode_context: int = 0
+    random_samples: int = 0
     page_copies: int = 0
     slot_copies: int = 0
     swaps: int = 0
@@ -73,17 +76,20 @@ class StepShape:
             float(self.prefill_token_pairs),
             1.0 if self.decode_rows else 0.0,
             float(self.decode_rows * self.longest_decode_context),
+            float(self.random_samples),
         )
 
 
 def step_shape(out) -> StepShape:
     """The shape of a `SchedulerOutput` (its seqs and its plan). O(seqs + ops)."""
-    prefill = decode = context = chunks = sampled = longest = 0
+    prefill = decode = context = chunks = sampled = longest = drawn = 0
     pairs = 0.0
     for item in out.seqs:
         n = len(item.token_ids)
         end = item.start_position + n
         context += end
+        if item.sample and item.request is not None and item.request.sampling.temperature > 0:
+            drawn += item.num_samples
         if n == 1:
             decode += 1
             longest = max(longest, end)
@@ -93,7 +99,8 @@ def step_shape(out) -> StepShape:
             sampled += item.sample
             pairs += n * (item.start_position + n / 2)
     copies, slots, swaps = count_ops(out.ops)
-    return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, copies, slots, swaps)
+    return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
+                     copies, slots, swaps)
 
 
 def count_ops(ops) -> tuple[int, int, int]:
@@ -129,6 +136,7 @@ class CostModel:
     prefill_attention_per_token_pair: float = 0.0
     decode_batch_overhead: float = 0.0
     decode_padded_context_token: float = 0.0
+    random_sample_per_row: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -159,6 +167,7 @@ class CostModel:
             + self.prefill_attention_per_token_pair * s.prefill_token_pairs
             + (self.decode_batch_overhead if s.decode_rows else 0.0)
             + self.decode_padded_context_token * s.decode_rows * s.longest_decode_context
+            + self.random_sample_per_row * s.random_samples
         )
 
     def step_time(

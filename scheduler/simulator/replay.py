@@ -143,7 +143,7 @@ class Replay:
 
         spec = session[index]
         prompt = list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)
-        sampling = _sampling(spec)
+        sampling = spec.sampling()
         self._num_added += 1
         if self._bound is not None:
             self._bound.observe(spec)
@@ -250,18 +250,6 @@ class Replay:
                 "leaks": check_no_leaks(bm, engine.scheduler),
             }
         return SimulationResult(cfg, summary, self.metrics, self._num_added)
-
-
-def _sampling(spec: RequestSpec):
-    """Greedy for one sample; n > 1 samples draw at temperature 1 from a seed
-    of the request, so they differ as the workload's samples do (greedy
-    samples would be identical, and the trie would store their outputs once)."""
-    from scheduler.request import SamplingParams
-
-    if spec.n == 1:
-        return SamplingParams(max_tokens=spec.output_len)
-    return SamplingParams(max_tokens=spec.output_len, n=spec.n, temperature=1.0,
-                          seed=spec.output_key % (1 << 31))
 
 
 def run_replay(config: SimulationConfig, model: Any, description: dict,

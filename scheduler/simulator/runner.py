@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from blockmgr import BlockManager
 from blockmgr.errors import BlockManagerError
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.cost_model import step_shape
@@ -152,7 +152,7 @@ class Simulation:
         request = Request(
             spec.request_id,
             prompt,
-            SamplingParams(max_tokens=spec.output_len, n=spec.n),
+            spec.sampling(),
             namespace=spec.namespace,
             arrival_time=when,
         )
