@@ -2,6 +2,10 @@
 
     blockmgr simulate [options]          one simulation, report folder
     blockmgr simulate --sweep [GRID]     a grid of simulations in parallel
+    blockmgr simulate --profile FILE     with a calibrated cost model
+    blockmgr replay --preset NAME ...    the same workload through the real engine
+    blockmgr calibrate --preset NAME     cost profile of the real engine here
+    blockmgr compare A B                 two reports side by side
 
 Every option is validated; a bad one prints one line
 (``blockmgr simulate: error: ...``) and exits with status 2. A failed
@@ -15,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from blockmgr.errors import IntegrityError
@@ -131,6 +136,20 @@ def _costs(text: str) -> dict[str, float]:
     return out
 
 
+def _shape(text: str) -> dict:
+    """``key=value,...`` with JSON values (numbers, true/false); others are strings."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {part!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="blockmgr", description="Paged KV cache manager tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -140,7 +159,71 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the real scheduler and block manager on a synthetic or traced "
         "workload, with a cost model instead of a model, and write a report.",
     )
-    w = sim.add_argument_group("workload")
+    _add_workload_options(sim)
+    r = _add_run_options(sim)
+    r.add_argument("--cost", type=_costs, metavar="K=S,...",
+                   help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
+    r.add_argument("--profile", metavar="FILE",
+                   help="cost model from a `blockmgr calibrate` profile (--cost still overrides)")
+    r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
+                   help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
+    r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
+    r.add_argument("--ray", metavar="ADDRESS",
+                   help="run the sweep on a Ray cluster (an address, or 'local' to start one here; "
+                        "needs the ray extra)")
+
+    rep = sub.add_parser(
+        "replay",
+        help="run a workload or trace through the real engine and write the same report",
+        description="Run the workload (the same options as simulate) through the real Engine "
+        "on a model, timed on this machine, and write a report comparable with a simulation's.",
+    )
+    _add_model_options(rep)
+    _add_workload_options(rep)
+    _add_run_options(rep)
+    rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None, ray=None)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="profile the real engine on this machine and fit the simulator's cost model",
+        description="Time real Engine steps over a grid of batch shapes and write a cost "
+        "profile (JSON) for `blockmgr simulate --profile`.",
+    )
+    _add_model_options(cal)
+    cal.add_argument("--out", metavar="FILE", default="cost-profile.json",
+                     help="profile file (default ./cost-profile.json)")
+    cal.add_argument("--quick", action="store_true", help="a small grid (about a minute on a small model)")
+    cal.add_argument("--repeats", type=_positive_int, help="measure the grid this many times (default 2)")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    cmp_ = sub.add_parser(
+        "compare",
+        help="compare two reports (e.g. simulated vs real) metric by metric",
+        description="Print a table of the headline metrics of two report.json files and the "
+        "relative difference of the second from the first.",
+    )
+    cmp_.add_argument("reports", nargs=2, metavar="REPORT", help="report.json (or its folder)")
+    cmp_.add_argument("--json", action="store_true", help="print the table as JSON")
+    return parser
+
+
+def _add_model_options(parser) -> None:
+    g = parser.add_argument_group("model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="a local mlx-lm model directory")
+    src.add_argument("--preset", metavar="NAME",
+                     help="an architecture with random weights: qwen3-0.6b, llama-3.2-1b, "
+                          "qwen3-0.6b-sliding, lfm2-350m")
+    g.add_argument("--layers", type=_positive_int, metavar="N", help="keep the first N layers")
+    g.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by the wall clock (default) or by this process's CPU time, "
+                        "which leaves out other processes' use of a shared machine")
+    g.add_argument("--shape", type=_shape, metavar="K=V,...",
+                   help="preset config fields to replace, e.g. hidden_size=256,vocab_size=32000")
+
+
+def _add_workload_options(parser) -> None:
+    w = parser.add_argument_group("workload")
     w.add_argument("--workload", type=_mix, metavar="MIX",
                    help=f"kinds, optionally weighted: chat | chat,agent | chat=0.7,multiturn=0.3 | all "
                         f"(kinds: {', '.join(WORKLOAD_KINDS)}; default chat)")
@@ -163,8 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--samples", type=_positive_int, metavar="N", help="parallel: samples per request (default 4)")
     w.add_argument("--trace", metavar="FILE", help="replay a JSONL trace instead of generating")
     w.add_argument("--write-trace", metavar="FILE", help="write the generated workload as a trace")
+    w.add_argument("--trace-block-tokens", type=_positive_int, metavar="TOKENS",
+                   help="tokens per prefix-id (hash_ids) block of the trace (default: its header, "
+                        "else 512 as in Mooncake traces)")
+    w.add_argument("--time-scale", type=_positive_float, metavar="F",
+                   help="multiply the trace's arrival and think times by F (0.5: twice the load)")
 
-    m = sim.add_argument_group("block manager")
+    m = parser.add_argument_group("block manager")
     m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
     m.add_argument("--block-size", type=_positive_int, help="tokens per page (default 16)")
     m.add_argument("--hybrid", action="store_true", help="hybrid model: recurrent slots in play")
@@ -179,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-host-slots", type=_nonneg_int,
                    help="host recurrent slots for swap (default with --hybrid and swap: num slots)")
 
-    s = sim.add_argument_group("scheduler")
+    s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
     s.add_argument("--max-batched-tokens", type=_positive_int)
     s.add_argument("--policy", choices=("fcfs", "priority"))
@@ -187,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--long-prefill-threshold", type=_positive_int, metavar="TOKENS")
     s.add_argument("--max-partial-prefills", type=_positive_int, metavar="N")
 
-    r = sim.add_argument_group("run and report")
-    r.add_argument("--cost", type=_costs, metavar="K=S,...",
-                   help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
+
+
+def _add_run_options(parser):
+    r = parser.add_argument_group("run and report")
     r.add_argument("--check", nargs="?", const=DEFAULT_CHECK_EVERY, type=_positive_int, metavar="K",
                    help=f"check_integrity() every K steps (default {DEFAULT_CHECK_EVERY}) and a leak check at the end")
     r.add_argument("--sample-every", type=_positive_int, metavar="STEPS", help="memory snapshot interval (default 32)")
@@ -198,10 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--json", action="store_true", help="print the summary as JSON (nothing else on stdout)")
-    r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
-                   help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
-    r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
-    return parser
+    return r
 
 
 # ---------------------------------------------------------------- config
@@ -270,6 +356,10 @@ def build_config(args):
     if sc["preemption"] == "swap" and bm.get("num_slots") and not bm.get("num_host_slots"):
         raise ValueError("--hybrid --preemption swap needs --num-host-slots >= 1")
     _check_pool_sizes(bm)
+    if args.profile is not None:
+        from scheduler.simulator.profile import read_cost
+
+        cost = read_cost(args.profile).to_dict()
     if args.cost:
         cost.update(args.cost)
     data.update(workload=wl, block_manager=bm, scheduler=sc, cost=cost)
@@ -283,6 +373,11 @@ def build_config(args):
         if not Path(args.trace).is_file():
             raise ValueError(f"trace file not found: {args.trace}")
         data["trace"] = args.trace
+    for opt in ("trace_block_tokens", "time_scale"):
+        if getattr(args, opt) is not None:
+            if data.get("trace") is None:
+                raise ValueError(f"--{opt.replace('_', '-')} needs --trace")
+            data[opt] = getattr(args, opt)
     return SimulationConfig.from_dict(data)
 
 
@@ -291,13 +386,17 @@ def build_config(args):
 MAX_TRACE_REQUEST_TOKENS = 1 << 24
 
 
-def check_trace(path: str) -> None:
-    """Read a trace and refuse requests too large to simulate (ValueError,
-    one line naming the request)."""
-    from scheduler.simulator.trace import TraceError, read_trace
+def check_trace(config) -> None:
+    """Read the config's trace (with its block size and time scale) and
+    refuse requests too large to simulate (ValueError, one line naming the
+    request). Its warnings are reported when the run reads it."""
+    from scheduler.simulator.trace import TraceError, TraceWarning, read_trace
 
+    path = config.trace
     try:
-        _, sessions = read_trace(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TraceWarning)
+            _, sessions = read_trace(path, config.trace_block_tokens, config.time_scale)
     except (TraceError, UnicodeDecodeError) as exc:
         raise ValueError(f"trace {path}: {exc}") from None
     limit = MAX_TRACE_REQUEST_TOKENS
@@ -329,12 +428,9 @@ def _check_pool_sizes(bm: dict) -> None:
 
 
 def _load_config(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read config {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"config {path} is not JSON: {exc.msg}") from None
+    from scheduler.simulator.json_file import read_json
+
+    data = read_json(path, "config")
     if isinstance(data, dict) and "config" in data and "summary" in data:
         data = data["config"]  # a report.json
     if not isinstance(data, dict):
@@ -367,41 +463,84 @@ def _total_requests(config) -> int:
     """Requests the run will submit (a trace is read, and validated, once more)."""
     if config.trace is None:
         return config.workload.num_requests
-    from scheduler.simulator.trace import read_trace
+    from scheduler.simulator.trace import TraceWarning, read_trace
 
-    _, sessions = read_trace(config.trace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
+        _, sessions = read_trace(config.trace, config.trace_block_tokens, config.time_scale)
+    for warning in caught:
+        print(f"blockmgr: warning: {warning.message}", file=sys.stderr)
     return sum(len(session) for session in sessions)
 
 
 def cmd_simulate(args) -> int:
-    from scheduler.simulator.report import format_table, summary_rows, write_report
     from scheduler.simulator.runner import run_simulation
-    from scheduler.simulator.trace import TraceError, write_trace
+    from scheduler.simulator.trace import write_trace
     from scheduler.simulator.workloads import generate
 
     config = build_config(args)
     if config.trace is not None:
-        check_trace(config.trace)
+        check_trace(config)
     if args.sweep is not None:
         return cmd_sweep(args, config)
-    if args.jobs is not None:
-        raise ValueError("--jobs only applies to --sweep")
+    for option in ("jobs", "ray"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option} only applies to --sweep")
     if args.write_trace is not None:
         try:
             write_trace(args.write_trace, generate(config.workload),
                         {"vocab_size": config.vocab_size, "workload": config.workload.to_dict()})
         except OSError as exc:
             raise ValueError(f"cannot write trace {args.write_trace}: {exc.strerror}") from None
+    result = _run_with_progress(args, config, lambda update: run_simulation(config, progress=update))
+    return _write_and_print(args, result, "blockmgr simulate")
+
+
+def cmd_replay(args) -> int:
+    from scheduler.simulator.engine_models import load_model, vocab_size
+    from scheduler.simulator.replay import run_replay
+
+    if args.write_trace is not None:
+        raise ValueError("--write-trace applies to simulate; replay a written trace with --trace")
+    config = build_config(args)
+    model, description = load_model(_model_spec(args))
+    if config.vocab_size > vocab_size(description):
+        from scheduler.simulator.config import SimulationConfig
+
+        config = SimulationConfig.from_dict({**config.to_dict(), "vocab_size": vocab_size(description)})
+    result = _run_with_progress(args, config,
+                                lambda update: run_replay(config, model, description, progress=update,
+                                                          clock=args.clock))
+    return _write_and_print(args, result, "blockmgr replay")
+
+
+def _model_spec(args):
+    from scheduler.simulator.engine_models import ModelSpec
+
+    return ModelSpec(path=args.model, preset=args.preset, layers=args.layers, shape=args.shape or {})
+
+
+def _run_with_progress(args, config, run):
+    """`run(progress_callback)` under a progress bar; trace errors become ValueError."""
+    from scheduler.simulator.trace import TraceError, TraceWarning
+
     show = not args.no_progress and sys.stderr.isatty()
     try:
-        bar, update = _progress_bar(_total_requests(config), show) if show else (None, None)
+        bar, update = _progress_bar(_total_requests(config), show)
         try:
-            result = run_simulation(config, progress=update)
+            with warnings.catch_warnings():  # _total_requests has reported them
+                warnings.simplefilter("ignore", TraceWarning)
+                return run(update)
         finally:
             if bar is not None:
                 bar.close()
     except TraceError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _write_and_print(args, result, title: str) -> int:
+    from scheduler.simulator.report import format_table, summary_rows, write_report
+
     out_dir = Path(args.out or DEFAULT_OUT)
     try:
         folder, plots, note = write_report(result, out_dir, plots=not args.no_plots)
@@ -412,9 +551,72 @@ def cmd_simulate(args) -> int:
     if args.json:
         print(json.dumps(result.summary, indent=1))
     else:
-        print(format_table(summary_rows(result.summary), "blockmgr simulate"))
+        print(format_table(summary_rows(result.summary), title))
         print(f"report: {folder / 'report.md'} ({len(plots)} plots), {folder / 'report.json'}")
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    from dataclasses import replace
+
+    from scheduler.simulator.calibrate import QUICK_GRID, CalibrationGrid, calibrate
+    from scheduler.simulator.engine_models import load_model
+    from scheduler.simulator.profile import write_profile
+
+    grid = QUICK_GRID if args.quick else CalibrationGrid()
+    if args.repeats is not None:
+        grid = replace(grid, repeats=args.repeats)
+    model, description = load_model(_model_spec(args))
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=grid.num_points, unit="point", desc="calibrating", file=sys.stderr)
+    try:
+        profile = calibrate(model, description, grid,
+                            progress=(lambda label: (bar.update(1), bar.set_postfix_str(label)))
+                            if bar is not None else None, clock=args.clock)
+    finally:
+        if bar is not None:
+            bar.close()
+    try:
+        write_profile(args.out, profile)
+    except OSError as exc:
+        raise ValueError(f"cannot write the profile {args.out}: {exc.strerror}") from None
+    fit, blas = profile.fit, profile.machine["blas"]
+    print(f"blockmgr calibrate: {fit['num_steps']} steps, per-step error median "
+          f"{fit['median_abs_rel_error'] * 100:.1f} %, mean {fit['mean_abs_rel_error'] * 100:.1f} %; "
+          f"BLAS {blas['name']} ({blas['matmul_1024_gflops']:.0f} GFLOPS)")
+    if not blas["optimized"]:
+        print("blockmgr calibrate: warning: MLX runs on the reference BLAS; preload an optimized "
+              "one (LD_PRELOAD=.../libopenblas.so.0) for realistic figures", file=sys.stderr)
+    print(f"profile: {args.out}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from scheduler.simulator.report import comparison_rows, format_comparison
+
+    summaries = [_load_summary(path) for path in args.reports]
+    rows = comparison_rows(*summaries)
+    if args.json:
+        print(json.dumps([dict(zip(("metric", "first", "second", "difference"), r)) for r in rows],
+                         indent=1))
+    else:
+        print(format_comparison(rows, *args.reports))
+    return 0
+
+
+def _load_summary(path: str) -> dict:
+    target = Path(path)
+    from scheduler.simulator.json_file import read_json
+
+    if target.is_dir():
+        target = target / "report.json"
+    data = read_json(target, "report")
+    if not isinstance(data, dict) or "summary" not in data:
+        raise ValueError(f"{target} is not a report.json (no summary)")
+    return data["summary"]
 
 
 def cmd_sweep(args, base) -> int:
@@ -448,7 +650,8 @@ def cmd_sweep(args, base) -> int:
             bar = tqdm(total=len(points), unit="run", desc="sweep", file=sys.stderr)
         except ImportError:
             bar = None
-    rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None)
+    rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None,
+                     ray_address=args.ray)
     if bar is not None:
         bar.close()
     params = list(grid)
@@ -465,7 +668,21 @@ def cmd_sweep(args, base) -> int:
     return 0
 
 
+COMMANDS = {"simulate": cmd_simulate, "replay": cmd_replay, "calibrate": cmd_calibrate,
+            "compare": cmd_compare}
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning  # a warning is one line, like an error
+        return _main(argv)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"blockmgr: warning: {_one_line(message)}", file=sys.stderr)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = "blockmgr"
@@ -475,10 +692,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2
         prog = f"blockmgr {args.command}"
-        return cmd_simulate(args)
+        return COMMANDS[args.command](args)
     except UsageError as exc:
-        if argv and argv[0] == "simulate":
-            prog = "blockmgr simulate"
+        if argv and argv[0] in COMMANDS:
+            prog = f"blockmgr {argv[0]}"
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (SimulationError, IntegrityError) as exc:  # a failed check: a bug, not a usage error

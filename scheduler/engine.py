@@ -57,6 +57,9 @@ from scheduler.scheduler import (
 from scheduler.storage import build_storage
 
 Callback = Callable[[RequestOutput], None]
+#: Called after every non-empty step with its scheduled work and its duration
+#: (engine clock seconds, scheduling + forward + update).
+StepListener = Callable[[SchedulerOutput, float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,7 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
+        step_listener: StepListener | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -197,6 +201,7 @@ class Engine:
             "vocab_size", vocab_size, 1)
         self.scheduler = Scheduler(config, self.cache, clock=clock)
         self.clock = clock
+        self.step_listener = step_listener
         self.stats = EngineStats()
         self._callbacks: dict[Hashable, Callback] = {}
         self._keys: dict[Hashable, KeyChain] = {}
@@ -213,9 +218,12 @@ class Engine:
         priority: int = 0,
         namespace: Hashable = None,
         callback: Callback | None = None,
+        arrival_time: float | None = None,
     ) -> Hashable:
         """Queue a prompt; returns its request id. `callback(output)` is called
         with every `RequestOutput` of the request (new tokens, the end).
+        `arrival_time` (engine clock) defaults to now; a replay gives the
+        trace's arrival, so queueing before the call counts in the TTFT.
 
         Everything is checked before anything changes: token ids must be
         ints in [0, vocab_size) (a list, tuple or numpy integer array;
@@ -226,13 +234,13 @@ class Engine:
         `AutoRequestId`s, which no caller-chosen id equals.
         """
         request = self._make_request(prompt_tokens, sampling, request_id, priority, namespace,
-                                     callback)
+                                     callback, arrival_time)
         self.scheduler.check_admissible(request)
         self._queue(request, callback)
         return request.request_id
 
     def _make_request(self, prompt_tokens, sampling, request_id, priority, namespace,
-                      callback) -> Request:
+                      callback, arrival_time=None) -> Request:
         """A checked `Request` (nothing queued yet)."""
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise WrongArgumentType(f"sampling must be SamplingParams, got {sampling!r:.80}")
@@ -243,7 +251,7 @@ class Engine:
         if request_id is None:
             request_id = AutoRequestId(next(self._ids))
         return Request(request_id, tokens, sampling or SamplingParams(),
-                       priority=priority, namespace=namespace)
+                       priority=priority, namespace=namespace, arrival_time=arrival_time)
 
     def _queue(self, request: Request, callback: Callback | None) -> None:
         """Hand a checked request to the scheduler (its last check can still
@@ -298,6 +306,8 @@ class Engine:
         t2 = self.clock()
         results = self._settle(out, run)
         self._record(out, t0, t1, t2)
+        if self.step_listener is not None:
+            self.step_listener(out, self.stats.step_times[-1])
         return results
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:

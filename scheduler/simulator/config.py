@@ -32,6 +32,10 @@ class SimulationConfig:
     trace: a trace file to replay instead of generating the workload (the
         workload's arrival/concurrency settings still apply to requests
         without arrival times).
+    trace_block_tokens: tokens per prefix-id block of the trace (None: the
+        trace's header, else 512 with a warning).
+    time_scale: multiplies the trace's arrival and think times (0.5: twice
+        as fast).
     """
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -45,6 +49,8 @@ class SimulationConfig:
     check_every: int | None = None
     sample_every: int = 32
     trace: str | None = None
+    trace_block_tokens: int | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -62,6 +68,11 @@ class SimulationConfig:
             _int_at_least("check_every", self.check_every, 1)
         if self.trace is not None and not isinstance(self.trace, str):
             raise ValueError(f"trace must be a path, got {self.trace!r}")
+        if self.trace_block_tokens is not None:
+            _int_at_least("trace_block_tokens", self.trace_block_tokens, 1)
+        if isinstance(self.time_scale, bool) or not isinstance(self.time_scale, (int, float)) \
+                or not 0 < self.time_scale < float("inf"):
+            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if self.trace is None and self.workload.max_context > capacity:
             raise ValueError(
@@ -86,6 +97,8 @@ class SimulationConfig:
             "check_every": self.check_every,
             "sample_every": self.sample_every,
             "trace": self.trace,
+            "trace_block_tokens": self.trace_block_tokens,
+            "time_scale": self.time_scale,
         }
 
     @classmethod
@@ -109,7 +122,8 @@ class SimulationConfig:
         ):
             if name in data:
                 values[name] = _build(kind, data[name], name)
-        for name in ("vocab_size", "check_every", "sample_every", "trace"):
+        for name in ("vocab_size", "check_every", "sample_every", "trace", "trace_block_tokens",
+                     "time_scale"):
             if name in data:
                 values[name] = data[name]
         return cls(**values)

@@ -1,31 +1,134 @@
 """Simulated step time: what a forward pass over a scheduled batch would cost.
 
 The simulator runs no model; each scheduler step advances the simulated clock
-by
+by `CostModel.time_of(StepShape)`:
 
     step_overhead
     + prefill_per_token  * prefill tokens
-    + decode_per_token   * decode tokens (one per decoding sequence)
+    + decode_per_token   * decode rows (one token each)
     + attention_per_context_token * sum over scheduled sequences of the
-                                    context they attend to
+                                    context they attend to (chunk end)
+    + prefill_chunk_overhead * prefill chunks (one forward each)
+    + prefill_sample_overhead * prefill chunks that sample (a second
+                                forward of one token, the LM head)
+    + prefill_attention_per_token_pair * sum over prefill chunks of
+                                new tokens x (start + new tokens / 2)
+    + decode_batch_overhead * (1 if any decode row)
+    + decode_padded_context_token * decode rows x longest decode context
+    + random_sample_per_row * tokens drawn at temperature > 0 (softmax and a
+                              categorical draw over the vocabulary, per row)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
 
-All figures are seconds. The defaults describe a ~7B model on one accelerator
-roughly (a few thousand prefill tokens/s, ~30 ms per decode step at small
-batch); they make queueing, TTFT and throughput meaningful relative to each
-other, not predictions for a given machine. Cost: O(1) per step.
+A "decode row" is a sequence scheduled for one token, a prefill chunk one
+scheduled for more (the engine's own split: all one-token rows run in one
+batched forward, each longer chunk alone). All figures are seconds. The
+defaults describe a ~7B model on one accelerator roughly (a few thousand
+prefill tokens/s, ~30 ms per decode step at small batch); the terms after
+the first four default to 0. `blockmgr calibrate` fits all of them to the
+real engine on one machine (see calibrate.py). Cost: O(1) per step, plus
+O(scheduled sequences + ops) for `step_shape`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+
+from blockmgr import CopyBlock, CopySlot, ZeroSlot
+from blockmgr import ops as bm_ops
+
+_SWAP_OPS = tuple(
+    getattr(bm_ops, name) for name in ("SwapOut", "SwapIn", "SwapOutSlot", "SwapInSlot")
+    if hasattr(bm_ops, name)
+)
+_SLOT_OPS = (CopySlot, ZeroSlot)
+
+
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """What one step computes, in the terms the cost model prices."""
+
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    context_tokens: int = 0
+    prefill_chunks: int = 0
+    sampled_chunks: int = 0
+    prefill_token_pairs: float = 0.0
+    longest_decode_context: int = 0
+    random_samples: int = 0
+    page_copies: int = 0
+    slot_copies: int = 0
+    swaps: int = 0
+
+    def terms(self) -> tuple[float, ...]:
+        """The multiplier of each `CostModel` field, in field order."""
+        return (
+            1.0,
+            float(self.prefill_tokens),
+            float(self.decode_rows),
+            float(self.context_tokens),
+            float(self.page_copies),
+            float(self.slot_copies),
+            float(self.swaps),
+            float(self.prefill_chunks),
+            float(self.sampled_chunks),
+            float(self.prefill_token_pairs),
+            1.0 if self.decode_rows else 0.0,
+            float(self.decode_rows * self.longest_decode_context),
+            float(self.random_samples),
+        )
+
+
+def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape:
+    """The shape of a `SchedulerOutput` (its seqs and its plan). O(seqs + ops).
+
+    `attended(end)`: the keys a query at position end - 1 reads, averaged
+    over the model's attention layers (`ModelLayout.attended`: a sliding
+    window reads at most W); None: every key before it (full attention).
+    """
+    prefill = decode = context = chunks = sampled = longest = drawn = 0
+    pairs = 0.0
+    for item in out.seqs:
+        n = len(item.token_ids)
+        end = item.start_position + n
+        context += end if attended is None else attended(end)
+        if item.sample and item.request is not None and item.request.sampling.temperature > 0:
+            drawn += item.num_samples
+        if n == 1:
+            decode += 1
+            longest = max(longest, end)
+        else:
+            prefill += n
+            chunks += 1
+            sampled += item.sample
+            pairs += n * (item.start_position + n / 2)
+    copies, slots, swaps = count_ops(out.ops)
+    return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
+                     copies, slots, swaps)
+
+
+def count_ops(ops) -> tuple[int, int, int]:
+    """(page copies, slot copies/zeroes, swapped pages or slots) of a plan."""
+    pages = slots = swaps = 0
+    for op in ops or ():
+        kind = type(op)
+        if kind is CopyBlock:
+            pages += 1
+        elif kind in _SLOT_OPS:
+            slots += 1
+        elif kind in _SWAP_OPS:
+            swaps += 1
+    return pages, slots, swaps
 
 
 @dataclass(slots=True, frozen=True)
 class CostModel:
-    """Per-step time in simulated seconds; every field finite and >= 0."""
+    """Per-step time in simulated seconds; every field finite and >= 0.
+
+    The field order is the order of `StepShape.terms()`.
+    """
 
     step_overhead: float = 0.020
     prefill_per_token: float = 0.00025
@@ -34,6 +137,12 @@ class CostModel:
     copy_per_page: float = 0.00002
     copy_per_slot: float = 0.0002
     swap_per_page: float = 0.0001
+    prefill_chunk_overhead: float = 0.0
+    prefill_sample_overhead: float = 0.0
+    prefill_attention_per_token_pair: float = 0.0
+    decode_batch_overhead: float = 0.0
+    decode_padded_context_token: float = 0.0
+    random_sample_per_row: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -46,6 +155,27 @@ class CostModel:
             raise ValueError("a step must cost some time: step_overhead, prefill_per_token "
                              "and decode_per_token cannot all be 0")
 
+    def time_of(self, shape: StepShape) -> float:
+        """Seconds the step of this shape takes: the sum over fields of field
+        x the matching `shape.terms()` entry, written out (once per step, so
+        it must be cheap). O(1)."""
+        s = shape
+        return (
+            self.step_overhead
+            + self.prefill_per_token * s.prefill_tokens
+            + self.decode_per_token * s.decode_rows
+            + self.attention_per_context_token * s.context_tokens
+            + self.copy_per_page * s.page_copies
+            + self.copy_per_slot * s.slot_copies
+            + self.swap_per_page * s.swaps
+            + self.prefill_chunk_overhead * s.prefill_chunks
+            + self.prefill_sample_overhead * s.sampled_chunks
+            + self.prefill_attention_per_token_pair * s.prefill_token_pairs
+            + (self.decode_batch_overhead if s.decode_rows else 0.0)
+            + self.decode_padded_context_token * s.decode_rows * s.longest_decode_context
+            + self.random_sample_per_row * s.random_samples
+        )
+
     def step_time(
         self,
         prefill_tokens: int,
@@ -55,16 +185,16 @@ class CostModel:
         slot_copies: int = 0,
         swapped_pages: int = 0,
     ) -> float:
-        """Seconds the step takes. O(1)."""
-        return (
-            self.step_overhead
-            + self.prefill_per_token * prefill_tokens
-            + self.decode_per_token * decode_tokens
-            + self.attention_per_context_token * context_tokens
-            + self.copy_per_page * page_copies
-            + self.copy_per_slot * slot_copies
-            + self.swap_per_page * swapped_pages
-        )
+        """Seconds of a step given by its first-order terms only (the others
+        count as 0). O(1)."""
+        return self.time_of(StepShape(
+            prefill_tokens=prefill_tokens, decode_rows=decode_tokens,
+            context_tokens=context_tokens, page_copies=page_copies,
+            slot_copies=slot_copies, swaps=swapped_pages,
+        ))
+
+    def coefficients(self) -> tuple[float, ...]:
+        return tuple(getattr(self, item.name) for item in fields(self))
 
     def to_dict(self) -> dict:
         return {item.name: getattr(self, item.name) for item in fields(self)}

@@ -86,6 +86,28 @@ class RequestRecord:
     samples: int = 1
     aborted: bool = False
 
+    @classmethod
+    def of(cls, workload: str, request, now: float, aborted: bool) -> "RequestRecord":
+        """The record of a finished or aborted scheduler `Request` (`now`
+        stands in for a missing finish time)."""
+        m = request.metrics
+        return cls(
+            workload=workload,
+            arrival=m.arrival_time,
+            first_scheduled=m.first_scheduled_time,
+            first_token=m.first_token_time,
+            last_token=m.last_token_time,
+            finish=m.finish_time if m.finish_time is not None else now,
+            prompt_tokens=len(request.prompt_tokens),
+            cached_tokens=m.num_cached_tokens,
+            output_tokens=m.num_generated_tokens,
+            computed_tokens=m.num_computed_tokens,
+            preemptions=m.num_preemptions,
+            max_gap=m.max_token_gap,
+            samples=request.sampling.n,
+            aborted=aborted,
+        )
+
 
 class MetricsRecorder:
     """Accumulates series; `summary()` reduces them."""
@@ -106,6 +128,20 @@ class MetricsRecorder:
         """One value per `STEP_FIELDS` entry, in that order. O(1)."""
         for series, value in zip(self.steps.values(), values):
             series.append(value)
+
+    def on_scheduler_step(self, now: float, dt: float, out, bm, sched, num_slots: int,
+                          num_done: int, bookkeeping: float) -> None:
+        """One step of a `Scheduler` over block manager `bm` (its counters
+        after the step's update). O(1)."""
+        stats, sstats = bm.stats, sched.stats
+        self.on_step((
+            now, dt, out.num_prefill_tokens, out.num_decode_tokens,
+            sched.num_waiting, sched.num_running, bm.usage,
+            stats.num_trie_pages, stats.num_trie_nodes,
+            num_slots - bm.num_free_slots,
+            sstats.num_preempted_recompute_total, sstats.num_preempted_swap_total,
+            stats.num_query_tokens, stats.num_hit_tokens, num_done, bookkeeping,
+        ))
 
     def on_memory(self, time: float, snap: MemorySnapshot) -> None:
         mem = self.memory

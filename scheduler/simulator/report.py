@@ -103,6 +103,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("time per output token p50 / p99", _pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
         ("end-to-end p50 / p99", _pair(lat["e2e_s"], "s")),
         ("prefix hit rate (token-weighted)", f"{pc['hit_rate'] * 100:.1f} %"),
+        *_bound_rows(pc),
         ("page usage peak / mean", f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
                                    f" of {mem['num_blocks']} pages"),
         ("internal fragmentation mean", f"{mem['fragmentation_mean'] * 100:.2f} %"),
@@ -120,6 +121,15 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         checks = summary["checks"]
         rows.append(("integrity checks / leak check", f"{checks['integrity_checks']} / {checks['leaks']}"))
     return rows
+
+
+def _bound_rows(pc: dict) -> list[tuple[str, str]]:
+    """The trace's infinite-cache hit rate beside the first-admission one."""
+    bound = pc.get("infinite_cache_hit_rate")
+    if bound is None:
+        return []
+    return [("first-admission hit rate / infinite cache",
+             f"{pc['first_admission_hit_rate'] * 100:.1f} % / {bound * 100:.1f} %")]
 
 
 def _slot_rows(slots: dict | None) -> list[tuple[str, str]]:
@@ -153,11 +163,11 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         "",
         f"Workload {_mix(wl['mix'])}, {wl['num_requests']} requests, arrival {wl['arrival']}"
         + (f" at {wl['rate']} sessions/s" if wl["arrival"] == "poisson" else f", {wl['concurrency']} clients")
-        + f", seed {wl['seed']}" + (f", replayed from `{cfg['trace']}`" if cfg.get("trace") else "") + ".",
+        + f", seed {wl['seed']}" + _trace_note(cfg) + ".",
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
         + (f", {bm['num_slots']} recurrent slots (hybrid)" if bm.get("num_slots") else "")
         + (", prefix cache on" if bm["enable_prefix_cache"] else ", prefix cache off") + ".",
-        "All times are simulated seconds from the cost model, except bookkeeping and wall time.",
+        _time_note(report["summary"]),
         "Every metric and the full config are in `report.json`.",
         "",
         "| metric | value |",
@@ -188,9 +198,80 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _time_note(summary: dict) -> str:
+    engine = summary.get("engine")
+    if engine is None:
+        return "All times are simulated seconds from the cost model, except bookkeeping and wall time."
+    blas = engine["machine"]["blas"]
+    return (f"Real engine on {engine['model']}: all times are engine step times on this machine "
+            f"(idle gaps between arrivals skipped), BLAS {blas['name']} "
+            f"({blas['matmul_1024_gflops']:.0f} GFLOPS).")
+
+
+def _trace_note(cfg: dict) -> str:
+    if not cfg.get("trace"):
+        return ""
+    note = f", replayed from `{cfg['trace']}`"
+    if cfg.get("trace_block_tokens"):
+        note += f" with {cfg['trace_block_tokens']}-token prefix blocks"
+    if cfg.get("time_scale", 1.0) != 1.0:
+        note += f", times x {cfg['time_scale']:g}"
+    return note
+
+
 def _mix(mix: dict) -> str:
     if len(mix) == 1:
         return next(iter(mix))
     total = sum(mix.values())
     return ", ".join(f"{k} {v / total:.0%}" for k, v in mix.items())
 
+
+
+#: (label, path into the summary) of the metrics two runs are compared on.
+COMPARED = (
+    ("throughput, output tok/s", ("throughput", "output_tokens_per_s")),
+    ("throughput, requests/s", ("throughput", "requests_per_s")),
+    ("TTFT p50, s", ("latency", "ttft_s", "p50")),
+    ("TTFT p90, s", ("latency", "ttft_s", "p90")),
+    ("TTFT p99, s", ("latency", "ttft_s", "p99")),
+    ("TPOT p50, s", ("latency", "tpot_s", "p50")),
+    ("TPOT p90, s", ("latency", "tpot_s", "p90")),
+    ("prefix hit rate", ("prefix_cache", "hit_rate")),
+    ("peak pages used", ("memory", "pages_used_peak")),
+    ("preemptions", ("preemptions", "total")),
+)
+
+
+def comparison_rows(first: dict, second: dict) -> list[tuple[str, float | None, float | None, float | None]]:
+    """(metric, first, second, second / first - 1) for every `COMPARED` metric;
+    the difference is None when either value is missing or the first is 0."""
+    rows = []
+    for label, path in COMPARED:
+        a, b = _at(first, path), _at(second, path)
+        diff = b / a - 1 if a and b is not None else None
+        rows.append((label, a, b, diff))
+    return rows
+
+
+def _at(summary: dict, path: tuple[str, ...]) -> float | None:
+    value = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def format_comparison(rows, first_name: str, second_name: str) -> str:
+    """A markdown table of `comparison_rows`."""
+    lines = [f"| metric | {first_name} | {second_name} | difference |", "|---|---|---|---|"]
+    for label, a, b, diff in rows:
+        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | "
+                     f"{'n/a' if diff is None else f'{diff * 100:+.1f} %'} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}"

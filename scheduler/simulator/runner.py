@@ -26,23 +26,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from blockmgr import BlockManager, CopyBlock, CopySlot, GroupedStore, ZeroSlot
-from blockmgr import ops as bm_ops
+from blockmgr import BlockManager, GroupedStore
 from blockmgr.errors import BlockManagerError
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
 from scheduler.simulator.config import SimulationConfig
+from scheduler.simulator.cost_model import step_shape
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
+from scheduler.simulator.prefix_bound import PrefixBound
 from scheduler.simulator.tokens import TokenSource, derive_key
 from scheduler.simulator.trace import iter_sessions, read_trace
 from scheduler.simulator.workloads import RequestSpec, generate
-
-_SWAP_OPS = tuple(
-    getattr(bm_ops, name) for name in ("SwapOut", "SwapIn", "SwapOutSlot", "SwapInSlot")
-    if hasattr(bm_ops, name)
-)
-_SLOT_OPS = (CopySlot, ZeroSlot)
 
 ProgressFn = Callable[[int, int, float], None]
 
@@ -90,7 +85,9 @@ class Simulation:
         self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
-        self._sessions = iter(sessions) if sessions is not None else _sessions_of(config)
+        self._sessions = iter(sessions) if sessions is not None else sessions_of(config)
+        # The infinite-cache bound, for traces (O(distinct texts) memory).
+        self._bound = PrefixBound() if config.trace is not None else None
         self._progress = progress
         self._heap: list = []
         self._order = itertools.count()
@@ -158,12 +155,14 @@ class Simulation:
         request = Request(
             spec.request_id,
             prompt,
-            SamplingParams(max_tokens=spec.output_len, n=spec.n),
+            spec.sampling(),
             namespace=spec.namespace,
             arrival_time=when,
         )
         outputs = [text(derive_key(spec.output_key, i), spec.output_len) for i in range(spec.n)]
         self._live[spec.request_id] = _Live(spec, session, index, request, outputs, closed)
+        if self._bound is not None:
+            self._bound.observe(spec)
         self._num_added += 1
         try:
             self.scheduler.add_request(request)
@@ -206,10 +205,8 @@ class Simulation:
                 return
         else:
             self._idle_steps = 0
-        sampled, context = self._sample(out)
-        dt = self.config.cost.step_time(
-            out.num_prefill_tokens, out.num_decode_tokens, context, *_count_ops(out.ops)
-        )
+        sampled = self._sample(out)
+        dt = self.config.cost.time_of(step_shape(out, self.config.layout.attended))
         self.now += dt
         t2 = perf()
         results = sched.update(out, sampled)
@@ -223,16 +220,9 @@ class Simulation:
         """Per-step series; memory snapshots, integrity checks and progress
         at their intervals."""
         self._steps += 1
-        step, bm, sched, cfg = self._steps, self.bm, self.scheduler, self.config
-        stats, sstats = bm.stats, sched.stats
-        self.metrics.on_step((
-            self.now, dt, out.num_prefill_tokens, out.num_decode_tokens,
-            sched.num_waiting, sched.num_running, bm.usage,
-            stats.num_trie_pages, stats.num_trie_nodes,
-            cfg.block_manager.num_slots - bm.num_free_slots,
-            sstats.num_preempted_recompute_total, sstats.num_preempted_swap_total,
-            stats.num_query_tokens, stats.num_hit_tokens, self._num_done, bookkeeping,
-        ))
+        step, bm, cfg = self._steps, self.bm, self.config
+        self.metrics.on_scheduler_step(self.now, dt, out, bm, self.scheduler,
+                                       cfg.block_manager.num_slots, self._num_done, bookkeeping)
         if step % cfg.sample_every == 0:
             self.metrics.on_memory(self.now, snapshot(bm))
         if cfg.check_every is not None and step % cfg.check_every == 0:
@@ -241,17 +231,14 @@ class Simulation:
         if self._progress is not None and step % 64 == 0:
             self._progress(self._num_done, self._num_added, self.now)
 
-    def _sample(self, out) -> tuple[dict, int]:
-        """The tokens the model would sample, and the attended context size."""
+    def _sample(self, out) -> dict:
+        """The tokens the model would sample."""
         sampled = {}
-        context = 0
         live = self._live
-        attended = self.config.layout.attended
         for item in out.seqs:
-            end = item.start_position + len(item.token_ids)
-            context += attended(end)
             if not item.sample:
                 continue
+            end = item.start_position + len(item.token_ids)
             entry = live[item.request_id]
             position = end - len(entry.request.prompt_tokens)
             outputs = entry.outputs
@@ -260,7 +247,7 @@ class Simulation:
             else:
                 o = outputs[item.sample_index]
                 sampled[item.seq_id] = o[min(position, len(o) - 1)]
-        return sampled, context
+        return sampled
 
     def _unstick(self, idle_steps: int) -> bool:
         """An empty step. Abort the head waiting request if nothing runs (it can
@@ -281,26 +268,7 @@ class Simulation:
 
     def _finish(self, request_id: str, aborted: bool) -> None:
         entry = self._live.pop(request_id)
-        spec, req = entry.spec, entry.request
-        m = req.metrics
-        self.metrics.on_finish(
-            RequestRecord(
-                workload=spec.workload,
-                arrival=m.arrival_time,
-                first_scheduled=m.first_scheduled_time,
-                first_token=m.first_token_time,
-                last_token=m.last_token_time,
-                finish=m.finish_time if m.finish_time is not None else self.now,
-                prompt_tokens=len(req.prompt_tokens),
-                cached_tokens=m.num_cached_tokens,
-                output_tokens=m.num_generated_tokens,
-                computed_tokens=m.num_computed_tokens,
-                preemptions=m.num_preemptions,
-                max_gap=m.max_token_gap,
-                samples=spec.n,
-                aborted=aborted,
-            )
-        )
+        self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now, aborted))
         self._num_done += 1
         nxt = entry.index + 1
         if nxt < len(entry.session):
@@ -325,6 +293,8 @@ class Simulation:
             wall_seconds=wall,
         )
         summary["requests"]["submitted"] = self._num_added
+        if self._bound is not None:
+            summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
         if cfg.check_every is not None:
             bm.check_integrity()
             self.metrics.num_integrity_checks += 1
@@ -382,26 +352,12 @@ def _cached_only(bm: BlockManager) -> list[str]:
     return problems
 
 
-def _count_ops(ops) -> tuple[int, int, int]:
-    """(page copies, slot copies/zeroes, swapped pages or slots) of a plan."""
-    if not ops:
-        return 0, 0, 0
-    pages = slots = swaps = 0
-    for op in ops:
-        kind = type(op)
-        if kind is CopyBlock:
-            pages += 1
-        elif kind in _SLOT_OPS:
-            slots += 1
-        elif kind in _SWAP_OPS:
-            swaps += 1
-    return pages, slots, swaps
-
-
-def _sessions_of(config: SimulationConfig) -> Iterator[list[RequestSpec]]:
+def sessions_of(config: SimulationConfig) -> Iterator[list[RequestSpec]]:
+    """The run's sessions: generated, or read from its trace (timed heads in
+    arrival order)."""
     if config.trace is None:
         return generate(config.workload)
-    _, sessions = read_trace(config.trace)
+    _, sessions = read_trace(config.trace, config.trace_block_tokens, config.time_scale)
     return iter_sessions(_ordered(sessions))
 
 

@@ -122,11 +122,18 @@ def run_sweep(
     points: list[tuple[dict, SimulationConfig]],
     jobs: int = 2,
     on_done: Callable[[dict], None] | None = None,
+    ray_address: str | None = None,
 ) -> list[dict]:
-    """Run every point (in `jobs` processes when > 1); rows in grid order."""
+    """Run every point (on the Ray cluster at `ray_address` when given, "local"
+    for a private one of `jobs` CPUs; else in `jobs` processes when > 1);
+    rows in grid order."""
     tasks = [(i, params, cfg.to_dict()) for i, (params, cfg) in enumerate(points)]
     rows: list[dict] = []
-    if jobs <= 1 or len(tasks) == 1:
+    if ray_address is not None:
+        from scheduler.simulator.sweep_ray import run_on_ray
+
+        rows = run_on_ray(tasks, ray_address, _run_point, on_done, num_cpus=jobs)
+    elif jobs <= 1 or len(tasks) == 1:
         for task in tasks:
             rows.append(_run_point(task))
             if on_done:

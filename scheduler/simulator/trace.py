@@ -21,12 +21,28 @@ settings (informational). Every other line is one request:
 
 Requests must appear after the request they follow. Replay reads the whole
 file (O(file size) memory); writing streams.
+
+Prefix blocks: `prefix_block_tokens` comes from the caller (an override),
+else from the header, else it is guessed as 512, the block Mooncake defines
+its `hash_ids` over, with a `TraceWarning`. `time_scale` multiplies every
+arrival and think time (0.5 replays the trace twice as fast).
+
+CSV traces (`.csv`, a header row) are read by column name: arrival
+(`arrival` seconds, `timestamp` ms, or Azure's `TIMESTAMP` date-time,
+relative to the first row), prompt length (`input_length`, `prompt_len`,
+`ContextTokens`, `context_tokens`) and output length (`output_length`,
+`output_len`, `GeneratedTokens`, `generated_tokens`). Their prompts share
+nothing (the columns carry no prefix information).
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
+import math
+import warnings
+from datetime import datetime
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -34,13 +50,18 @@ from scheduler.simulator.tokens import derive_key
 from scheduler.simulator.workloads import RequestSpec
 
 TRACE_VERSION = 1
-DEFAULT_PREFIX_BLOCK_TOKENS = 16
+#: Tokens per `hash_ids` block in Mooncake traces (their FAST'25 release).
+MOONCAKE_BLOCK_TOKENS = 512
 _PREFIX_FAMILY = 0x9AEF1C5
 _UNIQUE_FAMILY = 0x7E47
 
 
 class TraceError(ValueError):
     """A trace file is malformed; the message names the line."""
+
+
+class TraceWarning(UserWarning):
+    """A trace was read with a guessed setting (its prefix block size)."""
 
 
 def write_trace(path: str | Path, sessions: Iterable[list[RequestSpec]], header: dict) -> int:
@@ -79,51 +100,182 @@ def _record(spec: RequestSpec) -> dict:
     return record
 
 
-def read_trace(path: str | Path) -> tuple[dict, list[list[RequestSpec]]]:
-    """(header, sessions in file order). Raises `TraceError` naming the line."""
-    header: dict = {}
-    sessions: list[list[RequestSpec]] = []
-    session_of: dict[str, list[RequestSpec]] = {}
+def read_trace(
+    path: str | Path, prefix_block_tokens: int | None = None, time_scale: float = 1.0
+) -> tuple[dict, list[list[RequestSpec]]]:
+    """(header, sessions in file order). Raises `TraceError` naming the line.
+
+    The returned header holds the `prefix_block_tokens` used (when any
+    request has prefix ids) and `prefix_block_tokens_guessed`.
+    """
+    _check_replay_options(prefix_block_tokens, time_scale)
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8", newline="")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
     with handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{lineno}: expected a JSON object")
-            if record.get("type") == "header":
-                if lineno != 1 and sessions:
-                    raise TraceError(f"{path}:{lineno}: header must be the first line")
-                header = record
-                continue
-            try:
-                spec = _spec(record, lineno, header)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TraceError(f"{path}:{lineno}: {_reason(exc)}") from None
-            if spec.request_id in session_of:
-                raise TraceError(f"{path}:{lineno}: duplicate request id {spec.request_id!r}")
-            if spec.after is None:
-                session = [spec]
-                sessions.append(session)
-            else:
-                session = session_of.get(spec.after)
-                if session is None or session[-1].request_id != spec.after:
-                    raise TraceError(
-                        f"{path}:{lineno}: 'after' must name the previous request of a "
-                        f"session that appears earlier, got {spec.after!r}"
-                    )
-                session.append(spec)
-            session_of[spec.request_id] = session
+        if str(path).lower().endswith(".csv"):
+            header, sessions = {}, _read_csv(handle, path)
+        else:
+            header, sessions = _read_jsonl(handle, path, prefix_block_tokens)
     if not sessions:
         raise TraceError(f"{path}: no requests")
+    if time_scale != 1.0:
+        sessions = [[_scaled(spec, time_scale) for spec in session] for session in sessions]
     return header, sessions
+
+
+def _check_replay_options(prefix_block_tokens, time_scale) -> None:
+    if prefix_block_tokens is not None and (
+        isinstance(prefix_block_tokens, bool) or not isinstance(prefix_block_tokens, int)
+        or prefix_block_tokens < 1
+    ):
+        raise ValueError(f"prefix_block_tokens must be an int >= 1, got {prefix_block_tokens!r}")
+    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) \
+            or not math.isfinite(time_scale) or time_scale <= 0:
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+
+
+def _scaled(spec: RequestSpec, scale: float) -> RequestSpec:
+    return _copy(spec, arrival=None if spec.arrival is None else spec.arrival * scale,
+                 think_time=spec.think_time * scale)
+
+
+def _copy(s: RequestSpec, **changes) -> RequestSpec:
+    values = dict(
+        request_id=s.request_id, prompt=s.prompt, output_len=s.output_len,
+        output_key=s.output_key, n=s.n, namespace=s.namespace, arrival=s.arrival,
+        after=s.after, think_time=s.think_time, workload=s.workload, tokens=s.tokens,
+    )
+    values.update(changes)
+    return RequestSpec(**values)
+
+
+def _read_jsonl(handle, path, prefix_block_tokens: int | None):
+    header: dict = {}
+    blocks = _BlockSize(path, prefix_block_tokens)
+    sessions: list[list[RequestSpec]] = []
+    session_of: dict[str, list[RequestSpec]] = {}
+    for lineno, line in enumerate(handle, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{path}:{lineno}: expected a JSON object")
+        if record.get("type") == "header":
+            if lineno != 1 and sessions:
+                raise TraceError(f"{path}:{lineno}: header must be the first line")
+            header = dict(record)
+            blocks.header = header
+            continue
+        try:
+            spec = _spec(record, lineno, blocks)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{path}:{lineno}: {_reason(exc)}") from None
+        if spec.request_id in session_of:
+            raise TraceError(f"{path}:{lineno}: duplicate request id {spec.request_id!r}")
+        if spec.after is None:
+            session = [spec]
+            sessions.append(session)
+        else:
+            session = session_of.get(spec.after)
+            if session is None or session[-1].request_id != spec.after:
+                raise TraceError(
+                    f"{path}:{lineno}: 'after' must name the previous request of a "
+                    f"session that appears earlier, got {spec.after!r}"
+                )
+            session.append(spec)
+        session_of[spec.request_id] = session
+    if blocks.used is not None:
+        header["prefix_block_tokens"] = blocks.used
+        header["prefix_block_tokens_guessed"] = blocks.guessed
+    return header, sessions
+
+
+class _BlockSize:
+    """The prefix block size of one read: decided at the first prefix-id
+    request (option, else header, else a warned guess)."""
+
+    def __init__(self, path, option: int | None) -> None:
+        self.path = path
+        self.option = option
+        self.header: dict = {}
+        self.used: int | None = None
+        self.guessed = False
+
+    def get(self) -> int:
+        if self.used is None:
+            self.used = self._decide()
+        return self.used
+
+    def _decide(self) -> int:
+        if self.option is not None:
+            return self.option
+        if "prefix_block_tokens" in self.header:
+            value = self.header["prefix_block_tokens"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"header prefix_block_tokens must be an int >= 1, got {value!r}")
+            return value
+        self.guessed = True
+        warnings.warn(TraceWarning(
+            f"{self.path}: no header gives the prefix block size; reading hash_ids as "
+            f"{MOONCAKE_BLOCK_TOKENS}-token blocks (Mooncake's); set it with --trace-block-tokens"
+        ), stacklevel=4)
+        return MOONCAKE_BLOCK_TOKENS
+
+
+_CSV_ARRIVAL = ("arrival", "timestamp", "TIMESTAMP")
+_CSV_PROMPT = ("input_length", "prompt_len", "ContextTokens", "context_tokens")
+_CSV_OUTPUT = ("output_length", "output_len", "GeneratedTokens", "generated_tokens")
+
+
+def _read_csv(handle, path) -> list[list[RequestSpec]]:
+    """ShareGPT-style / Azure LLM inference CSV rows, one request each."""
+    reader = csv.DictReader(handle)
+    columns = reader.fieldnames or []
+    names = [_column(columns, options, path) for options in (_CSV_ARRIVAL, _CSV_PROMPT, _CSV_OUTPUT)]
+    sessions = []
+    start = None
+    for lineno, row in enumerate(reader, 2):
+        try:
+            when = _csv_time(names[0], row[names[0]])
+            start = when if start is None else start
+            request_id = f"r{lineno}"
+            spec = RequestSpec(
+                request_id,
+                ((derive_key(_UNIQUE_FAMILY ^ _id_hash(request_id), 0), int(row[names[1]])),),
+                int(row[names[2]]),
+                derive_key(_id_hash(request_id), 1),
+                arrival=max(when - start, 0.0),
+                workload="trace",
+            )
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{path}:{lineno}: {exc}") from None
+        sessions.append([spec])
+    return sessions
+
+
+def _column(columns: list[str], options: tuple[str, ...], path) -> str:
+    for name in options:
+        if name in columns:
+            return name
+    raise TraceError(f"{path}:1: CSV trace needs one of the columns {', '.join(options)}")
+
+
+def _csv_time(column: str, text: str) -> float:
+    """Seconds: `arrival` is seconds, `timestamp` ms, `TIMESTAMP` a date-time."""
+    if column == "arrival":
+        return float(text)
+    if column == "timestamp":
+        return float(text) / 1000.0
+    stamp = text.strip()
+    head, dot, fraction = stamp.partition(".")
+    if dot:  # Azure writes 7 fractional digits; datetime takes 6
+        stamp = f"{head}.{fraction[:6]}"
+    return datetime.fromisoformat(stamp).timestamp()
 
 
 def _reason(exc: Exception) -> str:
@@ -132,7 +284,7 @@ def _reason(exc: Exception) -> str:
     return str(exc)
 
 
-def _spec(record: dict, lineno: int, header: dict) -> RequestSpec:
+def _spec(record: dict, lineno: int, blocks: "_BlockSize") -> RequestSpec:
     request_id = str(record.get("id", f"r{lineno}"))
     arrival = record.get("arrival")
     if arrival is None and "timestamp" in record:
@@ -144,7 +296,7 @@ def _spec(record: dict, lineno: int, header: dict) -> RequestSpec:
     namespace = record.get("namespace")
     if namespace is not None and not isinstance(namespace, (str, int)):
         raise ValueError(f"namespace must be a string or an integer, got {namespace!r}")
-    prompt, tokens = _prompt(record, request_id, header)
+    prompt, tokens = _prompt(record, request_id, blocks)
     return RequestSpec(
         request_id,
         prompt,
@@ -171,7 +323,7 @@ def _first(record: dict, *names: str):
     raise KeyError(names[0])
 
 
-def _prompt(record: dict, request_id: str, header: dict):
+def _prompt(record: dict, request_id: str, blocks: "_BlockSize"):
     if "prompt_tokens" in record:
         tokens = record["prompt_tokens"]
         if not isinstance(tokens, list) or not all(
@@ -190,14 +342,12 @@ def _prompt(record: dict, request_id: str, header: dict):
     ids = record.get("prefix_ids", record.get("hash_ids"))
     if ids is None:
         raise KeyError("prompt")
-    return _prefix_segments(ids, int(_first(record, "prompt_len", "input_length")), request_id, header), None
+    prompt_len = int(_first(record, "prompt_len", "input_length"))
+    return _prefix_segments(ids, prompt_len, request_id, blocks.get()), None
 
 
-def _prefix_segments(ids, prompt_len: int, request_id: str, header: dict):
+def _prefix_segments(ids, prompt_len: int, request_id: str, block: int):
     """Shared blocks keyed by prefix id (the last may be cut), then unique text."""
-    block = int(header.get("prefix_block_tokens", DEFAULT_PREFIX_BLOCK_TOKENS))
-    if block < 1:
-        raise ValueError("prefix_block_tokens must be >= 1")
     segments = []
     room = prompt_len
     for prefix_id in ids:
@@ -215,10 +365,4 @@ def _prefix_segments(ids, prompt_len: int, request_id: str, header: dict):
 def iter_sessions(sessions: list[list[RequestSpec]]) -> Iterator[list[RequestSpec]]:
     """Fresh copies of replayed sessions (the runner may annotate specs)."""
     for session in sessions:
-        yield [
-            RequestSpec(
-                s.request_id, s.prompt, s.output_len, s.output_key, s.n, s.namespace,
-                s.arrival, s.after, s.think_time, s.workload, s.tokens,
-            )
-            for s in session
-        ]
+        yield [_copy(s) for s in session]

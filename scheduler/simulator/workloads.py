@@ -87,6 +87,17 @@ class RequestSpec:
             return len(self.tokens)
         return sum(length for _, length in self.prompt)
 
+    def sampling(self):
+        """The request's `SamplingParams`: greedy for one sample; n > 1
+        samples draw at temperature 1 from a seed of the request, so they
+        differ (on the real engine as in the workload's texts)."""
+        from scheduler.request import SamplingParams
+
+        if self.n == 1:
+            return SamplingParams(max_tokens=self.output_len)
+        return SamplingParams(max_tokens=self.output_len, n=self.n, temperature=1.0,
+                              seed=self.output_key % (1 << 31))
+
     def output_segment(self, sample: int = 0) -> Segment:
         """The text this request generates for `sample` (a follow-up's input)."""
         return (derive_key(self.output_key, sample), self.output_len)

@@ -1,0 +1,128 @@
+"""Simulator fidelity: calibrated simulations against real-engine replays.
+
+Calibrate once on the grid of `blockmgr calibrate` (micro-batches, no
+workload), then run held-out workloads twice: through the real engine
+(`run_replay`) and through the simulator with the profile. Prints one
+comparison table per workload and a summary of the relative errors against
+the 10 % target (throughput, TTFT p50/p90, TPOT p50).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/fidelity.py --preset qwen3-0.6b --layers 4 \\
+        [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...] \\
+        [--clock cpu]   # with OPENBLAS_NUM_THREADS=1 in the environment
+
+Real times are step times on a shared machine, by the wall clock or by
+this process's CPU time (`--clock cpu`, the same clock for calibration and
+replay); the load average before and after each replay is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blockmgr import BlockManagerConfig  # noqa: E402
+from scheduler.scheduler import SchedulerConfig  # noqa: E402
+from scheduler.simulator import SimulationConfig, WorkloadConfig, parse_length, run_simulation  # noqa: E402
+from scheduler.simulator.report import comparison_rows, format_comparison  # noqa: E402
+
+#: Metrics held to the target, by comparison-row label.
+TARGETED = ("throughput, output tok/s", "TTFT p50, s", "TTFT p90, s", "TPOT p50, s")
+TARGET = 0.10
+
+
+def workload(name: str, **overrides) -> tuple[str, SimulationConfig]:
+    wl = dict(mix={"chat": 1.0}, num_requests=32, rate=1.0, seed=11, max_context=2048,
+              system_len=parse_length("lognormal:mean=300,sigma=0.5,min=32,max=1024"),
+              user_len=parse_length("lognormal:mean=80,sigma=0.6,min=8,max=512"),
+              output_len=parse_length("lognormal:mean=20,sigma=0.5,min=4,max=64"))
+    bm = dict(num_blocks=512, block_size=16)
+    sched = dict(max_num_batched_tokens=512, max_num_seqs=16)
+    for key, value in overrides.items():
+        target = bm if key in BlockManagerConfig.__dataclass_fields__ else (
+            sched if key in SchedulerConfig.__dataclass_fields__ else wl)
+        target[key] = parse_length(value) if key.endswith("_len") and isinstance(value, str) else value
+    return name, SimulationConfig(workload=WorkloadConfig(**wl),
+                                  block_manager=BlockManagerConfig(**bm),
+                                  scheduler=SchedulerConfig(**sched), vocab_size=32000)
+
+
+WORKLOADS = dict([
+    workload("chat-low", rate=0.3),
+    workload("chat-high", rate=2.0, num_requests=40),
+    workload("long-shared", rate=0.5, num_system_prompts=2,
+             system_len="lognormal:mean=1200,sigma=0.3,min=256,max=1800"),
+    workload("no-sharing", rate=0.5, enable_prefix_cache=False),
+    workload("parallel-4", mix={"parallel": 1.0}, rate=0.4, num_requests=16),
+    workload("multiturn", mix={"multiturn": 1.0}, rate=0.15, num_requests=30, think_time=1.0),
+    workload("small-pool", rate=1.0, num_blocks=96, max_context=1024),
+])
+
+
+def main() -> int:
+    from scheduler.simulator.calibrate import CalibrationGrid, calibrate, machine_info
+    from scheduler.simulator.engine_models import ModelSpec, load_model
+    from scheduler.simulator.profile import read_cost, write_profile
+    from scheduler.simulator.replay import run_replay
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--profile", help="use this profile (else calibrate first and write one)")
+    parser.add_argument("--out", default="fidelity.json")
+    parser.add_argument("--only", help="comma-separated workload names")
+    parser.add_argument("--num-slots", type=int, default=0,
+                        help="recurrent slots for every workload (hybrid models)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
+    args = parser.parse_args()
+
+    model, description = load_model(ModelSpec(preset=args.preset, layers=args.layers))
+    if args.profile and Path(args.profile).is_file():
+        cost = read_cost(args.profile)
+    else:
+        profile = calibrate(model, description, CalibrationGrid(), clock=args.clock,
+                            progress=lambda label: print(f"  calibrated {label}", file=sys.stderr))
+        write_profile(args.profile or "cost-profile.json", profile)
+        cost = profile.cost
+    names = args.only.split(",") if args.only else list(WORKLOADS)
+    results = {"machine": machine_info(), "model": description | {"config": None},
+               "clock": args.clock, "cost": cost.to_dict(), "workloads": {}}
+    for name in names:
+        base = WORKLOADS[name]
+        data = base.to_dict()
+        data["block_manager"]["num_slots"] = args.num_slots
+        config = SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
+        load_before = os.getloadavg()
+        start = time.perf_counter()
+        real = run_replay(config, model, description, clock=args.clock).summary
+        wall = time.perf_counter() - start
+        load_after = os.getloadavg()
+        sim = run_simulation(config).summary
+        rows = comparison_rows(real, sim)
+        results["workloads"][name] = {
+            "rows": rows, "replay_wall_s": wall,
+            "load_average_before": load_before, "load_average_after": load_after,
+            "real": real, "simulated": sim,
+        }
+        print(f"\n### {name} (replay {wall:.0f} s wall, load {load_before[0]:.1f} -> {load_after[0]:.1f})")
+        print(format_comparison(rows, "real", "simulated"))
+        Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+    print("\n| workload | " + " | ".join(TARGETED) + " | within 10 % |")
+    print("|---|" + "---|" * (len(TARGETED) + 1))
+    for name, entry in results["workloads"].items():
+        diffs = {label: diff for label, _, _, diff in entry["rows"]}
+        cells = [f"{diffs[m] * 100:+.1f} %" if diffs[m] is not None else "n/a" for m in TARGETED]
+        ok = all(diffs[m] is not None and abs(diffs[m]) <= TARGET for m in TARGETED)
+        print(f"| {name} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

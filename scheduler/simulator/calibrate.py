@@ -1,0 +1,323 @@
+"""`blockmgr calibrate`: measure the real `Engine` on this machine and fit
+the simulator's cost model to it.
+
+Every measurement is a real `Engine.step()` (scheduling, paged views,
+forward, sampling, update), recorded through the engine's step listener
+with its `StepShape`. The grid:
+
+* prefill: for each chunk length L, one engine whose token budget is L
+  computes a long prompt, so its chunks run at contexts 0, L, 2L, ... up to
+  `max_context` (the last one samples);
+* decode: a long base prompt is computed once and kept by the prefix
+  trie; for each batch size B and context C, B requests whose prompts are
+  the base's first C tokens plus one token of their own hit the trie and
+  decode `decode_steps` tokens side by side. Also batches whose contexts are
+  spread over [C/4, C] (padding), batches whose tokens are drawn at
+  temperature 1 (softmax and a categorical draw per row, 30x an argmax over
+  a 152k vocabulary), and mixed steps: a prefill chunk joining running
+  decodes;
+* page copies and swaps: a batched copy of pages of this model's layout
+  between two MLX pools (the storage's copy-on-write and host swap are such
+  copies on a CPU), timed per page.
+
+Then `profile.fit_cost_model` fits all terms (non-negative, relative
+error) and the profile records the fit error per grid point, the machine,
+MLX version, the BLAS in use, and the model. Imports MLX.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from scheduler.simulator.cost_model import step_shape
+from scheduler.simulator.profile import CostProfile, StepSample, fit_cost_model
+from scheduler.simulator.tokens import TokenSource
+
+Progress = Callable[[str], None]
+
+#: What a measured second is. "wall": elapsed time. "cpu": this process's
+#: CPU time (all threads), which leaves out the time other processes hold
+#: the cores: on a shared machine with one BLAS thread it is what an idle
+#: machine's wall clock would read.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass(slots=True, frozen=True)
+class CalibrationGrid:
+    """What to measure. Counts are steps or requests; lengths are tokens."""
+
+    prefill_chunks: tuple[int, ...] = (16, 64, 256, 512)
+    max_context: int = 2048
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
+    decode_contexts: tuple[int, ...] = (128, 1024, 2048)
+    decode_steps: int = 6
+    mixed_chunks: tuple[int, ...] = (64, 256)
+    repeats: int = 2
+    block_size: int = 16
+    copy_pages: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_chunks", "decode_batches", "decode_contexts", "mixed_chunks"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be ints >= 1, got {values!r}")
+        for name in ("max_context", "decode_steps", "repeats", "block_size", "copy_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max(self.decode_contexts) > self.max_context:
+            raise ValueError(f"decode contexts {self.decode_contexts} exceed max_context {self.max_context}")
+
+    @property
+    def num_points(self) -> int:
+        """Progress units: prefill engines, decode points, mixed points, copies."""
+        decode = len(self.decode_batches) * (len(self.decode_contexts) * 2 + 1)
+        return self.repeats * (len(self.prefill_chunks) + decode + len(self.mixed_chunks)) + 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: A grid that runs in about a minute on a tiny model (tests, smoke runs).
+QUICK_GRID = CalibrationGrid(
+    prefill_chunks=(16, 64), max_context=256, decode_batches=(1, 4), decode_contexts=(64, 256),
+    decode_steps=3, mixed_chunks=(32,), repeats=1, copy_pages=8,
+)
+
+
+class _Recorder:
+    """The step listener: (label, shape, seconds) of every engine step, and
+    the clock the engines read."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.label = "warmup"
+        self.samples: list[StepSample] = []
+
+    def __call__(self, out, seconds: float) -> None:
+        if self.label != "warmup":
+            self.samples.append(StepSample(self.label, step_shape(out), seconds))
+
+
+def calibrate(model: Any, description: dict, grid: CalibrationGrid,
+              progress: Progress | None = None, clock: str = "wall") -> CostProfile:
+    """Measure `model` over `grid` with `clock` (see `CLOCKS`) and fit a
+    profile. Minutes of CPU time."""
+    from scheduler.simulator.engine_models import vocab_size
+
+    tick = progress or (lambda label: None)
+    source = TokenSource(min(vocab_size(description), 32000))
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    recorder = _Recorder(CLOCKS[clock])
+    for repeat in range(grid.repeats):
+        for chunk in grid.prefill_chunks:
+            _measure_prefill(model, grid, chunk, source, recorder, repeat)
+            tick(f"prefill chunk {chunk}")
+        _measure_decode(model, grid, source, recorder, repeat, tick)
+    copy_seconds = measure_page_copy(model, description, grid, CLOCKS[clock])
+    tick("page copies")
+    fixed = {"copy_per_page": copy_seconds, "swap_per_page": copy_seconds}
+    cost, fit = fit_cost_model(recorder.samples, fixed)
+    return CostProfile(
+        cost=cost,
+        fit=fit,
+        machine=machine_info(),
+        model=description,
+        grid={**grid.to_dict(), "clock": clock, "copy_per_page_measured_s": copy_seconds,
+              "not_measured": ["copy_per_slot"]},
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        samples=tuple(recorder.samples),
+    )
+
+
+def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder):
+    from scheduler.engine import Engine
+
+    per_page = grid.block_size
+    pages = -(-(grid.max_context + max(grid.prefill_chunks) + 1) // per_page)  # the long prompt
+    pages += max(grid.decode_batches) * (-(-(grid.decode_steps + 2) // per_page) + 1)
+    pages += -(-max(grid.mixed_chunks) // per_page) + 1
+    pages = 2 * pages + 16  # room for the trie's finished outputs
+    return Engine(model, num_blocks=pages, block_size=grid.block_size,
+                  max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches) + 2,
+                  clock=recorder.clock, step_listener=recorder)
+
+
+def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int,
+         drawn: bool = False) -> None:
+    """Generate `prompts` greedily, or (`drawn`) at temperature 1, seeded."""
+    from scheduler.request import SamplingParams
+
+    recorder.label = label
+    if drawn:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i)
+                  for i in range(len(prompts))]
+        engine.generate(prompts, params)
+    else:
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+
+
+def _measure_prefill(model, grid, chunk, source, recorder, repeat) -> None:
+    """Chunks of `chunk` tokens at every context up to max_context."""
+    engine = _engine(model, grid, chunk, recorder)
+    _run(engine, recorder, "warmup", [source.text(900 + repeat, 2 * chunk + 1)], 1)
+    prompt = source.text(1000 + 100 * repeat + chunk, grid.max_context + chunk)
+    _run(engine, recorder, f"prefill L={chunk}", [prompt], 1)
+
+
+def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
+    """Decode batches over a cached base prompt; spread contexts; mixed steps."""
+    budget = max(grid.max_context + 1, max(grid.decode_batches) * 2, max(grid.mixed_chunks) * 2)
+    engine = _engine(model, grid, budget, recorder)
+    base = source.text(5000 + repeat, grid.max_context + 1)
+    _run(engine, recorder, "warmup", [base], 1)
+    own = iter(range(1, 1 << 30))
+    steps = grid.decode_steps + 1
+    for context in grid.decode_contexts:
+        for batch in grid.decode_batches:
+            prompts = [base[:context] + [next(own) % source.vocab_size] for _ in range(batch)]
+            _run(engine, recorder, f"decode B={batch} C={context}", prompts, steps)
+            tick(f"decode B={batch} C={context}")
+            spread = [max(1, context * (8 - 7 * i // max(batch, 1)) // 8) for i in range(batch)]
+            prompts = [base[:c] + [next(own) % source.vocab_size] for c in spread]
+            _run(engine, recorder, f"decode spread B={batch} C<={context}", prompts, steps)
+            tick(f"decode spread B={batch} C<={context}")
+    context = min(grid.decode_contexts)
+    for batch in grid.decode_batches:
+        prompts = [base[:context] + [next(own) % source.vocab_size] for _ in range(batch)]
+        _run(engine, recorder, f"decode drawn B={batch} C={context}", prompts, steps, drawn=True)
+        tick(f"decode drawn B={batch} C={context}")
+    batch = max(grid.decode_batches)
+    for chunk in grid.mixed_chunks:
+        _measure_mixed(engine, recorder, source, base[:context], batch, chunk, steps, own)
+        tick(f"mixed L={chunk}")
+
+
+def _measure_mixed(engine, recorder, source, prefix, batch, chunk, steps, own) -> None:
+    """A prefill chunk joins `batch` running decodes (one mixed step)."""
+    from scheduler.request import SamplingParams
+
+    recorder.label = "warmup"
+    for _ in range(batch):
+        engine.add_request(prefix + [next(own) % source.vocab_size], SamplingParams(max_tokens=steps))
+    engine.step()  # the decodes are admitted
+    recorder.label = f"mixed B={batch} L={chunk}"
+    engine.generate([source.text(7000 + next(own), chunk)], SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per KV page copied (all attention layers, K and V), as one
+    batched gather + scatter per pool array: the storage's copy and swap."""
+    import mlx.core as mx
+
+    from cache import LayerKind, layer_specs
+
+    config = description["config"]
+    heads = int(config.get("num_key_value_heads", config.get("num_attention_heads", 1)))
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    layers = sum(1 for s in layer_specs(model) if s.kind is not LayerKind.RECURRENT)
+    n = grid.copy_pages
+    pools = [mx.zeros((4 * n, grid.block_size, heads, head_dim)) for _ in range(2 * layers)]
+    mx.eval(pools)
+    src, dst = mx.arange(0, n), mx.arange(2 * n, 3 * n)
+    best = float("inf")
+    for _ in range(5):
+        start = clock()
+        for pool in pools:
+            pool[dst] = pool[src]
+        mx.eval(pools)
+        best = min(best, clock() - start)
+    return best / n
+
+
+# ----------------------------------------------------------------- machine
+
+_BLAS_NAMES = re.compile(r"(openblas|mkl|blis|accelerate|atlas|libblas|libcblas|flexiblas)", re.I)
+_OPTIMIZED = re.compile(r"openblas|mkl|blis", re.I)
+
+
+def blas_info() -> dict:
+    """Which BLAS MLX runs on: the BLAS libraries mapped into this process
+    (Linux; numpy's private copy, whose symbols are renamed, cannot serve
+    MLX and is left out), LD_PRELOAD, and a measured 1024^3 float32 matmul
+    rate, the decisive figure."""
+    import mlx.core as mx
+
+    mapped = sorted({line.split()[-1] for line in _maps() if _BLAS_NAMES.search(line.split()[-1])})
+    usable = [path for path in mapped if "numpy.libs" not in path and "scipy_openblas" not in path]
+    optimized = [path for path in usable if _OPTIMIZED.search(os.path.basename(path))]
+    a = mx.random.normal((1024, 1024))
+    mx.eval(a)
+    mx.eval(a @ a)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval(a @ a)
+        best = min(best, time.perf_counter() - start)
+    darwin = platform.system() == "Darwin"
+    if optimized:
+        name = os.path.basename(optimized[0])
+    else:
+        name = "Accelerate" if darwin else "reference BLAS bundled with mlx"
+    return {
+        "name": name,
+        "optimized": bool(optimized) or darwin,
+        "libraries": usable,
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "threads": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+                    if k in os.environ},
+        "matmul_1024_gflops": 2 * 1024**3 / best / 1e9,
+    }
+
+
+def _maps() -> list[str]:
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as handle:
+            return [line for line in handle if "/" in line]
+    except OSError:
+        return []
+
+
+def machine_info() -> dict:
+    import mlx.core as mx
+
+    return {
+        "system": platform.system(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "load_average": _load_average(),
+        "python": platform.python_version(),
+        "mlx_version": mx.__version__,
+        "mlx_device": str(mx.default_device()),
+        "blas": blas_info(),
+    }
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

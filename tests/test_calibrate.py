@@ -1,0 +1,326 @@
+"""Calibration and real replay: the step shape, the fit, profiles, the
+replay driving the same scheduler decisions as the simulator, the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from blockmgr import BlockManagerConfig, CopyBlock, CopySlot
+from scheduler.cli import main
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
+from scheduler.simulator import CostModel, SimulationConfig, WorkloadConfig, run_simulation
+from scheduler.simulator.cost_model import StepShape, step_shape
+from scheduler.simulator.profile import (
+    CostProfile,
+    ProfileError,
+    StepSample,
+    fit_cost_model,
+    nnls,
+    read_cost,
+    write_profile,
+)
+from scheduler.simulator.runner import Simulation
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=101)
+
+
+def seq(n: int, start: int, sample: bool, samples: int = 1, temperature: float = 0.0) -> ScheduledSeq:
+    request = Request("r", [1] * (start + n), SamplingParams(n=samples, temperature=temperature))
+    return ScheduledSeq(seq_id=object(), request_id="r", token_ids=[1] * n, start_position=start,
+                        is_prefill=n > 1, sample=sample, num_samples=samples, request=request)
+
+
+# ------------------------------------------------------------------ shape
+
+
+def test_step_shape_counts_the_engines_rows_and_chunks():
+    out = SchedulerOutput(step=0, seqs=[
+        seq(1, 40, True), seq(1, 7, True, temperature=1.0), seq(1, 99, True),  # decode rows
+        seq(30, 0, False), seq(12, 50, True, samples=4, temperature=0.7),    # prefill chunks
+    ], ops=(CopyBlock(1, 2), CopyBlock(3, 4), CopySlot(0, 1)))
+    shape = step_shape(out)
+    assert shape == StepShape(
+        prefill_tokens=42, decode_rows=3, context_tokens=41 + 8 + 100 + 30 + 62,
+        prefill_chunks=2, sampled_chunks=1, prefill_token_pairs=30 * 15 + 12 * (50 + 6),
+        longest_decode_context=100, random_samples=1 + 4, page_copies=2, slot_copies=1, swaps=0,
+    )
+    cost = CostModel(**{f.name: float(i + 1) for i, f in enumerate(fields(CostModel))})
+    by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
+               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5)
+    assert cost.time_of(shape) == pytest.approx(by_hand)
+    terms = shape.terms()  # what the fit multiplies: the same sum
+    assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
+
+
+def test_first_order_step_time_is_unchanged():
+    cost = CostModel()
+    expected = (cost.step_overhead + 100 * cost.prefill_per_token + 3 * cost.decode_per_token
+                + 500 * cost.attention_per_context_token + 2 * cost.copy_per_page
+                + cost.copy_per_slot + 4 * cost.swap_per_page)
+    assert cost.step_time(100, 3, 500, 2, 1, 4) == pytest.approx(expected)
+
+
+# -------------------------------------------------------------------- fit
+
+
+def brute_force_nnls(a, b):
+    """Best least-squares solution over every support with a non-negative
+    unconstrained solution (the optimum is one of them)."""
+    best, best_x = np.inf, None
+    n = a.shape[1]
+    for k in range(n + 1):
+        for support in itertools.combinations(range(n), k):
+            x = np.zeros(n)
+            if support:
+                x[list(support)] = np.linalg.lstsq(a[:, support], b, rcond=None)[0]
+            if (x >= -1e-12).all():
+                residual = np.linalg.norm(a @ x - b)
+                if residual < best - 1e-12:
+                    best, best_x = residual, x
+    return best_x
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_nnls_matches_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(12, 5))
+    b = rng.normal(size=12)
+    assert nnls(a, b) == pytest.approx(brute_force_nnls(a, b), abs=1e-9)
+
+
+def simulated_samples(cost: CostModel) -> list[StepSample]:
+    """The steps of a real simulation, priced by `cost` (noise-free)."""
+    cfg = SimulationConfig(
+        workload=WorkloadConfig(mix={"chat": 1.0, "parallel": 1.0, "agent": 1.0}, num_requests=80,
+                                rate=4.0, seed=2, max_context=2048),
+        block_manager=BlockManagerConfig(num_blocks=400, block_size=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
+    )
+    sim = Simulation(cfg)
+    samples = []
+    original = sim.scheduler.schedule
+
+    def recording():
+        out = original()
+        shape = step_shape(out)
+        samples.append(StepSample("sim", shape, cost.time_of(shape)))
+        return out
+
+    sim.scheduler.schedule = recording
+    sim.run()
+    return samples
+
+
+def test_fit_recovers_the_coefficients_that_made_the_times():
+    truth = CostModel(step_overhead=0.01, prefill_per_token=0.0004, decode_per_token=0.002,
+                      attention_per_context_token=2e-6, copy_per_page=3e-4, copy_per_slot=0.0,
+                      swap_per_page=0.0, prefill_chunk_overhead=0.015,
+                      prefill_sample_overhead=0.12, prefill_attention_per_token_pair=1e-8,
+                      decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
+                      random_sample_per_row=0.004)
+    samples = simulated_samples(truth)
+    assert len(samples) > 200
+    fitted, fit = fit_cost_model(samples, {"copy_per_page": 3e-4})
+    for name, value in truth.to_dict().items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    assert fit["median_abs_rel_error"] < 1e-9
+    assert [p["label"] for p in fit["points"]] == ["sim"]
+
+
+def test_profile_round_trip_and_bad_profiles(tmp_path):
+    cost = CostModel(step_overhead=0.5, decode_batch_overhead=0.25)
+    profile = CostProfile(cost, {"num_steps": 0, "points": []}, {"blas": {"name": "x"}},
+                          {"preset": "p"}, {}, "now")
+    path = tmp_path / "p.json"
+    write_profile(path, profile)
+    assert read_cost(path) == cost
+    data = json.loads(path.read_text())
+    data["cost"]["decode_per_token"] = -1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="decode_per_token must be finite and >= 0"):
+        read_cost(path)
+    data["cost"]["bogus"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="keys among"):
+        read_cost(path)
+    path.write_text(json.dumps({"type": "something else"}))
+    with pytest.raises(ProfileError, match="not a cost profile"):
+        read_cost(path)
+
+
+def test_simulate_with_a_profile_uses_its_cost_and_cost_overrides_it(tmp_path, capsys):
+    cost = CostModel(step_overhead=0.5, prefill_per_token=0.001, decode_per_token=0.01,
+                     decode_batch_overhead=0.25)
+    path = tmp_path / "p.json"
+    write_profile(path, CostProfile(cost, {}, {}, {}, {}, "now"))
+    out = tmp_path / "rep"
+    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out), "--profile", str(path)]
+    assert main(args) == 0
+    assert json.loads((out / "report.json").read_text())["config"]["cost"] == cost.to_dict()
+    assert main(args + ["--cost", "step_overhead=0.1"]) == 0
+    used = json.loads((out / "report.json").read_text())["config"]["cost"]
+    assert used == {**cost.to_dict(), "step_overhead": 0.1}
+    (tmp_path / "bad.json").write_text("{")
+    capsys.readouterr()
+    assert main(args[:-1] + [str(tmp_path / "bad.json")]) == 2
+    assert "profile" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ replay
+
+
+def tiny_model():
+    from scheduler.simulator.engine_models import ModelSpec, load_model
+
+    return load_model(ModelSpec(preset="qwen3-0.6b", layers=2, shape=TINY_SHAPE))
+
+
+def burst_trace(tmp_path, num: int = 12):
+    """Requests that all arrive at once, some sharing a system prompt."""
+    records = [{"id": f"q{i}", "arrival": 0.0,
+                "prompt": [[7 + i % 3, 40 + 16 * (i % 3)], [1000 + i, 9 + i]],
+                "output_len": 3 + i % 4} for i in range(num)]
+    path = tmp_path / "burst.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_replay_makes_the_simulators_scheduling_decisions(tmp_path):
+    """With every request present from the start, timing cannot change a
+    decision: the engine replay and the simulation schedule the same steps,
+    hit the same prefixes, use the same pages and preempt alike."""
+    from scheduler.simulator.replay import run_replay
+
+    model, description = tiny_model()
+    cfg = SimulationConfig(
+        trace=str(burst_trace(tmp_path)), vocab_size=101, check_every=4, sample_every=2,
+        block_manager=BlockManagerConfig(num_blocks=24, block_size=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6),
+    )
+    real = run_replay(cfg, model, description).summary
+    sim = run_simulation(cfg).summary
+    assert real["requests"]["finished"] == sim["requests"]["finished"] == 12
+    assert real["requests"]["output_tokens"] == sim["requests"]["output_tokens"] == sum(
+        3 + i % 4 for i in range(12))
+    assert real["steps"]["count"] == sim["steps"]["count"]
+    for section, key in (("prefix_cache", "hit_tokens"), ("prefix_cache", "query_tokens"),
+                         ("memory", "pages_used_peak"), ("preemptions", "total"),
+                         ("preemptions", "recomputed_tokens"), ("evictions", "pages")):
+        assert real[section][key] == sim[section][key], (section, key)
+    assert sim["preemptions"]["total"] > 0  # the pool is small enough to matter
+    assert real["checks"]["leaks"] == "ok"
+    assert real["engine"]["steps"] == real["steps"]["count"]
+    pc = real["prefix_cache"]
+    assert 0 < pc["first_admission_hit_rate"] <= pc["infinite_cache_hit_rate"]
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path, clock):
+    """A request arriving late: its latency is its own steps, not the wait
+    for its arrival. A second one arriving during the first step waits for
+    that step, as it would in the simulator. Either clock."""
+    from scheduler.simulator.replay import Replay
+
+    model, description = tiny_model()
+    path = tmp_path / "late.jsonl"
+    path.write_text(
+        json.dumps({"id": "a", "arrival": 1000.0, "prompt_tokens": list(range(1, 40)), "output_len": 4})
+        + "\n" + json.dumps({"id": "b", "arrival": 1000.000001, "prompt_tokens": [5, 6, 7],
+                              "output_len": 1}) + "\n")
+    cfg = SimulationConfig(trace=str(path), vocab_size=101,
+                           block_manager=BlockManagerConfig(num_blocks=16, block_size=16))
+    replay = Replay(cfg, model, description, clock=clock)
+    summary = replay.run().summary
+    assert summary["engine"]["clock"] == clock
+    step_times = replay.engine.stats.step_times
+    assert len(step_times) == 4
+    ttft, e2e = summary["latency"]["ttft_s"], summary["latency"]["e2e_s"]
+    # a's first token comes within the first step, its last within the last:
+    # the 1000 s before the arrival are skipped, not waited for or counted.
+    assert 0 < ttft["p50"] <= ttft["max"] <= sum(step_times[:2])
+    assert sum(step_times[:-1]) < e2e["max"] < 500
+    # b arrived 1 us into a's first step and was queued until it ended.
+    assert summary["latency"]["queue_s"]["max"] >= step_times[0] - 1e-6
+    # Replay time runs only inside Engine.step(), which contains each step_time.
+    assert e2e["max"] <= summary["throughput"]["simulated_seconds"]
+    assert sum(step_times) <= summary["throughput"]["simulated_seconds"] < 500
+
+
+def test_replay_samples_of_a_parallel_request_differ(tmp_path):
+    """n = 4 samples are drawn, not argmax'd: four different outputs reach
+    the trie, as the workload's four texts do in the simulator."""
+    from scheduler.simulator.replay import Replay
+
+    model, description = tiny_model()
+    path = tmp_path / "n4.jsonl"
+    path.write_text(json.dumps({"id": "p", "arrival": 0.0, "prompt_tokens": list(range(1, 33)),
+                                "output_len": 40, "n": 4}) + "\n")
+    cfg = SimulationConfig(trace=str(path), vocab_size=101,
+                           block_manager=BlockManagerConfig(num_blocks=64, block_size=16))
+    replay = Replay(cfg, model, description)
+    assert replay.run().summary["requests"]["output_tokens"] == 160
+    # 2 prompt pages, then per sample 32 + 40 - 1 computed tokens: pages 3..5 its own.
+    assert replay.engine.cache.block_manager.stats.num_trie_pages == 2 + 4 * 3
+
+
+def test_replay_rejects_closed_loop_and_a_vocabulary_too_large():
+    from scheduler.simulator.replay import ReplayError, run_replay
+
+    model, description = tiny_model()
+    closed = SimulationConfig(workload=WorkloadConfig(num_requests=3, arrival="closed", max_context=256),
+                              vocab_size=101)
+    with pytest.raises(ReplayError, match="open-loop"):
+        run_replay(closed, model, description)
+    with pytest.raises(ReplayError, match="vocab_size 32000 exceeds the model's 101"):
+        run_replay(SimulationConfig(), model, description)
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
+    shape = ",".join(f"{k}={v}" for k, v in TINY_SHAPE.items())
+    model = ["--preset", "qwen3-0.6b", "--layers", "1", "--shape", shape]
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", *model, "--quick", "--no-progress", "--clock", "cpu",
+                 "--out", str(profile)]) == 0
+    printed = capsys.readouterr().out
+    assert "per-step error median" in printed
+    data = json.loads(profile.read_text())
+    assert data["model"]["preset"] == "qwen3-0.6b" and data["model"]["config"]["hidden_size"] == 64
+    assert data["mlx_version"] and {"name", "optimized", "matmul_1024_gflops"} <= set(data["blas"])
+    labels = {p["label"] for p in data["fit"]["points"]}
+    assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "decode drawn B=4 C=64",
+            "mixed B=4 L=32"} <= labels
+    assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
+    assert data["cost"]["copy_per_page"] > 0
+    assert data["grid"]["clock"] == "cpu"
+    assert len(data["steps"]) == data["fit"]["num_steps"]
+    assert all(len(terms) == len(data["step_fields"]) for _, _, terms in data["steps"])
+
+    workload = ["--workload", "chat", "-n", "8", "--rate", "50", "--max-context", "256",
+                "--num-blocks", "64", "--no-plots", "--no-progress"]
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    assert main(["replay", *model, *workload, "--check", "4", "--out", str(real)]) == 0
+    assert "blockmgr replay" in capsys.readouterr().out
+    report = json.loads((real / "report.json").read_text())
+    assert report["config"]["vocab_size"] == 101
+    assert report["summary"]["requests"]["finished"] == 8
+    assert "Real engine" in (real / "report.md").read_text()
+    assert main(["simulate", "--config", str(real / "report.json"), "--profile", str(profile),
+                 "--out", str(sim), "--no-plots", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(sim), str(real), "--json"]) == 0
+    rows = {r["metric"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["prefix hit rate"]["second"] == report["summary"]["prefix_cache"]["hit_rate"]
+    assert rows["TTFT p50, s"]["difference"] == pytest.approx(
+        rows["TTFT p50, s"]["second"] / rows["TTFT p50, s"]["first"] - 1)
+    assert main(["replay", "--preset", "nope", *workload, "--out", str(real)]) == 2
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
