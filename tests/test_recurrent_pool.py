@@ -172,8 +172,10 @@ def test_mlx_copies_when_gather_and_scatter_share_one_evaluation():
         mx.eval(a)
 
     # Whether MLX copies depends on scheduling (the gather may finish and drop
-    # its reference first); it usually does, so the pool must never rely on luck.
-    assert any(_peak_during(naive) > a.nbytes // 2 for _ in range(6))
+    # its reference first); it usually does (34 of 40 tries on an idle
+    # machine, fewer under load), so the pool must never rely on luck. 100
+    # tries (~0.1 s) make a miss by chance negligible.
+    assert any(_peak_during(naive) > a.nbytes // 2 for _ in range(100))
 
 
 @pytest.mark.parametrize("row", [1024, 4096])  # indexed scatter / slice updates
