@@ -89,7 +89,7 @@ def test_headerless_mooncake_trace_reads_512_token_blocks_and_warns(tmp_path):
     path = write_lines(tmp_path / "mc.jsonl", mooncake_records(3))
     with pytest.warns(TraceWarning, match="512-token blocks"):
         header, sessions = read_trace(path)
-    assert header["prefix_block_tokens"] == MOONCAKE_BLOCK_TOKENS
+    assert header["prefix_block_tokens"] == MOONCAKE_BLOCK_TOKENS == 512
     assert header["prefix_block_tokens_guessed"] is True
     spec = sessions[0][0]
     assert [length for _, length in spec.prompt][:-1] == [512] * (len(spec.prompt) - 1)
