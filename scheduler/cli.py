@@ -2,6 +2,7 @@
 
     blockmgr simulate [options]          one simulation, report folder
     blockmgr simulate --sweep [GRID]     a grid of simulations in parallel
+    blockmgr serve --model DIR           an OpenAI-compatible server (design/serving.md)
 
 Every option is validated; a bad one prints one line
 (``blockmgr simulate: error: ...``) and exits with status 2. A failed
@@ -201,7 +202,33 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
                    help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
     r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve an mlx-lm model directory over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics) over the paged engine. See design/serving.md.",
+    )
+    serve.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
+    serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
+                       help="KV page pool size, e.g. 4GiB or 512MB (default 4GiB)")
+    serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
+    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                       help="sequences running at once (default 64)")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                       help="token budget of one step (default 2048)")
+    serve.add_argument("--max-waiting", type=_positive_int, default=256,
+                       help="waiting requests before new ones get 429 (default 256)")
+    serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
+    serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
+                            "they are aborted (default 10)")
 
 
 # ---------------------------------------------------------------- config
@@ -465,6 +492,28 @@ def cmd_sweep(args, base) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Load the model, size the pool, serve until SIGINT/SIGTERM."""
+    from scheduler import serve
+
+    serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    engine, name = serve.load_engine(
+        args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    hint = serve.blas_hint()
+    if hint:
+        print(hint, file=sys.stderr)
+    bm = engine.cache.block_manager
+    print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
+          f"({engine.cache.nbytes / 2**30:.2f} GiB) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
+              max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -475,10 +524,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2
         prog = f"blockmgr {args.command}"
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_simulate(args)
     except UsageError as exc:
-        if argv and argv[0] == "simulate":
-            prog = "blockmgr simulate"
+        if argv and argv[0] in ("simulate", "serve"):
+            prog = f"blockmgr {argv[0]}"
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (SimulationError, IntegrityError) as exc:  # a failed check: a bug, not a usage error
