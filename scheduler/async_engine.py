@@ -237,10 +237,12 @@ class AsyncEngine:
         command.future.set_result(rid)
 
     def _fail_all(self, error: Exception) -> None:
+        """End every live request with `error`: the stream gets the error
+        first (its reader raises it), then the request is aborted."""
         for rid, stream in list(self._streams.items()):
             self._streams.pop(rid)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
             try:
                 self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - the stream gets the step's error anyway
+            except Exception:  # noqa: BLE001 - the stream has the step's error already
                 pass
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
