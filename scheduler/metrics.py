@@ -107,8 +107,9 @@ class ServingMetrics:
         for name, kind, help_text, value in single:
             _family(lines, name, kind, help_text, [f"{name} {value!r}"])
         _family(lines, "requests_finished_total", "counter", "Requests finished, by reason.", [
+            # dict() copies in one C call: the engine thread may add a reason meanwhile
             f'requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(
-                self.finished.items())])
+                dict(self.finished).items())])
         _family(lines, "time_to_first_token_seconds", "histogram", "Time to first token.",
                 self.ttft.lines("time_to_first_token_seconds"))
         _family(lines, "time_per_output_token_seconds", "histogram", "Time per output token.",

@@ -77,6 +77,11 @@ class SamplingParams:
         when its text contains one; the text is cut before it.
     ignore_eos: do not stop at the tokenizer's end-of-sequence tokens
         (an engine with a tokenizer adds them to `stop_token_ids` otherwise).
+    logits_processors: mlx-lm logits processors, `f(tokens, logits) ->
+        logits` with `tokens` the sample's prompt + output so far (an
+        `mx.array`) and `logits` ``[1, V]``; applied in order, first, one
+        row at a time. One that raises is its request's fault (the engine
+        aborts the request after its retries).
     seed: per-request random seed in [0, 2**64) (reproducible sampling),
         None for the engine's global generator.
 
@@ -99,6 +104,7 @@ class SamplingParams:
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -126,6 +132,7 @@ class SamplingParams:
         self.stop = _check_stop_strings(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise WrongArgumentType(f"ignore_eos must be a bool, got {self.ignore_eos!r:.80}")
+        self.logits_processors = _check_processors(self.logits_processors)
 
     @property
     def greedy(self) -> bool:
@@ -169,6 +176,17 @@ def _check_logit_bias(bias: object) -> dict[int, float]:
         token = check_int("logit_bias key", key, 0)
         checked[token] = _check_range(f"logit_bias[{token}]", value, -100.0, 100.0)
     return checked
+
+
+def _check_processors(processors: object) -> tuple:
+    if callable(processors) or not isinstance(processors, (list, tuple)):
+        raise WrongArgumentType(
+            f"logits_processors must be a list of callables, got {processors!r:.80}"
+        )
+    for index, item in enumerate(processors):
+        if not callable(item):
+            raise WrongArgumentType(f"logits_processors[{index}] is not callable: {item!r:.80}")
+    return tuple(processors)
 
 
 def _check_stop_strings(stop: object) -> tuple[str, ...]:

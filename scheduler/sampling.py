@@ -2,9 +2,10 @@
 
 One `sample_rows` call per step samples every row of the step:
 
-1. logit bias, then penalties (`adjust_logits`): only the (row, token)
-   entries that have a bias or occur in the row's history are touched, with
-   one gather and one scatter for all rows;
+1. user logits processors (mlx-lm's signature, one row at a time: they are
+   arbitrary code), then logit bias, then penalties (`adjust_logits`): only
+   the (row, token) entries that have a bias or occur in the row's history
+   are touched, with one gather and one scatter for all rows;
 2. greedy rows (temperature 0, or below `GREEDY_BELOW`, where 1 / T would
    overflow float32) take the argmax (as mlx-lm's `greedy_sampler`);
 3. the others: log-softmax, then mlx-lm's `apply_top_p`, `apply_min_p`,
@@ -115,9 +116,11 @@ def adjust_logits(
     params: Sequence[SamplingParams],
     histories: Sequence[History | None] | None,
 ) -> mx.array:
-    """Logits ``[R, V]`` after each row's logit bias, then its penalties
-    (see the module doc). Rows with neither are returned as they were;
-    O(biased + distinct history tokens) for the others."""
+    """Logits ``[R, V]`` after each row's logits processors, logit bias,
+    then penalties (see the module doc). Rows with none are returned as they
+    were; O(biased + distinct history tokens) for the others."""
+    if any(p.logits_processors for p in params):
+        logits = _apply_processors(logits, params, _needs_histories(histories))
     bias_rows, bias_cols, bias_values = [], [], []
     for r, p in enumerate(params):
         if p.logit_bias:
@@ -133,10 +136,30 @@ def adjust_logits(
             mx.array(bias_values, dtype=mx.float32)
         )
     if penalized:
-        if histories is None:
-            raise ValueError("rows with penalties need their token histories")
+        histories = _needs_histories(histories)
         logits = _apply_penalties(logits, [(r, params[r], histories[r]) for r in penalized])
     return logits
+
+
+def _needs_histories(histories):
+    if histories is None:
+        raise ValueError("rows with penalties or logits processors need their token histories")
+    return histories
+
+
+def _apply_processors(logits: mx.array, params, histories) -> mx.array:
+    """Each row with processors through them, in order (mlx-lm's calling
+    convention: the row's tokens so far, its logits ``[1, V]``)."""
+    rows = []
+    for r, p in enumerate(params):
+        row = logits[r : r + 1]
+        if p.logits_processors:
+            prompt, output = histories[r]
+            tokens = mx.array(list(prompt) + list(output), dtype=mx.int32)
+            for processor in p.logits_processors:
+                row = processor(tokens, row)
+        rows.append(row.astype(mx.float32))
+    return mx.concatenate(rows)
 
 
 def _apply_penalties(logits: mx.array, rows: list[tuple[int, SamplingParams, History]]) -> mx.array:

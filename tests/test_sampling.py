@@ -240,3 +240,47 @@ def test_logprobs_with_n_samples_follow_each_sample(tiny):
             lp = log_softmax(np.array(logits[len(prompt) - 1 + i]))
             assert entry.logprob == pytest.approx(lp[entry.token], abs=1e-4)
     engine.check_integrity()
+
+
+def _ban_small_ids(tokens, logits):
+    """Bans ids below 200 and the last token (depends on the history)."""
+    banned = mx.arange(logits.shape[-1]) < 200
+    banned = banned | (mx.arange(logits.shape[-1]) == tokens[-1])
+    return mx.where(banned, -mx.inf, logits)
+
+
+def test_user_logits_processors_match_mlx_lm_generate_step(tiny):
+    from mlx_lm.generate import generate_step
+
+    model, tok = tiny
+    engine = Engine(model, num_blocks=64, block_size=8, tokenizer=tok)
+    params = SamplingParams(max_tokens=10, logits_processors=[_ban_small_ids], ignore_eos=True)
+    plain = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = engine.generate(PROMPTS + PROMPTS[:1], [params] * len(PROMPTS) + [plain])
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        want = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=10,
+                                                  logits_processors=[_ban_small_ids])]
+        assert out.tokens == want
+        assert all(t >= 200 for t in out.tokens)
+    assert any(t < 200 for t in outs[-1].tokens)  # the processor changed something
+
+
+def test_a_raising_logits_processor_aborts_its_request_only(tiny):
+    from scheduler.request import RequestStatus
+
+    model, tok = tiny
+
+    def broken(tokens, logits):
+        raise RuntimeError("processor fault")
+
+    engine = Engine(model, num_blocks=64, block_size=8, tokenizer=tok)
+    outs = engine.generate(PROMPTS[:2], [
+        SamplingParams(max_tokens=6, logits_processors=[broken], ignore_eos=True),
+        SamplingParams(max_tokens=6, ignore_eos=True)])
+    assert outs[0].finish_reasons == [RequestStatus.FINISHED_ABORTED]
+    ids = tok.encode(PROMPTS[1])
+    want, _ = naive_loop(model, ids, SamplingParams(), 6)
+    assert outs[1].tokens == want
+    assert engine.cache.block_manager.num_sequences == 0
+    engine.check_integrity()

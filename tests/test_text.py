@@ -198,6 +198,8 @@ def test_text_needs_a_tokenizer_and_checks_its_input(tiny):
         ({"stop": [1]}, WrongArgumentType, "stop"),
         ({"stop": 5}, WrongArgumentType, "stop"),
         ({"ignore_eos": 1}, WrongArgumentType, "ignore_eos"),
+        ({"logits_processors": [1]}, WrongArgumentType, r"logits_processors\[0\]"),
+        ({"logits_processors": len}, WrongArgumentType, "logits_processors"),
     ],
 )
 def test_sampling_params_refuse_bad_values(kwargs, error, message):
