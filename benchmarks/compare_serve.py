@@ -82,7 +82,10 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx2 as httpx
+    try:  # the HTTP client the openai package uses (httpx before openai 3)
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

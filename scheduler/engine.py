@@ -322,8 +322,8 @@ class Engine:
         sampling, n = request.sampling, request.sampling.n
         texts = None
         if self.text is not None:
-            texts = [self.text.sample_text(sampling.stop, sampling.stop_token_ids)
-                     for _ in range(n)]
+            texts = [self.text.sample_text(sampling.stop, sampling.stop_token_ids,
+                                           request.prompt_tokens) for _ in range(n)]
         logprobs = None if sampling.logprobs is None else [[] for _ in range(n)]
         return _Tracked(request, texts, logprobs)
 

@@ -5,7 +5,7 @@ streamed detokenized text, stop strings.
 `encode(prompt)` turns text (special tokens added, as mlx-lm's `generate`)
 or chat messages (the tokenizer's chat template, with the generation
 prompt) into token ids. `SampleText` follows one sample: every new token
-goes through mlx-lm's streaming detokenizer, and the text is released only
+goes through an `IncrementalDetokenizer`, and the text is released only
 up to where no stop string could still begin, so a streamed delta never
 holds part of a stop string (OpenAI's behaviour: the text is cut before the
 stop string, which is not returned). A token in `stop_token_ids` (the end of
@@ -64,8 +64,51 @@ class TextCodec:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
-    def sample_text(self, stop: Sequence[str], stop_token_ids: Sequence[int]) -> SampleText:
-        return SampleText(self.tokenizer.detokenizer, tuple(stop), frozenset(stop_token_ids))
+    def sample_text(self, stop: Sequence[str], stop_token_ids: Sequence[int],
+                    prompt: Sequence[int] = ()) -> SampleText:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt[-PROMPT_CONTEXT:])
+        return SampleText(detokenizer, tuple(stop), frozenset(stop_token_ids))
+
+
+#: Prompt tokens an output's detokenizer starts from (see `IncrementalDetokenizer`).
+PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token list, equal to `tokenizer.decode` of it.
+
+    Each new token decodes a short window twice: the tokens since the last
+    release (`prefix`) and those plus the new ones; the difference is the
+    new text, released once it does not end inside a UTF-8 character.
+    Starting the window on the prompt's last tokens keeps the first output
+    token's leading space, which a tokenizer (SentencePiece, or mlx-lm's
+    streaming detokenizers) drops at the start of a text. Cost: two decodes
+    of a few tokens per token.
+    """
+
+    __slots__ = ("_decode", "_tokens", "_prefix", "_read", "text")
+
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
+        self._decode = tokenizer.decode
+        self._tokens = list(context)
+        self._prefix = 0
+        self._read = len(self._tokens)
+        self.text = ""
+
+    def add_token(self, token: int) -> None:
+        self._tokens.append(token)
+        self._advance(final=False)
+
+    def finalize(self) -> None:
+        self._advance(final=True)
+
+    def _advance(self, final: bool) -> None:
+        before = self._decode(self._tokens[self._prefix : self._read])
+        after = self._decode(self._tokens[self._prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self._prefix = self._read
+            self._read = len(self._tokens)
 
 
 def check_messages(messages: object) -> None:

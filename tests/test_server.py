@@ -15,7 +15,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx2 as httpx  # the HTTP client the openai package uses
+try:  # the HTTP client the openai package uses (httpx before openai 3)
+    import httpx2 as httpx  # noqa: E402
+except ImportError:
+    import httpx  # noqa: E402
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -16,7 +16,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-import httpx2 as httpx  # noqa: E402  (the HTTP client the openai package uses)
+try:  # the HTTP client the openai package uses (httpx before openai 3)
+    import httpx2 as httpx  # noqa: E402
+except ImportError:
+    import httpx  # noqa: E402
 
 from tests.serve_model import build_model_dir  # noqa: E402
 

@@ -84,9 +84,8 @@ def test_stop_string_cuts_the_text_and_frees_the_pages(tiny):
             assert stop not in deltas[-1]
         assert "".join(deltas) == text[:cut]
         assert r.finished and r.finish_reasons == [RequestStatus.FINISHED_STOPPED]
-        # generation ended at the first token after which mlx-lm's streaming
-        # detokenizer shows the stop string (it holds back an incomplete
-        # UTF-8 character, so that can be one token after tok.decode shows it)
+        # generation ended at the first token after which the text shows the
+        # stop string (an incomplete UTF-8 character at its end is held back)
         n = _first_showing(tok, ref.tokens, stop)
         request = engine.scheduler  # finished: no longer live, its pages are back
         assert request.get_request(r.request_id) is None
@@ -97,24 +96,45 @@ def test_stop_string_cuts_the_text_and_frees_the_pages(tiny):
 
 
 def _first_showing(tok, tokens, stop):
-    detok = tok.detokenizer
-    for k, token in enumerate(tokens, 1):
-        detok.add_token(token)
-        if stop in detok.text:
+    """The first k whose decoded text (an unfinished UTF-8 character at its
+    end held back) shows the stop string."""
+    for k in range(1, len(tokens) + 1):
+        if stop in tok.decode(tokens[:k]).rstrip("\ufffd"):
             return k
     raise AssertionError("the stop string never shows")
+
+
+def test_incremental_detokenizer_equals_decode(tiny):
+    import numpy as np
+
+    from scheduler.text import IncrementalDetokenizer
+
+    _, tok = tiny
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        tokens = rng.integers(1, len(tok), size=rng.integers(1, 30)).tolist()
+        if trial % 2:  # ordinary text, where words start with a space
+            tokens = tok.encode(" hello world, the quick brown fox")[: len(tokens)]
+        detok = IncrementalDetokenizer(tok, tok.encode("A prompt")[-5:])
+        for token in tokens:
+            detok.add_token(token)
+            assert tok.decode(tokens).startswith(detok.text)  # released text never changes
+        detok.finalize()
+        assert detok.text == tok.decode(tokens)
 
 
 def test_stop_string_with_n_samples(tiny):
     _, tok = tiny
     engine = engine_of(tiny)
-    params = SamplingParams(max_tokens=30, n=3, temperature=1.0, ignore_eos=True, stop=["e"])
+    params = SamplingParams(max_tokens=30, n=3, temperature=1.0, ignore_eos=True,
+                            stop=["ver"], seed=5)
     (out,) = engine.generate(["Hello world"], params)
+    assert RequestStatus.FINISHED_STOPPED in out.finish_reasons  # seeded: deterministic
     for text, tokens, reason in zip(out.texts, out.outputs, out.finish_reasons):
         full = tok.decode(tokens)
-        assert "e" not in text
+        assert "ver" not in text
         if reason is RequestStatus.FINISHED_STOPPED:
-            assert full.startswith(text + "e")
+            assert full.startswith(text + "ver")
         else:
             assert reason is RequestStatus.FINISHED_LENGTH and text == full
     assert engine.scheduler.num_running == 0
@@ -210,3 +230,30 @@ def test_sampling_params_refuse_bad_values(kwargs, error, message):
 def test_sampling_params_normalise():
     p = SamplingParams(stop="ab", logit_bias={"7": 2}, top_k=3)
     assert p.stop == ("ab",) and p.logit_bias == {7: 2.0} and p.top_k == 3
+
+
+def test_incremental_detokenizer_keeps_the_first_space_sentencepiece_style():
+    """With a SentencePiece-style decoder, decoding an output alone drops its
+    first space; started on the prompt's tail, the output text is what it
+    adds to the prompt's text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from scheduler.text import IncrementalDetokenizer
+    from tests.serve_model import SENTENCES
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.train_from_iterator(SENTENCES * 4, trainers.BpeTrainer(vocab_size=300,
+                                                                show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    prompt = tok.encode("The quick brown")
+    output = tok.encode("The quick brown fox jumps over")[len(prompt):]
+    assert not tok.decode(output).startswith(" ")  # the space decoding alone loses
+    detok = IncrementalDetokenizer(tok, prompt[-5:])
+    for token in output:
+        detok.add_token(token)
+    detok.finalize()
+    whole, head = tok.decode(prompt + output), tok.decode(prompt)
+    assert detok.text == whole[len(head):] == " fox jumps over"
