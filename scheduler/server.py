@@ -192,6 +192,7 @@ class _Reply:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
         self.num_tokens = [0] * n
+        self.offsets = [0] * n  # completions logprobs: characters of the tokens so far
 
     def _absorb(self, out: RequestOutput) -> None:
         for i, tokens in out.new_tokens.items():
@@ -218,7 +219,7 @@ class _Reply:
         choices = []
         for i in range(self.sampling.n):
             choice: dict[str, Any] = {"index": i, "finish_reason": self.reasons[i]}
-            logprobs = self._logprobs(self.logprobs[i], 0) if self.sampling.logprobs is not None \
+            logprobs = self._logprobs(i, self.logprobs[i]) if self.sampling.logprobs is not None \
                 else None
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": self.texts[i]}
@@ -243,7 +244,7 @@ class _Reply:
                 reason = self.reasons[i] if out.finish_reasons[i] is not None else None
                 logprobs = None
                 if self.sampling.logprobs is not None:
-                    logprobs = self._logprobs(self.logprobs[i][before[i]:], 0)
+                    logprobs = self._logprobs(i, self.logprobs[i][before[i]:])
                 delta = {"content": text} if self.chat else text
                 yield _sse(self._chunk(i, delta, reason, logprobs))
         if self.options.include_usage:
@@ -263,7 +264,10 @@ class _Reply:
         return {"id": self.id, "object": self._chunk_object(), "created": self.created,
                 "model": self.server.model_name, "choices": [choice]}
 
-    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict:
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict:
+        """OpenAI's logprobs object of sample `index`'s `entries` (chat:
+        `content`; completions: tokens, token_logprobs, top_logprobs and
+        text_offset, continuing from the sample's earlier tokens)."""
         text = self.server.token_text
         if self.chat:
             return {"content": [{
@@ -272,10 +276,10 @@ class _Reply:
                 "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
                                  for t, v in e.top]} for e in entries]}
         tokens = [text(e.token) for e in entries]
-        offsets, position = [], offset
+        offsets = []
         for token in tokens:
-            offsets.append(position)
-            position += len(token)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text(t): v for t, v in e.top} for e in entries],
                 "text_offset": offsets}

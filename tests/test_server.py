@@ -237,6 +237,17 @@ def test_logprobs_are_log_softmax_of_mlx_lm_logits(served, client, reference):
         for text, value in top.items():
             assert any(value == pytest.approx(row[t], abs=1e-4)
                        for t, x in zip(best, texts) if x == text)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    streamed = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,
+                                         logprobs=3, stream=True, extra_body={"ignore_eos": True})
+    tokens_s, offsets_s, values_s = [], [], []
+    for chunk in streamed:
+        part = chunk.choices[0].logprobs
+        tokens_s += part.tokens
+        offsets_s += part.text_offset
+        values_s += part.token_logprobs
+    assert tokens_s == lp.tokens and offsets_s == lp.text_offset
+    np.testing.assert_allclose(values_s, lp.token_logprobs, atol=1e-6)
     chat = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0,
         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
