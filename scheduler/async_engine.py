@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockmgr.errors import BlockManagerError
+from blockmgr.errors import BlockManagerError, WrongArgumentType
 from blockmgr.validation import check_int
 from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
@@ -73,7 +73,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
         if not isinstance(engine, Engine):
-            raise TypeError(f"engine must be an Engine, got {engine!r:.80}")
+            raise WrongArgumentType(f"engine must be an Engine, got {engine!r:.80}")
         self.engine = engine
         self.max_waiting = check_int("max_waiting", max_waiting, 1)
         self.metrics = ServingMetrics()

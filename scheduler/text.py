@@ -14,13 +14,26 @@ sequence) ends the sample and adds no text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 
 #: A chat: [{"role": ..., "content": ...}, ...].
 Messages = Sequence[Mapping[str, Any]]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine uses of a tokenizer: mlx-lm's `TokenizerWrapper`
+    (what `mlx_lm.load` gives) has all of it."""
+
+    eos_token_ids: Collection[int]
+    has_chat_template: bool
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, tokens: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list, **kwargs: Any) -> list[int]: ...
 
 
 def is_text_prompt(prompt: object) -> bool:
@@ -33,12 +46,11 @@ def is_text_prompt(prompt: object) -> bool:
 class TextCodec:
     """Prompts to token ids and per-sample text, over one mlx-lm tokenizer."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        if not callable(getattr(tokenizer, "encode", None)) or not hasattr(
-            tokenizer, "detokenizer"
-        ):
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        if not isinstance(tokenizer, Tokenizer):
             raise WrongArgumentType(
-                f"tokenizer must be an mlx-lm TokenizerWrapper, got {tokenizer!r:.80}"
+                f"tokenizer must be an mlx-lm TokenizerWrapper (see text.Tokenizer), "
+                f"got {tokenizer!r:.80}"
             )
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids))
@@ -88,7 +100,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_decode", "_tokens", "_prefix", "_read", "text")
 
-    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
         self._decode = tokenizer.decode
         self._tokens = list(context)
         self._prefix = 0

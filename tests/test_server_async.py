@@ -102,7 +102,6 @@ def test_bad_requests_raise_typed_errors_and_the_loop_goes_on(tiny):
         (want,) = _engine(tiny).generate(["Hello"], SamplingParams(max_tokens=3,
                                                                     ignore_eos=True))
         assert asyncio.run(main()) == want.text
-        assert engine.engine.stats.num_generated_tokens == 3
     finally:
         engine.shutdown()
 

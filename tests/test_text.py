@@ -183,6 +183,8 @@ def test_text_needs_a_tokenizer_and_checks_its_input(tiny):
         plain.add_request("Hello")
     with pytest.raises(InvalidArgument, match="stop strings"):
         plain.add_request([1, 2], SamplingParams(stop=["x"]))
+    with pytest.raises(WrongArgumentType, match="TokenizerWrapper"):
+        Engine(model, num_blocks=32, block_size=8, tokenizer="gpt2")
     assert plain.debug_state() == before
     engine = engine_of(tiny)
     before = engine.debug_state()
