@@ -130,7 +130,7 @@ class OpenAIServer:
             return HttpError(429, str(error), "rate_limit_exceeded").response()
         except EngineStopped as error:
             return HttpError(503, str(error), "server_error").response()
-        except (InvalidArgument, ValueError, TypeError) as error:
+        except InvalidArgument as error:  # every typed check (WrongArgumentType included)
             return HttpError(400, str(error)).response()
         reply = _Reply(self, stream, sampling, options, chat)
         if options.stream:

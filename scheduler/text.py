@@ -68,9 +68,14 @@ class TextCodec:
         check_messages(messages)
         if not self.tokenizer.has_chat_template:
             raise InvalidArgument("this model's tokenizer has no chat template")
-        tokens = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-        )
+        from jinja2 import TemplateError
+
+        try:
+            tokens = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+            )
+        except TemplateError as error:  # the template refused the chat (roles, order)
+            raise InvalidArgument(f"the chat template refused these messages: {error}") from None
         return list(tokens)
 
     def decode(self, tokens: Sequence[int]) -> str:

@@ -17,6 +17,8 @@ from mlx_lm.utils import save_config, save_model
 
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}"
+    "{{ raise_exception('a chat cannot start with a tool message') }}{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -359,6 +359,9 @@ def test_malformed_chat_through_the_client(served, client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}],
                                        logprobs=True, top_logprobs=50)
+    with pytest.raises(openai.BadRequestError, match="cannot start with a tool"):
+        client.chat.completions.create(model=name, messages=[{"role": "tool", "content": "x",
+                                                               "tool_call_id": "1"}])
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     ok = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}],

@@ -193,6 +193,7 @@ def test_text_needs_a_tokenizer_and_checks_its_input(tiny):
         ([{"content": "hi"}], InvalidArgument, "role"),
         ([{"role": "user", "content": 3}], WrongArgumentType, "content"),
         ([{"role": "user", "content": "x"}, "y"], WrongArgumentType, r"messages\[1\]"),
+        ([{"role": "tool", "content": "x"}], InvalidArgument, "template refused"),
     ]
     for prompt, error, message in bad:
         with pytest.raises(error, match=message):
