@@ -314,7 +314,7 @@ def _sampling(body: Mapping, extra: dict) -> SamplingParams:
     kwargs.update(extra)
     try:
         return SamplingParams(**kwargs)
-    except (InvalidArgument, TypeError) as error:
+    except InvalidArgument as error:
         raise HttpError(400, str(error)) from None
 
 
