@@ -4,6 +4,8 @@
 * `scheduler`: `Scheduler` and its records (bookkeeping only, no MLX).
 * `engine`: `Engine`, driving an mlx-lm model through the scheduler over a
   `cache.PagedCache` (imported lazily: it needs MLX).
+* `async_engine`: `AsyncEngine`, the asyncio front-end (lazily too);
+  `server`: the OpenAI-compatible HTTP server (design/serving.md).
 """
 
 from scheduler.request import RequestMetrics, Request, RequestStatus, SamplingParams
@@ -19,6 +21,7 @@ from scheduler.scheduler import (
 )
 
 _LAZY = {"AutoRequestId", "Engine", "EngineConfig", "GenerationOutput"}
+_LAZY_ASYNC = {"AsyncEngine", "QueueFull", "EngineStopped"}
 
 
 def __getattr__(name: str):
@@ -26,14 +29,21 @@ def __getattr__(name: str):
         from scheduler import engine
 
         return getattr(engine, name)
+    if name in _LAZY_ASYNC:
+        from scheduler import async_engine
+
+        return getattr(async_engine, name)
     raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
 
 
 __all__ = [
+    "AsyncEngine",
     "AutoRequestId",
     "Engine",
     "EngineConfig",
+    "EngineStopped",
     "GenerationOutput",
+    "QueueFull",
     "Request",
     "RequestMetrics",
     "RequestOutput",

@@ -6,6 +6,7 @@
     blockmgr replay --preset NAME ...    the same workload through the real engine
     blockmgr calibrate --preset NAME     cost profile of the real engine here
     blockmgr compare A B                 two reports side by side
+    blockmgr serve --model DIR           an OpenAI-compatible server (design/serving.md)
 
 Every option is validated; a bad one prints one line
 (``blockmgr simulate: error: ...``) and exits with status 2. A failed
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp_.add_argument("reports", nargs=2, metavar="REPORT", help="report.json (or its folder)")
     cmp_.add_argument("--json", action="store_true", help="print the table as JSON")
+    _add_serve_parser(sub)
     return parser
 
 
@@ -288,6 +290,31 @@ def _add_run_options(parser):
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--json", action="store_true", help="print the summary as JSON (nothing else on stdout)")
     return r
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve an mlx-lm model directory over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics) over the paged engine. See design/serving.md.",
+    )
+    serve.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
+    serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
+                       help="KV page pool size, e.g. 4GiB or 512MB (default 4GiB)")
+    serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
+    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                       help="sequences running at once (default 64)")
+    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                       help="token budget of one step (default 2048)")
+    serve.add_argument("--max-waiting", type=_positive_int, default=256,
+                       help="waiting requests before new ones get 429 (default 256)")
+    serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
+    serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
+                            "they are aborted (default 10)")
 
 
 # ---------------------------------------------------------------- config
@@ -668,8 +695,30 @@ def cmd_sweep(args, base) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Load the model, size the pool, serve until SIGINT/SIGTERM."""
+    from scheduler import serve
+
+    serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    engine, name = serve.load_engine(
+        args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    hint = serve.blas_hint()
+    if hint:
+        print(hint, file=sys.stderr)
+    bm = engine.cache.block_manager
+    print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
+          f"({engine.cache.nbytes / 2**30:.2f} GiB) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
+              max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout)
+    return 0
+
+
 COMMANDS = {"simulate": cmd_simulate, "replay": cmd_replay, "calibrate": cmd_calibrate,
-            "compare": cmd_compare}
+            "compare": cmd_compare, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

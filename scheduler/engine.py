@@ -45,8 +45,14 @@ from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.faults import ForwardFaults
-from scheduler.request import Request, RequestMetrics, RequestStatus, SamplingParams
-from scheduler.sampling import KeyChain, sample_rows
+from scheduler.request import (
+    Request,
+    RequestMetrics,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
+from scheduler.sampling import KeyChain, sample_rows, token_logprobs
 from scheduler.scheduler import (
     RequestOutput,
     ScheduledSeq,
@@ -55,6 +61,7 @@ from scheduler.scheduler import (
     SchedulerOutput,
 )
 from scheduler.storage import build_storage
+from scheduler.text import SampleText, TextCodec, is_text_prompt
 
 Callback = Callable[[RequestOutput], None]
 #: Called after every non-empty step with its scheduled work and its duration
@@ -84,11 +91,28 @@ class GenerationOutput:
     outputs: list[list[int]]
     finish_reasons: list[RequestStatus | None]
     metrics: RequestMetrics
+    texts: list[str] | None = None  # per sample (an engine with a tokenizer)
+    logprobs: list[list[TokenLogprob]] | None = None  # per sample, per token (if asked)
 
     @property
     def tokens(self) -> list[int]:
         """The first sample's tokens (the only one when n == 1)."""
         return self.outputs[0]
+
+    @property
+    def text(self) -> str | None:
+        """The first sample's text (None without a tokenizer)."""
+        return None if self.texts is None else self.texts[0]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request whose outputs the engine annotates: text per sample (with a
+    tokenizer) and logprobs per sample (when asked for), kept until its end."""
+
+    request: Request
+    texts: list[SampleText] | None
+    logprobs: list[list[TokenLogprob]] | None
 
 
 @dataclass(slots=True)
@@ -138,6 +162,12 @@ class Engine:
     code cannot batch (`self.batching`), those rows run one by one.
     `max_forward_retries`: solo failures in a row after which a request's
     forward fault is its own and it is aborted (`scheduler.faults`).
+
+    `tokenizer` (an mlx-lm `TokenizerWrapper`, as `mlx_lm.load` gives):
+    prompts may then be text or chat messages, outputs carry text
+    (`RequestOutput.new_text`, `GenerationOutput.texts`), `SamplingParams.stop`
+    strings apply, and the tokenizer's end-of-sequence tokens stop a sample
+    unless `ignore_eos` (`scheduler.text`).
     """
 
     def __init__(
@@ -158,6 +188,7 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         vocab_size: int | None = None,
         step_listener: StepListener | None = None,
+        tokenizer: Any = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -206,6 +237,9 @@ class Engine:
         self._callbacks: dict[Hashable, Callback] = {}
         self._keys: dict[Hashable, KeyChain] = {}
         self._ids = itertools.count()
+        self.text = None if tokenizer is None else TextCodec(tokenizer)
+        self._tracked: dict[Hashable, _Tracked] = {}
+        self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
 
     # ------------------------------------------------------------- requests
 
@@ -225,6 +259,8 @@ class Engine:
         `arrival_time` (engine clock) defaults to now; a replay gives the
         trace's arrival, so queueing before the call counts in the TTFT.
 
+        `prompt_tokens` may also be text or chat messages (a list of
+        {"role", "content"} maps) when the engine has a tokenizer.
         Everything is checked before anything changes: token ids must be
         ints in [0, vocab_size) (a list, tuple or numpy integer array;
         `WrongArgumentType` for text, None, floats, nested lists;
@@ -246,12 +282,37 @@ class Engine:
             raise WrongArgumentType(f"sampling must be SamplingParams, got {sampling!r:.80}")
         if callback is not None and not callable(callback):
             raise WrongArgumentType(f"callback must be callable, got {callback!r:.80}")
+        if is_text_prompt(prompt_tokens):
+            if self.text is None:
+                raise WrongArgumentType(
+                    f"prompt_tokens must be token ids (text needs Engine(tokenizer=...)), "
+                    f"got {prompt_tokens!r:.80}"
+                )
+            prompt_tokens = self.text.encode(prompt_tokens)
         tokens = prompt_list(prompt_tokens, "prompt_tokens", exact=True)
         check_token_range(tokens, self.vocab_size, "prompt_tokens")
+        sampling = self._engine_sampling(sampling or SamplingParams())
         if request_id is None:
             request_id = AutoRequestId(next(self._ids))
-        return Request(request_id, tokens, sampling or SamplingParams(),
-                       priority=priority, namespace=namespace, arrival_time=arrival_time)
+        return Request(request_id, tokens, sampling, priority=priority, namespace=namespace,
+                       arrival_time=arrival_time)
+
+    def _engine_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """Check what only the engine knows (stop strings need a tokenizer,
+        bias ids in the vocabulary); add the tokenizer's end-of-sequence ids
+        to the stop tokens unless `ignore_eos`. The caller's object is not
+        changed."""
+        if sampling.stop and self.text is None:
+            raise InvalidArgument(
+                f"stop strings {sampling.stop!r:.80} need Engine(tokenizer=...)"
+            )
+        check_token_range(list(sampling.logit_bias), self.vocab_size, "logit_bias")
+        if self.text is None or sampling.ignore_eos:
+            return sampling
+        missing = [t for t in self.text.eos_token_ids if t not in sampling.stop_token_ids]
+        if not missing:
+            return sampling
+        return replace(sampling, stop_token_ids=sampling.stop_token_ids + tuple(missing))
 
     def _queue(self, request: Request, callback: Callback | None) -> None:
         """Hand a checked request to the scheduler (its last check can still
@@ -260,8 +321,20 @@ class Engine:
         rid = request.request_id
         if callback is not None:
             self._callbacks[rid] = callback
-        if request.sampling.seed is not None:
-            self._keys[rid] = KeyChain(request.sampling.seed)
+        sampling = request.sampling
+        if sampling.seed is not None:
+            self._keys[rid] = KeyChain(sampling.seed)
+        if self.text is not None or sampling.logprobs is not None:
+            self._tracked[rid] = self._track(request)
+
+    def _track(self, request: Request) -> _Tracked:
+        sampling, n = request.sampling, request.sampling.n
+        texts = None
+        if self.text is not None:
+            texts = [self.text.sample_text(sampling.stop, sampling.stop_token_ids,
+                                           request.prompt_tokens) for _ in range(n)]
+        logprobs = None if sampling.logprobs is None else [[] for _ in range(n)]
+        return _Tracked(request, texts, logprobs)
 
     def abort(self, request_id: Hashable) -> None:
         """Stop a request and free its pages (call between steps or from a
@@ -269,9 +342,14 @@ class Engine:
         out = self.scheduler.abort(request_id)
         if out is not None:
             self._deliver([out])
+        self._forget(request_id)
+        self.faults.forget(request_id)
+
+    def _forget(self, request_id: Hashable) -> None:
+        """Drop the engine's per-request maps (the request has ended)."""
         self._callbacks.pop(request_id, None)
         self._keys.pop(request_id, None)
-        self.faults.forget(request_id)
+        self._tracked.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -290,6 +368,7 @@ class Engine:
         and nothing was preempted (a state `add_request`'s checks rule out).
         """
         t0 = self.clock()
+        self._step_logprobs.clear()
         out = self.scheduler.schedule()
         t1 = self.clock()
         if out.is_empty:
@@ -324,10 +403,46 @@ class Engine:
             if request is not None:
                 request.error = error
                 results.append(self.scheduler.abort(request_id))
+        if self._tracked:
+            self._annotate(results)
         for r in results:
             if r.finished:
                 self.faults.forget(r.request_id)
         return self._deliver(results)
+
+    def _annotate(self, results: list[RequestOutput]) -> None:
+        """Give each tracked request's outputs their logprobs and text deltas;
+        a sample whose text reached a stop string is stopped here."""
+        for r in results:
+            tracked = self._tracked.get(r.request_id)
+            if tracked is None:
+                continue
+            if tracked.logprobs is not None:
+                r.logprobs = {}
+                for index in r.new_tokens:
+                    entry = self._step_logprobs.get((r.request_id, index))
+                    if entry is not None:
+                        r.logprobs[index] = [entry]
+                        tracked.logprobs[index].append(entry)
+            if tracked.texts is not None:
+                self._add_text(r, tracked)
+
+    def _add_text(self, r: RequestOutput, tracked: _Tracked) -> None:
+        r.new_text = {}
+        for index, tokens in r.new_tokens.items():
+            text = tracked.texts[index]
+            delta = "".join(text.add(t) for t in tokens)
+            if r.finish_reasons[index] is not None:
+                delta += text.finish()
+                if text.stopped:  # the stop string came with the last token
+                    r.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
+                    tracked.request.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
+            elif text.stopped:
+                stopped = self.scheduler.stop_sample(r.request_id, index)
+                if stopped is not None:
+                    r.finished, r.status = stopped.finished, stopped.status
+                    r.finish_reasons = stopped.finish_reasons
+            r.new_text[index] = delta
 
     def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
         """Forward the scheduled work (decode rows, then prefill chunks),
@@ -422,17 +537,29 @@ class Engine:
         return sampled
 
     def _sample(self, group, picks, lengths, logits) -> list[int]:
-        """Sample every picked row's last position (evaluated)."""
-        row_index, params, keys = [], [], []
+        """Sample every picked row's last position (evaluated); the rows'
+        logprobs, when asked for, go to `_step_logprobs`."""
+        row_index, params, keys, histories, samples = [], [], [], [], []
         for b in picks:
             s = group[b]
-            for _ in range(s.num_samples):
+            request = s.request
+            for j in range(s.num_samples):
+                index = j if s.sample_index is None else s.sample_index
                 row_index.append(b)
-                params.append(s.request.sampling)
+                params.append(request.sampling)
                 keys.append(self._keys.get(s.request_id))
+                samples.append((s.request_id, index))
+                output = request.outputs[index] if s.sample_index is not None else ()
+                histories.append((request.prompt_tokens, output))
         last = logits[mx.array(row_index), mx.array([lengths[b] - 1 for b in row_index])]
-        tokens = sample_rows(last, params, keys)
-        mx.eval(tokens)
+        tokens = sample_rows(last, params, keys, histories)
+        num_top = [p.logprobs for p in params]
+        if any(k is not None for k in num_top):
+            for sample, entry in zip(samples, token_logprobs(last, tokens, num_top)):
+                if entry is not None:
+                    self._step_logprobs[sample] = entry
+        else:
+            mx.eval(tokens)
         return tokens.tolist()
 
     def _flush_state(self) -> None:
@@ -471,13 +598,11 @@ class Engine:
                     failed.append(self._abort_failed(r.request_id, exc))
                     continue
             if r.finished:
-                self._callbacks.pop(r.request_id, None)
-                self._keys.pop(r.request_id, None)
+                self._forget(r.request_id)
         return results + [f for f in failed if f is not None]
 
     def _abort_failed(self, request_id: Hashable, error: Exception) -> RequestOutput | None:
-        self._callbacks.pop(request_id, None)
-        self._keys.pop(request_id, None)
+        self._forget(request_id)
         request = self.scheduler.get_request(request_id)
         if request is None:  # it finished in this very step
             return None
@@ -518,11 +643,11 @@ class Engine:
         """
         ids = self._add_all(prompts, sampling)
         requests = {rid: self.scheduler.get_request(rid) for rid in ids}
+        tracked = {rid: self._tracked.get(rid) for rid in ids}
         while any(not r.is_finished for r in requests.values()):
             self.step()
         return [
-            GenerationOutput(rid, r.prompt_tokens, r.outputs, r.finish_reasons, r.metrics)
-            for rid, r in requests.items()
+            _generation_output(r, tracked[rid]) for rid, r in requests.items()
         ]
 
     def _add_all(self, prompts, sampling) -> list[Hashable]:
@@ -568,7 +693,18 @@ class Engine:
             self.cache.store.debug_state(),
             tuple(self._callbacks),
             tuple(self._keys),
+            tuple(self._tracked),
         )
+
+
+def _generation_output(request: Request, tracked: _Tracked | None) -> GenerationOutput:
+    texts = logprobs = None
+    if tracked is not None:
+        if tracked.texts is not None:
+            texts = [t.text for t in tracked.texts]
+        logprobs = tracked.logprobs
+    return GenerationOutput(request.request_id, request.prompt_tokens, request.outputs,
+                            request.finish_reasons, request.metrics, texts, logprobs)
 
 
 def _model_vocab_size(model: Any) -> int:

@@ -19,7 +19,7 @@ the simulator.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
@@ -29,6 +29,8 @@ from blockmgr.validation import check_hashable, check_int, check_number, prompt_
 MAX_SEED = 2**64 - 1
 #: Temperatures below this sample greedily (see `SamplingParams.greedy`).
 GREEDY_BELOW = 1e-5
+#: Most top log-probabilities one position may return (as OpenAI's API).
+MAX_LOGPROBS = 20
 
 
 class RequestStatus(enum.Enum):
@@ -57,8 +59,29 @@ class SamplingParams:
     n: parallel samples sharing the prompt (>= 1).
     temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / T).
     top_p: nucleus sampling, in (0, 1]; 1 keeps every token.
+    top_k: keep the k most likely tokens (>= 1); None keeps every token.
+    min_p: keep tokens at least `min_p` times as likely as the most likely
+        one, in [0, 1]; 0 keeps every token.
+    repetition_penalty: > 0; a token already in the prompt or the sample's
+        output has its logit divided by it (multiplied when negative); 1 is off.
+    presence_penalty / frequency_penalty: in [-2, 2]; subtracted from the
+        logit of a token the sample's output holds, once / once per
+        occurrence (OpenAI's definition); 0 is off.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits.
+    logprobs: None, or N in [0, MAX_LOGPROBS]: return each sampled token's
+        log-probability and the N most likely tokens' (log_softmax of the
+        model's logits, before penalties, bias and temperature).
     stop_token_ids: sampling one of these ends the sample (the token is kept
         in the output, as the last one).
+    stop: stop strings (needs an engine with a tokenizer): the sample ends
+        when its text contains one; the text is cut before it.
+    ignore_eos: do not stop at the tokenizer's end-of-sequence tokens
+        (an engine with a tokenizer adds them to `stop_token_ids` otherwise).
+    logits_processors: mlx-lm logits processors, `f(tokens, logits) ->
+        logits` with `tokens` the sample's prompt + output so far (an
+        `mx.array`) and `logits` ``[1, V]``; applied in order, first, one
+        row at a time. One that raises is its request's fault (the engine
+        aborts the request after its retries).
     seed: per-request random seed in [0, 2**64) (reproducible sampling),
         None for the engine's global generator.
 
@@ -72,6 +95,16 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -83,6 +116,23 @@ class SamplingParams:
         self.stop_token_ids = tuple(token_list(self.stop_token_ids, "stop_token_ids"))
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, 0, MAX_SEED)
+        if self.top_k is not None:
+            self.top_k = check_int("top_k", self.top_k, 1)
+        self.min_p = _check_range("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidArgument(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        self.presence_penalty = _check_range("presence_penalty", self.presence_penalty, -2, 2)
+        self.frequency_penalty = _check_range("frequency_penalty", self.frequency_penalty, -2, 2)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.logprobs is not None:
+            self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.stop = _check_stop_strings(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise WrongArgumentType(f"ignore_eos must be a bool, got {self.ignore_eos!r:.80}")
+        self.logits_processors = _check_processors(self.logits_processors)
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +140,77 @@ class SamplingParams:
         1 / temperature would overflow float32 and sampling would turn
         uniform instead of sharp)."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Do the logits depend on the tokens so far (any penalty set)?"""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def filter_key(self) -> tuple:
+        """What the token filters and the draw depend on: rows with equal
+        keys are sampled in one call."""
+        return (self.temperature, self.top_p, self.min_p, self.top_k)
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> float:
+    number = check_number(name, value)
+    if not low <= number <= high:
+        raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value!r}")
+    return number
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} (keys may be decimal strings, as JSON
+    gives them), as a new dict."""
+    if not isinstance(bias, Mapping):
+        raise WrongArgumentType(f"logit_bias must be a mapping, got {bias!r:.80}")
+    checked = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isdecimal():
+            key = int(key)
+        token = check_int("logit_bias key", key, 0)
+        checked[token] = _check_range(f"logit_bias[{token}]", value, -100.0, 100.0)
+    return checked
+
+
+def _check_processors(processors: object) -> tuple:
+    if callable(processors) or not isinstance(processors, (list, tuple)):
+        raise WrongArgumentType(
+            f"logits_processors must be a list of callables, got {processors!r:.80}"
+        )
+    for index, item in enumerate(processors):
+        if not callable(item):
+            raise WrongArgumentType(f"logits_processors[{index}] is not callable: {item!r:.80}")
+    return tuple(processors)
+
+
+def _check_stop_strings(stop: object) -> tuple[str, ...]:
+    """A str or a sequence of non-empty strs, as a tuple."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise WrongArgumentType(f"stop must be a str or a list of str, got {stop!r:.80}")
+    for index, item in enumerate(stop):
+        if not isinstance(item, str):
+            raise WrongArgumentType(f"stop[{index}] must be a str, got {item!r:.80}")
+        if not item:
+            raise InvalidArgument(f"stop[{index}] is an empty string")
+    return tuple(stop)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens' at its
+    position, `top` as (token id, log-probability) pairs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)

@@ -169,7 +169,9 @@ class RequestOutput:
     """Tokens a request gained in one `update` (or its end).
 
     new_tokens[i]: new tokens of sample i; finished: the whole request is
-    done; status: the request's status; finish_reasons[i]: per sample.
+    done; status: the request's status; finish_reasons[i]: per sample;
+    new_text[i] / logprobs[i]: the engine's text delta and `TokenLogprob`s
+    of sample i (with a tokenizer / when asked for; None otherwise).
     """
 
     request_id: Hashable
@@ -177,6 +179,9 @@ class RequestOutput:
     finished: bool
     status: RequestStatus
     finish_reasons: list[RequestStatus | None] = field(default_factory=list)
+    # Filled by an engine with a tokenizer / with logprobs asked for (None otherwise):
+    new_text: dict[int, str] | None = None  # text delta of sample i
+    logprobs: dict[int, list] | None = None  # TokenLogprob per new token of sample i
 
 
 @dataclass(slots=True)
@@ -509,6 +514,32 @@ class Scheduler:
         return RequestOutput(
             request_id, {}, True, request.status, list(request.finish_reasons)
         )
+
+    def stop_sample(self, request_id: Hashable, index: int) -> RequestOutput | None:
+        """End sample `index` of a live request as stopped (FINISHED_STOPPED),
+        between steps: a stop string the engine found in its text. Its
+        sequence is freed (computed tokens go into the trie); the request
+        finishes when all its samples have. Returns the request's output
+        (None for an unknown id or a sample already ended). O(running)."""
+        request = self._requests.get(request_id)
+        if request is None or request.finish_reasons[index] is not None:
+            return None
+        seqs = self._seqs_of[request_id]
+        seq = next((s for s in seqs if s.index == index and not s.done), None)
+        if seq is None:
+            return None  # a prompt not forked yet has no sample to stop
+        seq.done = True
+        self._waiting.remove(seq)
+        self._release(seq)
+        self._running = [s for s in self._running if s is not seq]
+        request.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
+        out = RequestOutput(request_id, {}, False, request.status, list(request.finish_reasons))
+        if all(r is not None for r in request.finish_reasons):
+            self._finish_request(request, self.clock())
+            self._totals.num_finished_total += 1
+            out.finished = True
+            out.status = request.status
+        return out
 
     # ------------------------------------------------------------- schedule
 

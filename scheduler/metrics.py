@@ -1,0 +1,123 @@
+"""Serving metrics in Prometheus' text format (no client library needed).
+
+`ServingMetrics` is updated by the engine thread (`observe_step` after each
+step, `observe_finished` when a request ends) and rendered by
+`render(engine)` for `/metrics`: gauges read from the engine at scrape time
+(requests running / waiting, pages and slots used, prefix hit rate),
+counters (requests by finish reason, prompt / generated / cached tokens,
+preemptions, forward errors, rejected requests) and histograms of time to
+first token and time per output token. Metric names start with `blockmgr_`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics). O(log buckets)."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip((*self.buckets, math.inf), self.counts):
+            running += n
+            le = "+Inf" if bound == math.inf else repr(bound)
+            out.append(f'{name}_bucket{{le="{le}"}} {running}')
+        out.append(f"{name}_sum {self.total!r}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+@dataclass(slots=True)
+class ServingMetrics:
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    finished: Counter = field(default_factory=Counter)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_rejected: int = 0
+    num_preemptions: int = 0
+
+    def observe_step(self, engine: Any) -> None:
+        stats = engine.scheduler.stats
+        self.num_preemptions = stats.num_preempted_total
+
+    def observe_finished(self, request: Any, out: Any) -> None:
+        """A request ended (`out` is its final `RequestOutput`)."""
+        metrics = request.metrics
+        self.finished[out.status.value] += 1
+        self.num_prompt_tokens += metrics.num_prompt_tokens
+        self.num_cached_tokens += metrics.num_cached_tokens or 0
+        self.num_generation_tokens += metrics.num_generated_tokens
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.time_per_output_token is not None:
+            self.tpot.observe(metrics.time_per_output_token)
+
+    def render(self, engine: Any) -> str:
+        """The whole exposition, one metric family after another."""
+        sched, cache = engine.scheduler, engine.cache
+        bm = cache.block_manager
+        hit = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+        single = [  # (name, kind, help, value): one sample each
+            ("requests_running", "gauge", "Sequences running.", sched.num_running),
+            ("requests_waiting", "gauge", "Sequences waiting for admission.", sched.num_waiting),
+            ("kv_pages_used", "gauge", "KV pages held (sequences and prefix cache).",
+             bm.config.num_blocks - bm.num_free_blocks),
+            ("kv_pages_total", "gauge", "KV pages in the pool.", bm.config.num_blocks),
+            ("recurrent_slots_used", "gauge", "Recurrent-state slots held.",
+             bm.config.num_slots - bm.num_free_slots),
+            ("prefix_cache_hit_rate", "gauge",
+             "Prompt tokens served from the prefix cache / prompt tokens (finished).", hit),
+            ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+             self.num_prompt_tokens),
+            ("cached_prompt_tokens_total", "counter", "Prompt tokens hit in the prefix cache.",
+             self.num_cached_tokens),
+            ("generation_tokens_total", "counter", "Generated tokens of finished requests.",
+             self.num_generation_tokens),
+            ("preemptions_total", "counter", "Sequences preempted.", self.num_preemptions),
+            ("forward_errors_total", "counter", "Forward passes that raised.",
+             engine.stats.num_forward_errors),
+            ("requests_rejected_total", "counter", "Requests refused: the queue was full.",
+             self.num_rejected),
+        ]
+        lines: list[str] = []
+        for name, kind, help_text, value in single:
+            _family(lines, name, kind, help_text, [f"{name} {value!r}"])
+        _family(lines, "requests_finished_total", "counter", "Requests finished, by reason.", [
+            # dict() copies in one C call: the engine thread may add a reason meanwhile
+            f'requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(
+                dict(self.finished).items())])
+        _family(lines, "time_to_first_token_seconds", "histogram", "Time to first token.",
+                self.ttft.lines("time_to_first_token_seconds"))
+        _family(lines, "time_per_output_token_seconds", "histogram", "Time per output token.",
+                self.tpot.lines("time_per_output_token_seconds"))
+        return "\n".join(lines) + "\n"
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples: list[str]) -> None:
+    lines.append(f"# HELP blockmgr_{name} {help_text}")
+    lines.append(f"# TYPE blockmgr_{name} {kind}")
+    lines.extend(f"blockmgr_{s}" for s in samples)
