@@ -26,6 +26,7 @@ from blockmgr import (
 from cache import PagedCache
 from scheduler import Engine, RequestStatus, SamplingParams
 from tests.shadow import GroupedShadowStorage
+from tests.test_engine import assert_no_leak
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 TOL = 1e-4
@@ -241,14 +242,6 @@ def shared_prompts(vocab, count=6):
     return [shared + tokens(vocab, 3 + i, 10 + i) for i in range(count)]
 
 
-def assert_nothing_held(engine):
-    engine.check_integrity()
-    for m in engine.cache.block_managers:
-        assert m.num_sequences == 0
-        assert m.num_free_blocks + m.num_cached_blocks == m.config.num_blocks
-        assert m.num_free_slots + m.stats.num_trie_slots == m.config.num_slots
-
-
 @pytest.mark.parametrize("name", ["llama", "gemma3", "lfm2", "recurrent_gemma"])
 def test_the_engine_retries_a_forward_that_raised(name):
     vocab, _ = MODELS[name]
@@ -263,7 +256,7 @@ def test_the_engine_retries_a_forward_that_raised(name):
     assert engine.stats.num_forward_errors == 3
     assert [o.tokens for o in outs] == want
     assert engine.scheduler.stats.num_prefix_hit_tokens_total > 0
-    assert_nothing_held(engine)
+    assert_no_leak(engine)
 
 
 def test_an_interrupt_is_rolled_back_and_reraised_and_the_next_step_continues():
@@ -284,7 +277,7 @@ def test_an_interrupt_is_rolled_back_and_reraised_and_the_next_step_continues():
             engine.check_integrity()
     assert interrupted == 1
     assert [r.outputs[0] for r in requests] == want
-    assert_nothing_held(engine)
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("name", ["llama", "lfm2"])
@@ -310,7 +303,7 @@ def test_a_request_whose_forward_always_fails_is_aborted_alone(name):
     for i, r in enumerate(requests):
         if i != 2:
             assert r.outputs[0] == want[i] and r.status is not RequestStatus.FINISHED_ABORTED
-    assert_nothing_held(engine)
+    assert_no_leak(engine)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -338,7 +331,7 @@ def test_transient_faults_anywhere_leave_every_output_right(name, fail_at, layer
     outs = engine.generate(prompts, SamplingParams(max_tokens=5))
     assert [o.tokens for o in outs] == want
     assert engine.stats.num_forward_errors == len([k for k in fail_at if k <= failing.calls])
-    assert_nothing_held(engine)
+    assert_no_leak(engine)
 
 
 _REFERENCE: dict = {}
