@@ -248,20 +248,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity()
         self.shadow.check_all()
 
+    def managers(self) -> list:
+        """The block managers whose pools the teardown checks."""
+        return [self.bm]
+
     def teardown(self) -> None:
         if not hasattr(self, "bm"):
             return
         for seq_id in self.live():
             self.bm.free(seq_id, self.shadow.computed.pop(seq_id))
         self.bm.check_integrity()
-        # Nothing leaks: what is not free is held by the trie.
-        assert self.bm.config.num_blocks - self.bm.num_free_blocks == self.bm.num_cached_blocks
+        for m in self.managers():  # nothing leaks: what is not free is held by the trie
+            assert m.config.num_blocks - m.num_free_blocks == m.num_cached_blocks
         self.bm.reset_prefix_cache()
         self.bm.check_integrity()
-        assert self.bm.num_free_blocks == self.bm.config.num_blocks
-        assert self.bm.num_free_slots == self.bm.config.num_slots
-        assert self.bm.num_free_host_blocks == self.bm.config.num_host_blocks
-        assert self.bm.num_free_host_slots == self.bm.config.num_host_slots
+        for m in self.managers():
+            assert m.num_free_blocks == m.config.num_blocks
+            assert m.num_free_slots == m.config.num_slots
+            assert m.num_free_host_blocks == m.config.num_host_blocks
+            assert m.num_free_host_slots == m.config.num_host_slots
 
 
 class HybridMachine(BlockManagerMachine):
