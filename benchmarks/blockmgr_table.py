@@ -477,6 +477,20 @@ def linearity(results: dict[str, float]) -> list[str]:
     return lines
 
 
+#: Grouped-store cases and the plain-manager case each one is the peer of
+#: (g1-g3 run d1's request, g4-g5 b1's decode step).
+GROUPED_PEERS = {"g1": "d1", "g2": "d1", "g3": "d1", "g4": "b1", "g5": "b1"}
+
+
+def grouped_ratios(results: dict[str, float]) -> list[str]:
+    """Each grouped case's time over its plain-manager peer's, same run."""
+    return [
+        f"{key} / {peer} = {results[key] / results[peer]:.2f}x"
+        for key, peer in GROUPED_PEERS.items()
+        if key in results and peer in results
+    ]
+
+
 def fit_line(xs, ys) -> tuple[float, float]:
     """(slope, intercept) of the least-squares line through the points."""
     n = len(xs)
@@ -504,7 +518,7 @@ def main() -> None:
             continue
         results[case.key] = time_case(case, args.repeats, args.scale)
         print(format_row(case, results[case.key]), flush=True)
-    for line in linearity(results):
+    for line in linearity(results) + grouped_ratios(results):
         print(line)
 
 

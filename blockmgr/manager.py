@@ -385,6 +385,8 @@ class BlockManager:
         seq = self._resident(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
+        if not (num_pages or copy_page or copy_slot):
+            return True  # the common decode step: room in the last page
         return self._can_reserve(num_pages + copy_page, copy_slot)
 
     def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
@@ -413,8 +415,9 @@ class BlockManager:
             seq.block_table.extend(self._pages.take(num_pages))
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
-        if self._window is not None:
-            self._release_out_of_window(seq, num_before)
+        window = self._window
+        if window is not None and (num_before - window + 1) // self._block_size > seq.num_released:
+            self._release_out_of_window(seq, num_before)  # a page fell out of the window
         if grows and self._events:
             self._deliver_events()
         return ops

@@ -242,18 +242,23 @@ class PrefixTrie:
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
+        pages = None
         if self._window is not None:
-            num_usable = self._window_usable(path, num_usable)
+            num_usable, pages = self._window_usable(path, num_usable)
             branch_point = num_matched if num_usable < num_matched < len(tokens) else None
         else:
             branch_point = None
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, None, branch_point)
+        return self._make_match(path, num_usable, None, branch_point, pages)
 
-    def _window_usable(self, path: list[TrieNode], num_tokens: int) -> int:
+    def _window_usable(
+        self, path: list[TrieNode], num_tokens: int
+    ) -> tuple[int, list[int | None]]:
         """The longest hit <= `num_tokens` whose window pages are all present
-        along `path` (sliding window). Pure; O(path pages) per hole jumped.
+        along `path` (sliding window), and the pages along the part of `path`
+        that hit uses (what `_make_match` needs). Pure; O(path pages) per
+        hole jumped.
 
         A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
         missing at index j, no hit past j * bs can be served: jump there.
@@ -268,9 +273,9 @@ class PrefixTrie:
             last = (p - 1) // block_size
             hole = _last_none(pages, first, last)
             if hole is None:
-                return p
+                return p, pages
             p = hole * block_size
-        return 0
+        return 0, []
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -326,7 +331,7 @@ class PrefixTrie:
                 snapshot_depth = depth
         while self._window is not None and snapshot_depth is not None:
             end = path[snapshot_depth].end
-            if self._window_usable(path[: snapshot_depth + 1], end) == end:
+            if self._window_usable(path[: snapshot_depth + 1], end)[0] == end:
                 break
             snapshot_depth = self._shallower_snapshot(path, snapshot_depth)
         num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
@@ -350,11 +355,15 @@ class PrefixTrie:
         num_tokens: int,
         slot: int | None,
         branch_point: int | None,
+        pages: list[int | None] | None = None,
     ) -> PrefixMatch:
+        """`pages`: `_pages_along(path)` when the caller has it (a fresh
+        list: it becomes the match's)."""
         if num_tokens == 0:
             return PrefixMatch(branch_point=branch_point)
         block_size = self._block_size
-        pages = self._pages_along(path)
+        if pages is None:
+            pages = self._pages_along(path)
         del pages[-(-num_tokens // block_size) :]
         # Only the last node of the path can end past the hit.
         lock = path[-1]
@@ -800,7 +809,7 @@ class PrefixTrie:
 
     def _hold_pages(self, pages: list[int | None]) -> None:
         """Take the trie's reference to each page. O(len(pages))."""
-        if self._window is not None:
+        if self._window is not None and None in pages:
             pages = self._present(pages)
         self._pages.incref_all(pages)
         refs = self._page_trie_refs
