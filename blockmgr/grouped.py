@@ -198,17 +198,30 @@ class GroupedStore:
         _check_new_id(self._first, seq_id)
         tokens, packed = _checked(tokens, namespace)
         groups = tuple(zip(self._managers, self._common_hit(tokens, namespace, packed)))
-        for m, match in groups:
-            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
-                # raises its precise error, changes nothing
-                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
-                raise IntegrityError("allocate succeeded where can_allocate said no")
         (first_manager, first_match), *others = groups
+        for m, match in others:
+            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
+                self._raise_allocate_error(seq_id, tokens, namespace, packed, groups)
+        # Group 0 checks itself (raising, nothing changed, when it lacks room);
+        # the others were checked, and no group's allocate touches another's
+        # pools or trie. Each keeps its own token list: group 0 the checked one.
         first = first_manager.allocate(seq_id, tokens, namespace, match=first_match, packed=packed)
         for m, match in others:
-            more = m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
+            more = m.allocate(seq_id, tokens[:], namespace, match=match, packed=packed)
             _merge_allocation(first, more)
         return first
+
+    @staticmethod
+    def _raise_allocate_error(
+        seq_id: Hashable, tokens: list, namespace: Hashable, packed: bytes, groups: tuple
+    ) -> None:
+        """Raise the error of the first group (in group order) that cannot
+        allocate, changing nothing."""
+        for m, match in groups:
+            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
+                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)  # raises
+                raise IntegrityError("allocate succeeded where can_allocate said no")
+        raise IntegrityError("can_allocate changed its answer within one call")
 
     def _common_hit(self, tokens: list, namespace: Hashable, packed: bytes) -> list[PrefixMatch]:
         """Each group's match at the longest hit all groups can serve.

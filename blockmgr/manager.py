@@ -289,7 +289,8 @@ class BlockManager:
 
         Shares the longest usable cached prefix (or `match`, a `find_prefix`
         result of this manager with no call in between; `packed` as in
-        `find_prefix`); `num_cached_tokens`
+        `find_prefix`, and then the manager keeps that `tokens` list as the
+        sequence's own: pass one nothing else holds); `num_cached_tokens`
         of the result says how many tokens need no compute (at most len - 1).
         Evicts least recently used cache entries when memory is short; raises
         `OutOfBlocks` / `OutOfSlots` (changing nothing) when that is not
@@ -297,8 +298,6 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        if packed is not None:
-            tokens = tokens[:]  # the sequence's own list: the caller's may be shared
         tokens, packed = self._checked_prompt(tokens, namespace, packed)
         if match is None:
             match = self._match(namespace, tokens, packed)

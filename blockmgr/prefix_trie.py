@@ -80,7 +80,7 @@ class TrieNode:
     start: int
     end: int
     parent: TrieNode | None
-    blocks: list[int | None]  # None: a page no hit needs (sliding window only)
+    blocks: list[int | None]  # None: a page no hit needs (sliding window only; holes come first)
     children: dict[int, TrieNode] = field(default_factory=dict)
     slot: int | None = None
     lock_count: int = 0
@@ -254,7 +254,7 @@ class PrefixTrie:
 
     def _window_usable(
         self, path: list[TrieNode], num_tokens: int
-    ) -> tuple[int, list[int | None]]:
+    ) -> tuple[int, list[int | None] | None]:
         """The longest hit <= `num_tokens` whose window pages are all present
         along `path` (sliding window), and the pages along the part of `path`
         that hit uses (what `_make_match` needs). Pure; O(path pages) per
@@ -262,7 +262,15 @@ class PrefixTrie:
 
         A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
         missing at index j, no hit past j * bs can be served: jump there.
+        A path without holes (a node's holes come first in its blocks, so its
+        first entry says) serves `num_tokens` as it is: O(depth), and the
+        pages are left to `_make_match` (None).
         """
+        for node in path:
+            if node.blocks[0] is None:
+                break
+        else:
+            return num_tokens, None
         block_size, window = self._block_size, self._window
         p = num_tokens
         while p > 0:
@@ -511,8 +519,11 @@ class PrefixTrie:
 
     def _window_pages(self, pages: list[int | None], num_tokens: int) -> list[int | None]:
         """`pages` with `None` outside the window before `num_tokens` (the
-        pages a hit there needs). O(pages)."""
+        pages a hit there needs): `pages` itself when the window reaches back
+        to the start (callers only read it). O(pages)."""
         first = max(0, num_tokens - self._window + 1) // self._block_size
+        if first == 0:
+            return pages
         kept = pages[: -(-num_tokens // self._block_size)]
         kept[:first] = [None] * min(first, len(kept))
         return kept
@@ -528,8 +539,8 @@ class PrefixTrie:
                 return  # wholly before the window
             first_index = node.start // block_size
             blocks = node.blocks
-            if None not in blocks:
-                continue  # nothing to fill (the common case, checked at C speed)
+            if blocks[0] is not None:
+                continue  # no holes (they come first): nothing to fill, the common case
             for i in range(max(0, first - first_index), len(blocks)):
                 index = first_index + i
                 if blocks[i] is None and index < len(pages) and pages[index] is not None:
@@ -933,6 +944,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} holds {len(node.blocks)} pages, needs {num_blocks}")
         if self._window is None and None in node.blocks:
             raise IntegrityError(f"{where} lacks a page without a sliding window")
+        if None in node.blocks[node.blocks.count(None) :]:
+            raise IntegrityError(f"{where} holds a page before a hole")
         for page in self._present(node.blocks):
             held_refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
