@@ -1,6 +1,7 @@
 """Block manager (`blockmgr/`) micro-benchmarks: one table of us per op.
 
-Run: python benchmarks/blockmgr_table.py [--repeats 7] [--scale 1.0]
+Run: python benchmarks/blockmgr_table.py [--repeats 7] [--scale 1.0] [--only d1,g2]
+[--interleave]
 
 Every case is built by a factory that returns a fresh state and a `run`
 callable doing one unit of work (one get+free, one decode step over 256
@@ -506,18 +507,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="fresh states per case")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply calls per repeat")
     parser.add_argument("--only", default="", help="comma-separated case keys")
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="time the cases round-robin, one repeat each per round (load drift "
+        "hits every case alike: fairer ratios on a shared machine)",
+    )
     args = parser.parse_args()
     wanted = {key for key in args.only.split(",") if key}
+    cases = [case for case in CASES if not wanted or case.key in wanted]
     print(f"python {platform.python_version()}, {platform.machine()}, "
-          f"best of {args.repeats} repeats, time.perf_counter")
+          f"best of {args.repeats} repeats{' interleaved' if args.interleave else ''}, "
+          "time.perf_counter")
     print("| case | what | unit | us/unit | target | met? | vLLM 0.33 (issues) |")
     print("|---|---|---|---|---|---|---|")
     results: dict[str, float] = {}
-    for case in CASES:
-        if wanted and case.key not in wanted:
-            continue
-        results[case.key] = time_case(case, args.repeats, args.scale)
-        print(format_row(case, results[case.key]), flush=True)
+    if args.interleave:
+        for _ in range(args.repeats):
+            for case in cases:
+                us = time_case(case, 1, args.scale)
+                results[case.key] = min(results.get(case.key, us), us)
+        for case in cases:
+            print(format_row(case, results[case.key]))
+    else:
+        for case in cases:
+            results[case.key] = time_case(case, args.repeats, args.scale)
+            print(format_row(case, results[case.key]), flush=True)
     for line in linearity(results) + grouped_ratios(results):
         print(line)
 
