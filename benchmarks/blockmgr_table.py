@@ -1,7 +1,7 @@
 """Block manager (`blockmgr/`) micro-benchmarks: one table of us per op.
 
 Run: python benchmarks/blockmgr_table.py [--repeats 7] [--scale 1.0] [--only d1,g2]
-[--interleave]
+[--interleave] [--cpu-time]
 
 Every case is built by a factory that returns a fresh state and a `run`
 callable doing one unit of work (one get+free, one decode step over 256
@@ -435,18 +435,19 @@ CASES = [
 # -------------------------------------------------------------------- table
 
 
-def time_case(case: Case, repeats: int, scale: float) -> float:
-    """Best us per unit over `repeats` fresh states of `calls` calls each."""
+def time_case(case: Case, repeats: int, scale: float, clock=time.perf_counter) -> float:
+    """Best us per unit over `repeats` fresh states of `calls` calls each,
+    timed with `clock` (wall time by default)."""
     calls = max(1, int(case.calls * scale))
     best = float("inf")
     for _ in range(repeats):
         bench = case.make(calls)
         run = bench.run
         gc.collect()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             run()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         best = min(best, elapsed / calls / bench.units * 1e6)
         del bench, run
     return best
@@ -512,25 +513,31 @@ def main() -> None:
         help="time the cases round-robin, one repeat each per round (load drift "
         "hits every case alike: fairer ratios on a shared machine)",
     )
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="time.process_time (this process's CPU time) instead of wall time: "
+        "other jobs on a shared machine count less",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     wanted = {key for key in args.only.split(",") if key}
     cases = [case for case in CASES if not wanted or case.key in wanted]
     print(f"python {platform.python_version()}, {platform.machine()}, "
           f"best of {args.repeats} repeats{' interleaved' if args.interleave else ''}, "
-          "time.perf_counter")
+          f"{clock.__qualname__}")
     print("| case | what | unit | us/unit | target | met? | vLLM 0.33 (issues) |")
     print("|---|---|---|---|---|---|---|")
     results: dict[str, float] = {}
     if args.interleave:
         for _ in range(args.repeats):
             for case in cases:
-                us = time_case(case, 1, args.scale)
+                us = time_case(case, 1, args.scale, clock)
                 results[case.key] = min(results.get(case.key, us), us)
         for case in cases:
             print(format_row(case, results[case.key]))
     else:
         for case in cases:
-            results[case.key] = time_case(case, args.repeats, args.scale)
+            results[case.key] = time_case(case, args.repeats, args.scale, clock)
             print(format_row(case, results[case.key]), flush=True)
     for line in linearity(results) + grouped_ratios(results):
         print(line)
