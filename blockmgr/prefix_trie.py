@@ -257,19 +257,16 @@ class PrefixTrie:
     ) -> tuple[int, list[int | None] | None]:
         """The longest hit <= `num_tokens` whose window pages are all present
         along `path` (sliding window), and the pages along the part of `path`
-        that hit uses (what `_make_match` needs). Pure; O(path pages) per
-        hole jumped.
+        that hit uses (None: left to `_make_match`). Pure.
 
         A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
-        missing at index j, no hit past j * bs can be served: jump there.
-        A path without holes (a node's holes come first in its blocks, so its
-        first entry says) serves `num_tokens` as it is: O(depth), and the
-        pages are left to `_make_match` (None).
+        missing at index j, no hit past j * bs can be served: jump there
+        (O(path pages) per jump). `num_tokens` itself is checked first in
+        O(depth) (`_window_present`): the common case.
         """
-        for node in path:
-            if node.blocks[0] is None:
-                break
-        else:
+        while path and path[-1].start >= num_tokens:
+            path = path[:-1]
+        if num_tokens == 0 or self._window_present(path, num_tokens):
             return num_tokens, None
         block_size, window = self._block_size, self._window
         p = num_tokens
@@ -284,6 +281,27 @@ class PrefixTrie:
                 return p, pages
             p = hole * block_size
         return 0, []
+
+    def _window_present(self, path: list[TrieNode], p: int) -> bool:
+        """Are the pages of the window before `p` all present along `path`
+        (whose last node holds position p - 1)? O(depth).
+
+        Page index j is served by the deepest node covering it; a node's
+        holes come first in its blocks, so it serves a hole in the window
+        exactly when its first index there is one.
+        """
+        block_size = self._block_size
+        first = max(0, p - self._window + 1) // block_size
+        end = (p - 1) // block_size + 1  # indices below `end` are still unchecked
+        for node in reversed(path):
+            first_index = node.start // block_size
+            low = max(first, first_index)
+            if low < end and node.blocks[low - first_index] is None:
+                return False
+            if first_index <= first:
+                return True
+            end = first_index  # the deeper node served the straddled index
+        return end <= first  # an empty path serves nothing
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -539,9 +557,10 @@ class PrefixTrie:
                 return  # wholly before the window
             first_index = node.start // block_size
             blocks = node.blocks
-            if blocks[0] is not None:
-                continue  # no holes (they come first): nothing to fill, the common case
-            for i in range(max(0, first - first_index), len(blocks)):
+            low = max(0, first - first_index)
+            if low >= len(blocks) or blocks[low] is not None:
+                continue  # no hole from `low` on (holes come first): the common case
+            for i in range(low, len(blocks)):
                 index = first_index + i
                 if blocks[i] is None and index < len(pages) and pages[index] is not None:
                     blocks[i] = pages[index]
