@@ -1,6 +1,7 @@
 """Block manager (`blockmgr/`) micro-benchmarks: one table of us per op.
 
-Run: python benchmarks/blockmgr_table.py [--repeats 7] [--scale 1.0]
+Run: python benchmarks/blockmgr_table.py [--repeats 7] [--scale 1.0] [--only d1,g2]
+[--interleave] [--cpu-time]
 
 Every case is built by a factory that returns a fresh state and a `run`
 callable doing one unit of work (one get+free, one decode step over 256
@@ -434,18 +435,19 @@ CASES = [
 # -------------------------------------------------------------------- table
 
 
-def time_case(case: Case, repeats: int, scale: float) -> float:
-    """Best us per unit over `repeats` fresh states of `calls` calls each."""
+def time_case(case: Case, repeats: int, scale: float, clock=time.perf_counter) -> float:
+    """Best us per unit over `repeats` fresh states of `calls` calls each,
+    timed with `clock` (wall time by default)."""
     calls = max(1, int(case.calls * scale))
     best = float("inf")
     for _ in range(repeats):
         bench = case.make(calls)
         run = bench.run
         gc.collect()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             run()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         best = min(best, elapsed / calls / bench.units * 1e6)
         del bench, run
     return best
@@ -477,6 +479,20 @@ def linearity(results: dict[str, float]) -> list[str]:
     return lines
 
 
+#: Grouped-store cases and the plain-manager case each one is the peer of
+#: (g1-g3 run d1's request, g4-g5 b1's decode step).
+GROUPED_PEERS = {"g1": "d1", "g2": "d1", "g3": "d1", "g4": "b1", "g5": "b1"}
+
+
+def grouped_ratios(results: dict[str, float]) -> list[str]:
+    """Each grouped case's time over its plain-manager peer's, same run."""
+    return [
+        f"{key} / {peer} = {results[key] / results[peer]:.2f}x"
+        for key, peer in GROUPED_PEERS.items()
+        if key in results and peer in results
+    ]
+
+
 def fit_line(xs, ys) -> tuple[float, float]:
     """(slope, intercept) of the least-squares line through the points."""
     n = len(xs)
@@ -492,19 +508,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="fresh states per case")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply calls per repeat")
     parser.add_argument("--only", default="", help="comma-separated case keys")
+    parser.add_argument(
+        "--interleave", action="store_true",
+        help="time the cases round-robin, one repeat each per round (load drift "
+        "hits every case alike: fairer ratios on a shared machine)",
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="time.process_time (this process's CPU time) instead of wall time: "
+        "other jobs on a shared machine count less",
+    )
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     wanted = {key for key in args.only.split(",") if key}
+    cases = [case for case in CASES if not wanted or case.key in wanted]
     print(f"python {platform.python_version()}, {platform.machine()}, "
-          f"best of {args.repeats} repeats, time.perf_counter")
+          f"best of {args.repeats} repeats{' interleaved' if args.interleave else ''}, "
+          f"{clock.__qualname__}")
     print("| case | what | unit | us/unit | target | met? | vLLM 0.33 (issues) |")
     print("|---|---|---|---|---|---|---|")
     results: dict[str, float] = {}
-    for case in CASES:
-        if wanted and case.key not in wanted:
-            continue
-        results[case.key] = time_case(case, args.repeats, args.scale)
-        print(format_row(case, results[case.key]), flush=True)
-    for line in linearity(results):
+    if args.interleave:
+        for _ in range(args.repeats):
+            for case in cases:
+                us = time_case(case, 1, args.scale, clock)
+                results[case.key] = min(results.get(case.key, us), us)
+        for case in cases:
+            print(format_row(case, results[case.key]))
+    else:
+        for case in cases:
+            results[case.key] = time_case(case, args.repeats, args.scale, clock)
+            print(format_row(case, results[case.key]), flush=True)
+    for line in linearity(results) + grouped_ratios(results):
         print(line)
 
 

@@ -61,6 +61,7 @@ class GroupedStore:
             for g in range(config.num_groups)
         )
         self._first = self._managers[0]
+        self._others = self._managers[1:]
         if len(self._managers) == 1:
             # One group: every call is its manager's (bound here, not wrapped).
             for name in _SINGLE_GROUP_CALLS:
@@ -196,26 +197,31 @@ class GroupedStore:
         """
         _check_new_id(self._first, seq_id)
         tokens, packed = _checked(tokens, namespace)
-        matches = self._common_hit(tokens, namespace, packed)
-        for m, match in zip(self._managers, matches):
+        groups = tuple(zip(self._managers, self._common_hit(tokens, namespace, packed)))
+        (first_manager, first_match), *others = groups
+        for m, match in others:
             if not m.can_allocate(tokens, namespace, match=match, packed=packed):
-                # raises its precise error, changes nothing
-                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
+                self._raise_allocate_error(seq_id, tokens, namespace, packed, groups)
+        # Group 0 checks itself (raising, nothing changed, when it lacks room);
+        # the others were checked, and no group's allocate touches another's
+        # pools or trie. Each keeps its own token list: group 0 the checked one.
+        first = first_manager.allocate(seq_id, tokens, namespace, match=first_match, packed=packed)
+        for m, match in others:
+            more = m.allocate(seq_id, tokens[:], namespace, match=match, packed=packed)
+            _merge_allocation(first, more)
+        return first
+
+    @staticmethod
+    def _raise_allocate_error(
+        seq_id: Hashable, tokens: list, namespace: Hashable, packed: bytes, groups: tuple
+    ) -> None:
+        """Raise the error of the first group (in group order) that cannot
+        allocate, changing nothing."""
+        for m, match in groups:
+            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
+                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)  # raises
                 raise IntegrityError("allocate succeeded where can_allocate said no")
-        allocs = [
-            m.allocate(seq_id, tokens, namespace, match=match, packed=packed)
-            for m, match in zip(self._managers, matches)
-        ]
-        first = allocs[0]
-        branch_points = [a.branch_point for a in allocs if a.branch_point is not None]
-        return Allocation(
-            seq_id,
-            first.block_table,
-            first.slot,
-            tuple(op for a in allocs for op in a.ops),
-            first.num_cached_tokens,
-            max(branch_points) if branch_points else None,
-        )
+        raise IntegrityError("can_allocate changed its answer within one call")
 
     def _common_hit(self, tokens: list, namespace: Hashable, packed: bytes) -> list[PrefixMatch]:
         """Each group's match at the longest hit all groups can serve.
@@ -253,14 +259,14 @@ class GroupedStore:
         """
         if type(new_tokens) is not list:
             new_tokens = token_list(new_tokens, "new_tokens")
-        first, *checked = self._managers
+        others = self._others
         num_tokens = len(new_tokens)
-        for m in checked:
+        for m in others:
             if not m.can_append(seq_id, num_tokens):
                 m.append(seq_id, new_tokens)  # raises its precise error, changes nothing
                 raise IntegrityError("append succeeded where can_append said no")
-        ops = first.append(seq_id, new_tokens)  # checks itself: nothing changed yet
-        for m in checked:
+        ops = self._first.append(seq_id, new_tokens)  # checks itself: nothing changed yet
+        for m in others:
             more = m.append(seq_id, new_tokens)
             if more:
                 ops = (*ops, *more)
@@ -303,10 +309,12 @@ class GroupedStore:
     def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
         """End the sequence in every group; its computed tokens enter the tries.
         Never fails for a live id (group 0 checks the arguments first)."""
-        ops = list(self._first.free(seq_id, num_computed))
-        for m in self._managers[1:]:
-            ops.extend(m.free(seq_id, num_computed))
-        return tuple(ops)
+        ops = self._first.free(seq_id, num_computed)
+        for m in self._others:
+            more = m.free(seq_id, num_computed)
+            if more:
+                ops += more
+        return ops
 
     def take_listener_errors(self) -> list[tuple[str, BaseException]]:
         """What the listener (on group 0) raised since the last call; see
@@ -376,6 +384,18 @@ class GroupedStore:
         ):
             raise InvalidArgument(f"no layer group {group!r} (have {len(self._managers)})")
         return self._managers[group]
+
+
+def _merge_allocation(first: Allocation, more: Allocation) -> None:
+    """Fold another group's allocation into group 0's: its ops follow, and
+    the branch point is the furthest any group reports."""
+    if more.ops:
+        first.ops += more.ops
+    branch_point = more.branch_point
+    if branch_point is not None and (
+        first.branch_point is None or branch_point > first.branch_point
+    ):
+        first.branch_point = branch_point
 
 
 def _check_new_id(manager: BlockManager, seq_id: Hashable) -> None:

@@ -289,7 +289,8 @@ class BlockManager:
 
         Shares the longest usable cached prefix (or `match`, a `find_prefix`
         result of this manager with no call in between; `packed` as in
-        `find_prefix`); `num_cached_tokens`
+        `find_prefix`, and then the manager keeps that `tokens` list as the
+        sequence's own: pass one nothing else holds); `num_cached_tokens`
         of the result says how many tokens need no compute (at most len - 1).
         Evicts least recently used cache entries when memory is short; raises
         `OutOfBlocks` / `OutOfSlots` (changing nothing) when that is not
@@ -297,8 +298,6 @@ class BlockManager:
         tokens).
         """
         self._check_new_id(seq_id)
-        if packed is not None:
-            tokens = tokens[:]  # the sequence's own list: the caller's may be shared
         tokens, packed = self._checked_prompt(tokens, namespace, packed)
         if match is None:
             match = self._match(namespace, tokens, packed)
@@ -385,6 +384,8 @@ class BlockManager:
         seq = self._resident(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
+        if not (num_pages or copy_page or copy_slot):
+            return True  # the common decode step: room in the last page
         return self._can_reserve(num_pages + copy_page, copy_slot)
 
     def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
@@ -413,8 +414,9 @@ class BlockManager:
             seq.block_table.extend(self._pages.take(num_pages))
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
-        if self._window is not None:
-            self._release_out_of_window(seq, num_before)
+        window = self._window
+        if window is not None and (num_before - window + 1) // self._block_size > seq.num_released:
+            self._release_out_of_window(seq, num_before)  # a page fell out of the window
         if grows and self._events:
             self._deliver_events()
         return ops

@@ -80,7 +80,7 @@ class TrieNode:
     start: int
     end: int
     parent: TrieNode | None
-    blocks: list[int | None]  # None: a page no hit needs (sliding window only)
+    blocks: list[int | None]  # None: a page no hit needs (sliding window only; holes come first)
     children: dict[int, TrieNode] = field(default_factory=dict)
     slot: int | None = None
     lock_count: int = 0
@@ -242,22 +242,32 @@ class PrefixTrie:
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
+        pages = None
         if self._window is not None:
-            num_usable = self._window_usable(path, num_usable)
+            num_usable, pages = self._window_usable(path, num_usable)
             branch_point = num_matched if num_usable < num_matched < len(tokens) else None
         else:
             branch_point = None
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, None, branch_point)
+        return self._make_match(path, num_usable, None, branch_point, pages)
 
-    def _window_usable(self, path: list[TrieNode], num_tokens: int) -> int:
+    def _window_usable(
+        self, path: list[TrieNode], num_tokens: int
+    ) -> tuple[int, list[int | None] | None]:
         """The longest hit <= `num_tokens` whose window pages are all present
-        along `path` (sliding window). Pure; O(path pages) per hole jumped.
+        along `path` (sliding window), and the pages along the part of `path`
+        that hit uses (None: left to `_make_match`). Pure.
 
         A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
-        missing at index j, no hit past j * bs can be served: jump there.
+        missing at index j, no hit past j * bs can be served: jump there
+        (O(path pages) per jump). `num_tokens` itself is checked first in
+        O(depth) (`_window_present`): the common case.
         """
+        while path and path[-1].start >= num_tokens:
+            path = path[:-1]
+        if num_tokens == 0 or self._window_present(path, num_tokens):
+            return num_tokens, None
         block_size, window = self._block_size, self._window
         p = num_tokens
         while p > 0:
@@ -268,9 +278,30 @@ class PrefixTrie:
             last = (p - 1) // block_size
             hole = _last_none(pages, first, last)
             if hole is None:
-                return p
+                return p, pages
             p = hole * block_size
-        return 0
+        return 0, []
+
+    def _window_present(self, path: list[TrieNode], p: int) -> bool:
+        """Are the pages of the window before `p` all present along `path`
+        (whose last node holds position p - 1)? O(depth).
+
+        Page index j is served by the deepest node covering it; a node's
+        holes come first in its blocks, so it serves a hole in the window
+        exactly when its first index there is one.
+        """
+        block_size = self._block_size
+        first = max(0, p - self._window + 1) // block_size
+        end = (p - 1) // block_size + 1  # indices below `end` are still unchecked
+        for node in reversed(path):
+            first_index = node.start // block_size
+            low = max(first, first_index)
+            if low < end and node.blocks[low - first_index] is None:
+                return False
+            if first_index <= first:
+                return True
+            end = first_index  # the deeper node served the straddled index
+        return end <= first  # an empty path serves nothing
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -326,7 +357,7 @@ class PrefixTrie:
                 snapshot_depth = depth
         while self._window is not None and snapshot_depth is not None:
             end = path[snapshot_depth].end
-            if self._window_usable(path[: snapshot_depth + 1], end) == end:
+            if self._window_usable(path[: snapshot_depth + 1], end)[0] == end:
                 break
             snapshot_depth = self._shallower_snapshot(path, snapshot_depth)
         num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
@@ -350,11 +381,15 @@ class PrefixTrie:
         num_tokens: int,
         slot: int | None,
         branch_point: int | None,
+        pages: list[int | None] | None = None,
     ) -> PrefixMatch:
+        """`pages`: `_pages_along(path)` when the caller has it (a fresh
+        list: it becomes the match's)."""
         if num_tokens == 0:
             return PrefixMatch(branch_point=branch_point)
         block_size = self._block_size
-        pages = self._pages_along(path)
+        if pages is None:
+            pages = self._pages_along(path)
         del pages[-(-num_tokens // block_size) :]
         # Only the last node of the path can end past the hit.
         lock = path[-1]
@@ -502,8 +537,11 @@ class PrefixTrie:
 
     def _window_pages(self, pages: list[int | None], num_tokens: int) -> list[int | None]:
         """`pages` with `None` outside the window before `num_tokens` (the
-        pages a hit there needs). O(pages)."""
+        pages a hit there needs): `pages` itself when the window reaches back
+        to the start (callers only read it). O(pages)."""
         first = max(0, num_tokens - self._window + 1) // self._block_size
+        if first == 0:
+            return pages
         kept = pages[: -(-num_tokens // self._block_size)]
         kept[:first] = [None] * min(first, len(kept))
         return kept
@@ -519,9 +557,10 @@ class PrefixTrie:
                 return  # wholly before the window
             first_index = node.start // block_size
             blocks = node.blocks
-            if None not in blocks:
-                continue  # nothing to fill (the common case, checked at C speed)
-            for i in range(max(0, first - first_index), len(blocks)):
+            low = max(0, first - first_index)
+            if low >= len(blocks) or blocks[low] is not None:
+                continue  # no hole from `low` on (holes come first): the common case
+            for i in range(low, len(blocks)):
                 index = first_index + i
                 if blocks[i] is None and index < len(pages) and pages[index] is not None:
                     blocks[i] = pages[index]
@@ -800,7 +839,7 @@ class PrefixTrie:
 
     def _hold_pages(self, pages: list[int | None]) -> None:
         """Take the trie's reference to each page. O(len(pages))."""
-        if self._window is not None:
+        if self._window is not None and None in pages:
             pages = self._present(pages)
         self._pages.incref_all(pages)
         refs = self._page_trie_refs
@@ -924,6 +963,8 @@ class PrefixTrie:
             raise IntegrityError(f"{where} holds {len(node.blocks)} pages, needs {num_blocks}")
         if self._window is None and None in node.blocks:
             raise IntegrityError(f"{where} lacks a page without a sliding window")
+        if None in node.blocks[node.blocks.count(None) :]:
+            raise IntegrityError(f"{where} holds a page before a hole")
         for page in self._present(node.blocks):
             held_refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
