@@ -42,7 +42,14 @@ _AFM7 = ("mlx-lm's afm7 KV-reuse layers rotate queries at (history length - new 
 _LLAMA4 = ("mlx-lm's llama4 builds its chunk mask from one sequence's offset "
            "(mx.arange over cache.offset), so rows at different offsets cannot share a forward")
 
+_MINIMAX = ("mlx-lm's minimax_m3_vl sparse layers place queries at (history width - new "
+            "tokens) and cut key blocks over the history's slots, one width for all rows: "
+            "a shorter row selects other key blocks (mlx-lm's own left-padded batch too, "
+            "unless the padding is a multiple of the block size)")
+
 MLX_LM_LIMITS: dict[tuple[str, str], str] = {
+    ("minimax_m3_vl", "batched_decode"): _MINIMAX,
+    ("minimax_m3_vl", "ragged_prefill"): _MINIMAX,
     ("llama4", "batched_decode"): _LLAMA4,
     ("llama4", "ragged_prefill"): _LLAMA4,
     ("gemma2", "batched_decode"): _GEMMA2,
@@ -72,15 +79,7 @@ PROJECT_GAPS: dict[str, str] = {
 
 
 #: Open project gaps on single checks of an architecture.
-_MINIMAX_INDEX = ("project gap: minimax_m3_vl's sparse layers select key blocks from an index "
-                  "cache (keys with zero-width values, stored now); with several rows, or "
-                  "with the engine's chunking, the selection differs from one row on mlx-lm's "
-                  "caches (not diagnosed yet; its dense layers pass every check)")
-PROJECT_CHECK_GAPS: dict[tuple[str, str], str] = {
-    ("minimax_m3_vl", "batched_decode"): _MINIMAX_INDEX,
-    ("minimax_m3_vl", "ragged_prefill"): _MINIMAX_INDEX,
-    ("minimax_m3_vl", "engine"): _MINIMAX_INDEX,
-}
+PROJECT_CHECK_GAPS: dict[tuple[str, str], str] = {}
 
 
 def expected_failure(name: str, check: str, model) -> str | None:

@@ -23,12 +23,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
 from blockmgr.errors import InvalidArgument
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler import Engine, SamplingParams
-from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
+from scheduler.batch_probe import BatchSupport, declared_support, probe_batching, probe_cache
 from tests.arch_checks import CHECKS, close, forward, reference, tokens
 from tests.arch_models import architectures, build
 from tests.arch_status import (
@@ -44,7 +44,7 @@ FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 #: family, and each architecture a closed gap was found on.
 QUICK = ("llama", "deepseek_v3", "gemma3_text", "plamo3", "lfm2", "qwen3_next", "mamba",
          "rwkv7", "kimi_linear", "afm7", "gemma3n", "gemma2", "jamba", "granitemoehybrid",
-         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32")
+         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32", "minimax_m3_vl")
 
 
 def _cases():
@@ -133,6 +133,30 @@ def test_engine_without_probe_batches_rows_mlx_lm_computes_wrong():
     outs = engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
     assert engine.stats.num_forward_errors >= 1
     assert [o.tokens for o in outs] == want
+
+
+def test_declared_unbatchable_model_is_wrong_batched_even_on_mlx_lm():
+    """Why minimax_m3_vl is declared (`batch_probe.DECLARED`) rather than
+    probed: batched, its sparse layers select other key blocks on mlx-lm's
+    own left-padded `BatchKVCache` (a padding of 7, not a multiple of the
+    block size 4), and in an engine that batches it; the probe's short
+    prompts never reach the block selection. With the declaration the
+    engine's rows run alone (the sweep's engine check)."""
+    model = _model("minimax_m3_vl")
+    assert declared_support(model) == BatchSupport(False, False, declared_support(model).reason)
+    prompts = [tokens(3, 14), tokens(4, 21)]
+    pads = [7, 0]
+    caches = [CacheList(*(BatchKVCache(left_padding=pads) for _ in c.caches))
+              for c in model.make_cache()]
+    batch = mx.array([[0] * p + t for p, t in zip(pads, prompts)])
+    last = np.array(model(batch, cache=caches)[:, -1])
+    worst = [float(np.abs(last[b] - reference(model, p, [len(p)])[-1]).max())
+             for b, p in enumerate(prompts)]
+    assert worst[1] < 1e-4 < worst[0], worst
+    prompts = [tokens(14, 5), tokens(15, 11), tokens(16, 19)]
+    engine = Engine(model, num_blocks=64, block_size=8, prefill_batch=3, batch_probe=False)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert [o.tokens for o in outs] != [_greedy(model, p, 4) for p in prompts]
 
 
 def _greedy(model, prompt, n):
