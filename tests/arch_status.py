@@ -73,8 +73,6 @@ MLX_LM_LIMITS: dict[tuple[str, str], str] = {
 PROJECT_GAPS: dict[str, str] = {
     "deepseek_v41": "project gap: its own LayerCache (window + compressed groups + index keys) "
                     "has no paged counterpart",
-    "longcat_flash_ngram": "project gap: its n-gram context lives in an ArraysCache whose array "
-                           "grows with the tokens seen (up to n - 1 ids); slots hold fixed shapes",
 }
 
 

@@ -44,7 +44,8 @@ FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 #: family, and each architecture a closed gap was found on.
 QUICK = ("llama", "deepseek_v3", "gemma3_text", "plamo3", "lfm2", "qwen3_next", "mamba",
          "rwkv7", "kimi_linear", "afm7", "gemma3n", "gemma2", "jamba", "granitemoehybrid",
-         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32", "minimax_m3_vl")
+         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32", "minimax_m3_vl",
+         "longcat_flash_ngram")
 
 
 def _cases():
@@ -202,3 +203,44 @@ def test_maskless_model_needs_reserved_tokens_and_a_refusal_changes_nothing():
     pc.append("a", nxt)
     got = forward(model, pc, ["a"], [nxt])[0]
     close(got, reference(model, prompt + nxt, [7])[7:], "decode after the refusal")
+
+
+def test_token_context_needs_reserved_tokens_and_a_refusal_changes_nothing():
+    """longcat_flash_ngram reads its n-gram context from the sequence's token
+    ids: a forward over tokens nobody reserved (ids unknown) is refused
+    (typed error, storage unchanged); the same forward after `append`
+    matches mlx-lm."""
+    model = _model("longcat_flash_ngram")
+    pc = PagedCache.for_model(model, num_blocks=16, block_size=8)
+    assert pc.recurrent is None  # the context needs no slot
+    prompt, nxt = tokens(22, 7), tokens(23, 1)
+    pc.allocate("a", prompt)
+    forward(model, pc, ["a"], [prompt])
+    assert pc.num_computed("a") == 7  # the step counts as finished from here
+    before = pc.debug_state()
+    with pytest.raises(InvalidArgument):
+        model(mx.array([nxt]), cache=pc.views(["a"]))
+    assert pc.debug_state() == before
+    pc.check_integrity()
+    pc.append("a", nxt)
+    got = forward(model, pc, ["a"], [nxt])[0]
+    close(got, reference(model, prompt + nxt, [7])[7:], "decode after the refusal")
+
+
+def test_token_context_follows_truncate_and_fork():
+    """The context is the sequence's own ids, so a rollback (`truncate`) and
+    a fork continue exactly as mlx-lm on the kept tokens."""
+    model = _model("longcat_flash_ngram")
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8)
+    prompt, drafted, kept = tokens(24, 10), tokens(25, 3), tokens(26, 2)
+    pc.allocate("a", prompt + drafted)
+    forward(model, pc, ["a"], [prompt + drafted])
+    pc.truncate("a", len(prompt))
+    pc.fork("a", "b")
+    for sid in ("a", "b"):
+        pc.append(sid, kept)
+    got = forward(model, pc, ["a", "b"], [kept, kept])
+    want = reference(model, prompt + kept, [len(prompt)])[len(prompt):]
+    for b in range(2):
+        close(got[b], want, f"row {b} after truncate")
+    pc.check_integrity()
