@@ -29,7 +29,8 @@ from blockmgr.errors import IntegrityError, InvalidArgument, SequenceSwapped, Un
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
-from cache.layers import LayerKind, LayerSpec, LayoutEntry
+from cache.compressed_view import CompressedLayerView
+from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
 from cache.views import (
@@ -500,7 +501,15 @@ class PagedCache:
                 out[i] = TokenContextView(batch, spec.window)
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
-        return (out if self._layout is None else nest_views(out, self._layout)), batch
+        if self._layout is None:
+            return out, batch
+        return nest_views(out, self._layout, lambda e: self._compressed_view(batch, e, out)), batch
+
+    def _compressed_view(self, batch: BatchState, layer: CompressedLayer,
+                         flat: list) -> CompressedLayerView:
+        window, *rest = layer.positions
+        entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
+        return CompressedLayerView(batch, layer, flat[window], entries, self.pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array

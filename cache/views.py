@@ -482,9 +482,11 @@ def _check_context_index(i: object) -> None:
         raise InvalidArgument(f"token context has one array, not index {i!r}")
 
 
-def nest_views(flat: list, layout: Sequence[int | tuple[int, ...]]) -> list:
-    """One entry per model layer: the view of a position, or an mlx-lm
+def nest_views(flat: list, layout: Sequence, composite: Callable[[Any], Any]) -> list:
+    """One entry per model layer: the view of a position, an mlx-lm
     ``CacheList`` of the views of a layer's positions (its own class, so
-    models index it as they index theirs)."""
-    return [flat[e] if isinstance(e, int) else CacheList(*(flat[i] for i in e))
-            for e in layout]
+    models index it as they index theirs), or `composite(entry)` for a
+    declared composite entry (`layers.CompressedLayer`)."""
+    return [flat[e] if isinstance(e, int)
+            else CacheList(*(flat[i] for i in e)) if isinstance(e, tuple)
+            else composite(e) for e in layout]

@@ -47,7 +47,14 @@ _MINIMAX = ("mlx-lm's minimax_m3_vl sparse layers place queries at (history widt
             "a shorter row selects other key blocks (mlx-lm's own left-padded batch too, "
             "unless the padding is a multiple of the block size)")
 
+_DEEPSEEK_V41 = ("mlx-lm's deepseek_v41 takes one start position (cache[0].offset as an int) "
+                 "and one window width for the whole batch and masks no padding; its "
+                 "LayerCache has no batched form in mlx-lm (no merge: 'does not yet support "
+                 "batching')")
+
 MLX_LM_LIMITS: dict[tuple[str, str], str] = {
+    ("deepseek_v41", "batched_decode"): _DEEPSEEK_V41,
+    ("deepseek_v41", "ragged_prefill"): _DEEPSEEK_V41,
     ("minimax_m3_vl", "batched_decode"): _MINIMAX,
     ("minimax_m3_vl", "ragged_prefill"): _MINIMAX,
     ("llama4", "batched_decode"): _LLAMA4,
@@ -71,8 +78,6 @@ MLX_LM_LIMITS: dict[tuple[str, str], str] = {
 
 #: Open project gaps on whole architectures (every check fails the same way).
 PROJECT_GAPS: dict[str, str] = {
-    "deepseek_v41": "project gap: its own LayerCache (window + compressed groups + index keys) "
-                    "has no paged counterpart",
 }
 
 

@@ -45,7 +45,7 @@ FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 QUICK = ("llama", "deepseek_v3", "gemma3_text", "plamo3", "lfm2", "qwen3_next", "mamba",
          "rwkv7", "kimi_linear", "afm7", "gemma3n", "gemma2", "jamba", "granitemoehybrid",
          "falcon_h1", "longcat_flash", "llama4", "deepseek_v32", "minimax_m3_vl",
-         "longcat_flash_ngram")
+         "longcat_flash_ngram", "deepseek_v41")
 
 
 def _cases():
@@ -109,6 +109,7 @@ def test_attention_only_model_ignores_slots():
 @pytest.mark.parametrize("name, decode, prefill", [
     ("llama", True, True), ("qwen3_next", True, True),
     ("gemma2", False, False), ("jamba", True, False), ("mamba", True, False),
+    ("deepseek_v41", False, False),
 ])
 def test_batch_probe_finds_what_mlx_lm_cannot_batch(name, decode, prefill):
     """The probe agrees with the sweep's batched checks on these models."""
@@ -243,4 +244,24 @@ def test_token_context_follows_truncate_and_fork():
     want = reference(model, prompt + kept, [len(prompt)])[len(prompt):]
     for b in range(2):
         close(got[b], want, f"row {b} after truncate")
+    pc.check_integrity()
+
+
+def test_compressed_layer_cache_refuses_a_batch_and_changes_nothing():
+    """deepseek_v41's layer cache serves one row per forward (mlx-lm's model
+    takes one start position): two rows raise a typed error inside a `step`,
+    which rolls back (nothing computed, the slots as they were); each row
+    then runs alone exactly as on mlx-lm's `LayerCache`."""
+    model = _model("deepseek_v41")
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8, num_slots=4)
+    prompts = [tokens(27, 9), tokens(28, 14)]
+    for sid, p in zip("ab", prompts):
+        pc.allocate(sid, p)
+    before = pc.debug_state()
+    with pytest.raises(InvalidArgument):
+        with pc.step(["a", "b"], num_new=[9, 14]) as views:
+            model(mx.array([p + [0] * (14 - len(p)) for p in prompts]), cache=views)
+    assert pc.debug_state() == before
+    for sid, p in zip("ab", prompts):
+        close(forward(model, pc, [sid], [p])[0], reference(model, p, [len(p)]), f"{sid} alone")
     pc.check_integrity()
