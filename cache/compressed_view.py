@@ -43,27 +43,29 @@ PoolFor = Callable[[int, mx.array | None, mx.array | None], PagePool | None]
 class CompressedLayerView:
     """One deepseek_v41 layer's cache for one sequence (see the module doc).
 
-    `window`: the window position's `AttentionView`; `entries`: (group,
-    layer) of the entries position, None when the layer does not compress;
+    `window`: the window position's `AttentionView` and group; `entries`:
+    (group, layer) of the entries position, None when the layer does not compress;
     the open group is `batch.recurrent[layer.positions[2]]` when the layer
     has one. Cost per step: the window's write and gather, one eval'd token
     gather of the entries read (count = computed tokens / ratio), one token
     scatter of the new entries, one slot read and write of the open group.
     """
 
-    __slots__ = ("_batch", "_layer", "_window", "_entries", "_pool_for", "_set")
+    __slots__ = ("_batch", "_layer", "_window", "_window_group", "_entries", "_pool_for",
+                 "_set", "_forwards")
 
     def __init__(
         self,
         batch: BatchState,
         layer: CompressedLayer,
-        window: AttentionView,
+        window: tuple[AttentionView, int],
         entries: tuple[int, int] | None,
         pool_for: PoolFor,
     ) -> None:
         self._batch = batch
         self._layer = layer
-        self._window = window
+        self._window, self._window_group = window
+        self._forwards = 0  # forwards whose window update ran
         self._entries = entries
         self._pool_for = pool_for
         # Arrays the model set in the current step (by attribute name), and
@@ -90,15 +92,21 @@ class CompressedLayerView:
 
     @property
     def window(self) -> mx.array | None:
-        """The rows the window held before the step (None before any token).
-        Only its width is read by mlx-lm's model; the rows are zeros of the
-        window's dtype, since gathering them would keep the pool referenced
-        and make the step's write copy it."""
-        kept = min(self._layer.window, self._one_row_offset())
+        """The window's rows before the step, ``[1, min(window, offset), D]``
+        (None before any token). Read at the start of a forward (the model
+        reads it for its width): it starts the step, covering the reserved
+        tokens or `num_new` as for models that never build a mask. Cost: a
+        gather of those rows, evaluated (a lazy read of the pool would make
+        the step's write copy it)."""
+        plan = self._start_step()
+        offset = plan.offsets[0]
+        kept = min(self._layer.window, offset)
         pool = self._pool_for(self._layer.positions[0], None, None)
         if kept == 0 or pool is None:
             return None
-        return mx.zeros((1, kept, pool.shape.k_head_dim), pool.shape.dtype)
+        keys, _ = pool.read_tokens(*_token_index(plan, np.arange(offset - kept, offset)))
+        mx.eval(keys)
+        return keys[None]
 
     def update_window(self, kv: mx.array) -> mx.array:
         """Write the step's rows ``[1, N, D]``; the window before the step
@@ -107,6 +115,7 @@ class CompressedLayerView:
         keys = kv[:, None]
         values = mx.zeros((*keys.shape[:-1], 0), kv.dtype)
         k_hist, _ = self._window.update_and_fetch(keys, values)
+        self._forwards += 1
         return k_hist[:, 0]
 
     # --- the compressed entries ---------------------------------------------
@@ -173,6 +182,14 @@ class CompressedLayerView:
         return f"CompressedLayerView({self._layer}, seqs={list(self._batch.seq_ids)})"
 
     # --- internals ------------------------------------------------------------
+
+    def _start_step(self) -> StepPlan:
+        """The window group's plan of this forward's step, started if no
+        layer started it yet."""
+        batch = self._batch
+        if batch.steps == self._forwards:
+            batch.plan(batch.steps, self._window_group, None)
+        return batch.plans[self._window_group]
 
     def _plan(self) -> StepPlan:
         """The step the window's update started (the model compresses after it)."""
@@ -264,10 +281,14 @@ class CompressedLayerView:
 
 def _entry_index(plan: StepPlan, first: int, stop: int, ratio: int) -> tuple[mx.array, mx.array]:
     """Pool (row, column) of entries [first, stop) of the plan's one row:
-    entry g at token (g + 1) * ratio - 1 (every page of a full-attention
-    group from token 0 is in `plan.pages`)."""
-    tokens = (np.arange(first, stop) + 1) * ratio - 1
+    entry g at token (g + 1) * ratio - 1."""
+    return _token_index(plan, (np.arange(first, stop) + 1) * ratio - 1)
+
+
+def _token_index(plan: StepPlan, tokens: np.ndarray) -> tuple[mx.array, mx.array]:
+    """Pool (row, column) of the plan's one row's `tokens` (within the pages
+    the step gathers: from the window's first page on)."""
     bs = plan.block_size
-    pages = plan.pages[0][tokens // bs]
+    pages = plan.pages[0][(tokens - int(plan.base[0])) // bs]
     rows = head_rows(pages, 1, plan.num_blocks)[0]
     return mx.array(rows.astype(np.int32)), mx.array((tokens % bs).astype(np.int32))

@@ -509,7 +509,8 @@ class PagedCache:
                          flat: list) -> CompressedLayerView:
         window, *rest = layer.positions
         entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
-        return CompressedLayerView(batch, layer, flat[window], entries, self.pool_for)
+        return CompressedLayerView(batch, layer, (flat[window], self._group_of[window]), entries,
+                                   self.pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array

@@ -265,3 +265,31 @@ def test_compressed_layer_cache_refuses_a_batch_and_changes_nothing():
     for sid, p in zip("ab", prompts):
         close(forward(model, pc, [sid], [p])[0], reference(model, p, [len(p)]), f"{sid} alone")
     pc.check_integrity()
+
+
+def test_compressed_layer_cache_state_matches_mlx_lm():
+    """What deepseek_v41 reads of its layer caches at a step's start (the
+    window rows, the open group, the entries and index keys so far) equals
+    mlx-lm's `LayerCache` after the same tokens, read from the pages and
+    the slot (the logit checks see only the window's width)."""
+    model = _model("deepseek_v41")
+    prompt, nxt = tokens(29, 23), tokens(30, 1)
+    ref = model.make_cache()
+    model(mx.array([prompt]), cache=ref)
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8, num_slots=4)
+    pc.allocate("a", prompt)
+    forward(model, pc, ["a"], [prompt])
+    pc.append("a", nxt)
+    views = pc.views(["a"])
+    for layer, (view, want) in enumerate(zip(views, ref)):
+        got = [view.window]
+        names = ["window"]
+        if layer in (1, 3):  # the compressing layers
+            names += ["compress_kv", "index_k", "pending_kv", "pending_gate"]
+            got += [view.compress_kv, view.index_k, view.pending_kv, view.pending_gate]
+        for name, g in zip(names, got):
+            w = getattr(want, name)
+            assert g.shape == w.shape, (layer, name, g.shape, w.shape)
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-6, err_msg=f"{layer} {name}")
+    got = np.array(model(mx.array([nxt]), cache=views))[0]
+    close(got, reference(model, prompt + nxt, [len(prompt)])[-1:], "decode after the reads")
