@@ -136,26 +136,29 @@ class CompressedLayerView:
 
     @index_k.setter
     def index_k(self, value: mx.array) -> None:
+        compressed = self._current().get("compress_kv")
+        if compressed is None:
+            raise InvalidArgument(f"{self._layer}: index keys set before this step's entries")
         self._set_entries("index_k", value)
-        self._write_entries(self._current()["compress_kv"], value)
+        self._write_entries(compressed, value)
 
     # --- the open group (recurrent slot) ------------------------------------
 
     @property
     def pending_kv(self) -> mx.array | None:
-        return self._read_open("pending_kv", 0)
+        return self._read_open(0)
 
     @pending_kv.setter
     def pending_kv(self, value: mx.array) -> None:
-        self._write_open("pending_kv", 0, value)
+        self._write_open(0, value)
 
     @property
     def pending_gate(self) -> mx.array | None:
-        return self._read_open("pending_gate", 1)
+        return self._read_open(1)
 
     @pending_gate.setter
     def pending_gate(self, value: mx.array) -> None:
-        self._write_open("pending_gate", 1, value)
+        self._write_open(1, value)
 
     # --- the rest of the protocol -------------------------------------------
 
@@ -263,7 +266,7 @@ class CompressedLayerView:
         recurrent: Mapping[int, Any] = self._batch.recurrent
         return recurrent[self._layer.positions[2]]
 
-    def _read_open(self, name: str, which: int) -> mx.array | None:
+    def _read_open(self, which: int) -> mx.array | None:
         """The open group's rows before the step (None when it is empty)."""
         view = self._open_view()
         rows = view[which]
@@ -272,7 +275,7 @@ class CompressedLayerView:
             return None
         return rows[:, :count]
 
-    def _write_open(self, name: str, which: int, value: mx.array) -> None:
+    def _write_open(self, which: int, value: mx.array) -> None:
         """Keep the open group's rows ``[1, k, D]`` (k < ratio), front-filled."""
         view = self._open_view()
         free = self._layer.ratio - 1 - value.shape[1]
