@@ -94,6 +94,15 @@ class PagePool:
         v = mx.take(self._values, rows, axis=0).reshape(batch, h, length, s.v_head_dim)
         return k, v
 
+    def read_tokens(self, rows: mx.array, cols: mx.array) -> tuple[mx.array, mx.array]:
+        """Copies of single tokens: ``pool[rows[i], cols[i]]`` as K ``[n, k_head_dim]``
+        and V ``[n, v_head_dim]`` (lazy; as `read_pages`, evaluate them before
+        the next write into this pool)."""
+        keys = self._keys[rows, cols]
+        if not self.shape.v_head_dim:
+            return keys, mx.zeros((rows.shape[0], 0), self.shape.dtype)
+        return keys, self._values[rows, cols]
+
     def run_view(self, first_page: int, start: int, stop: int) -> tuple[mx.array, mx.array]:
         """Columns [start, stop) of the consecutive pages from `first_page` on,
         as strided views ``[1, n_kv_heads, stop - start, D]`` of the pool (no

@@ -29,10 +29,17 @@ from blockmgr.errors import IntegrityError, InvalidArgument, SequenceSwapped, Un
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
-from cache.layers import LayerKind, LayerSpec, LayoutEntry
+from cache.compressed_view import CompressedLayerView
+from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.step_plan import StepPlan, plan_step
-from cache.views import AttentionView, BatchState, RecurrentLayerView, nest_views
+from cache.views import (
+    AttentionView,
+    BatchState,
+    RecurrentLayerView,
+    TokenContextView,
+    nest_views,
+)
 
 Plan = tuple[MemoryOp, ...]
 
@@ -92,7 +99,7 @@ def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
     sliding window. Group 0 also keeps the slots; a model without full
     attention layers starts with its first window, one without attention
     layers at all keeps a (page-less in practice) full group."""
-    attention = {s.window for s in specs if s.kind is not LayerKind.RECURRENT}
+    attention = {s.window for s in specs if s.kind.paged}
     windows = sorted(w for w in attention if w is not None)
     if None in attention or not windows:
         return (None, *windows)
@@ -165,11 +172,11 @@ class PagedCache:
         self.block_size = block_size
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
+        self._reads_token_ids = any(s.kind is LayerKind.TOKENS for s in specs)
         self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}
         self._groups = [
-            _Group(w, [i for i, s in enumerate(specs)
-                       if s.kind is not LayerKind.RECURRENT and s.window == w])
+            _Group(w, [i for i, s in enumerate(specs) if s.kind.paged and s.window == w])
             for w in windows
         ]
         self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
@@ -490,9 +497,20 @@ class PagedCache:
         for i, spec in enumerate(self.specs):
             if spec.kind is LayerKind.RECURRENT:
                 out[i] = RecurrentLayerView(batch, i)
+            elif spec.kind is LayerKind.TOKENS:
+                out[i] = TokenContextView(batch, spec.window)
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
-        return (out if self._layout is None else nest_views(out, self._layout)), batch
+        if self._layout is None:
+            return out, batch
+        return nest_views(out, self._layout, lambda e: self._compressed_view(batch, e, out)), batch
+
+    def _compressed_view(self, batch: BatchState, layer: CompressedLayer,
+                         flat: list) -> CompressedLayerView:
+        window, *rest = layer.positions
+        entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
+        return CompressedLayerView(batch, layer, (flat[window], self._group_of[window]), entries,
+                                   self.pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -547,6 +565,10 @@ class PagedCache:
             new = list(num_new)
         elif not any(pending):
             # Nothing reserved (generate_step feeds tokens itself): reserve N each.
+            if self._reads_token_ids:
+                raise InvalidArgument(
+                    f"{list(seq_ids)!r}: this model reads its input ids from the cache; "
+                    "reserve them first (allocate / append)")
             for s in seq_ids:
                 # Placeholder ids (the manager takes only token ids); `known`
                 # keeps them out of the trie.
@@ -607,6 +629,23 @@ class PagedCache:
                 raise UnknownSequence(f"no live sequence {s!r}")
             counts.append(state.computed + state.in_flight)
         return counts
+
+    def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array:
+        """``[B, width]`` int64: row b's token ids ``[offsets[b] - width,
+        offsets[b])``, left-padded with id 0 (see `TokenContextView`).
+        Raises `InvalidArgument` where those ids are placeholders (never
+        for a model whose tokens are reserved first, see `begin_step`).
+        Cost: one copy of each row's token list."""
+        rows = []
+        for s, end in zip(seq_ids, offsets):
+            state = self._seqs.get(s)
+            if state is None:
+                raise UnknownSequence(f"no live sequence {s!r}")
+            if end > state.known:
+                raise InvalidArgument(f"{s!r}: ids before token {end} are not known")
+            ids = self.store.tokens(s)[max(0, end - width):end]
+            rows.append([0] * (width - len(ids)) + ids)
+        return mx.array(rows, dtype=mx.int64).reshape(len(rows), width)
 
     def trim_batch(self, seq_ids: Sequence, n: int) -> int:
         """Drop the last `n` computed tokens of every sequence (mlx-lm's

@@ -39,6 +39,7 @@ class StepSource(Protocol):
     def commit_step(self, batch: BatchState) -> None: ...
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
     def computed_counts(self, seq_ids: Sequence) -> list[int]: ...
+    def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array: ...
     def trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
     def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
 
@@ -412,9 +413,80 @@ class RecurrentLayerView(ArraysCache):
         return f"RecurrentLayerView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
 
 
-def nest_views(flat: list, layout: Sequence[int | tuple[int, ...]]) -> list:
-    """One entry per model layer: the view of a position, or an mlx-lm
+class TokenContextView:
+    """A `LayerKind.TOKENS` position for a batch: the ``ArraysCache(size=1)``
+    protocol as longcat_flash_ngram's n-gram embedding uses it.
+
+    ``view[0]`` is ``[B, width]`` int64: each row's last `width` token ids
+    before the forward, left-padded with id 0. mlx-lm's n-gram ids take a
+    missing neighbour as id 0, so the padding gives the embedding of a
+    shorter history exactly, and rows of a ragged batch each get their own
+    ids. The ids come from the block manager (`StepSource.token_context`),
+    so prefix reuse, forks and truncation need nothing stored; what the
+    model writes back (the same ids, cut from its padded input) is dropped.
+    Read it before the forward's step starts (as the model does, before its
+    mask) or within it: a forward reads, then writes once. Cost per read:
+    one slice of each row's token list and a `[B, width]` array.
+    """
+
+    __slots__ = ("_batch", "_width", "_writes")
+
+    def __init__(self, batch: BatchState, width: int) -> None:
+        self._batch = batch
+        self._width = width
+        self._writes = 0  # forwards that wrote (the model writes once per forward)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> mx.array:
+        _check_context_index(i)
+        batch = self._batch
+        if batch.steps > self._writes:  # this forward's step started: its offsets
+            offsets = batch.plans[0].offsets
+        else:  # before the step: the computed tokens (a finished step's included)
+            offsets = batch.owner.computed_counts(batch.seq_ids)
+        return batch.owner.token_context(batch.seq_ids, offsets, self._width)
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        _check_context_index(i)
+        self._writes += 1
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [self[0]]
+
+    def is_trimmable(self) -> bool:
+        return True  # nothing stored: the ids follow the sequence's tokens
+
+    def trim(self, n: int) -> int:
+        """Dropped with the attention views' trim (one per batch)."""
+        return min([n] + self._batch.owner.computed_counts(self._batch.seq_ids))
+
+    def empty(self) -> bool:
+        return not any(self._batch.owner.computed_counts(self._batch.seq_ids))
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"TokenContextView(width={self._width}, seqs={list(self._batch.seq_ids)})"
+
+
+def _check_context_index(i: object) -> None:
+    if i not in (0, -1) or isinstance(i, bool):
+        raise InvalidArgument(f"token context has one array, not index {i!r}")
+
+
+def nest_views(flat: list, layout: Sequence, composite: Callable[[Any], Any]) -> list:
+    """One entry per model layer: the view of a position, an mlx-lm
     ``CacheList`` of the views of a layer's positions (its own class, so
-    models index it as they index theirs)."""
-    return [flat[e] if isinstance(e, int) else CacheList(*(flat[i] for i in e))
-            for e in layout]
+    models index it as they index theirs), or `composite(entry)` for a
+    declared composite entry (`layers.CompressedLayer`)."""
+    return [flat[e] if isinstance(e, int)
+            else CacheList(*(flat[i] for i in e)) if isinstance(e, tuple)
+            else composite(e) for e in layout]

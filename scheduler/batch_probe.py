@@ -9,6 +9,10 @@ mamba run their state through a row's right padding, afm7's KV-reuse layers
 place queries at the padded history length. mlx-lm's own batching is wrong
 there too.
 
+A few models compute a batch wrong only on inputs far longer than a probe
+can afford; `DECLARED` lists them by mlx-lm module with the reason, and
+`probe_batching` returns that entry without running anything.
+
 `probe_batching` finds out by running a few tokens both ways on the engine's
 own storage, so the engine can run the affected rows one by one and keep its
 outputs right (`BatchSupport`). Nothing of the probe stays in the storage:
@@ -43,6 +47,26 @@ class BatchSupport:
     reason: str | None = None
 
 
+#: Models whose batching breaks only beyond what a short probe reaches, by
+#: mlx-lm module. minimax_m3_vl's sparse layers place a step's queries at
+#: (history width - new tokens) and cut key blocks at multiples of the block
+#: size over the history's slots: one width for all rows, so rows at other
+#: offsets (padded, or left-padded as mlx-lm's own BatchKVCache does) select
+#: other key blocks. It only shows once a row has more than
+#: index_topk_blocks * index_block_size keys (thousands in real configs).
+DECLARED: dict[str, BatchSupport] = {
+    "mlx_lm.models.minimax_m3_vl": BatchSupport(
+        decode=False, prefill=False,
+        reason="minimax_m3_vl's sparse layers take query positions and key-block bounds "
+               "from the batch's history width, one for all rows (declared)"),
+}
+
+
+def declared_support(model: Any) -> BatchSupport | None:
+    """The `DECLARED` entry of `model`'s mlx-lm module, or None."""
+    return DECLARED.get(type(model).__module__)
+
+
 def tolerance(dtype: mx.Dtype) -> float:
     """Relative logit difference above which batched rows count as wrong:
     far above rounding (batched and single matmuls round differently), far
@@ -61,8 +85,10 @@ def probe_batching(model: Any, cache: Any, probe_prefill: bool = True) -> BatchS
     alone (a layer that runs state through padding is wrong only after it).
     An error in a batched forward counts as unsupported; an error in a
     single-row forward propagates (the model cannot run at all). Cost: 13
-    forwards of at most 6 tokens.
+    forwards of at most 6 tokens; none for a model `DECLARED` unbatchable.
     """
+    if (declared := declared_support(model)) is not None:
+        return declared
     alone = np.stack([np.stack(_run_alone(model, cache, p)) for p in PROBE_PROMPTS])
     tol = tolerance(_param_dtype(model))
     decode_error = _batched_error(cache, lambda: _decode_batched(model, cache),

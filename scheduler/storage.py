@@ -38,7 +38,11 @@ def build_storage(
     specs = layer_specs(model)
     has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
     if has_recurrent and recurrent is None and num_slots > 0:
-        recurrent = RecurrentPools.for_model(model, num_slots, num_host_slots=num_host_slots)
+        # Declared positions (not mlx-lm ArraysCaches) allocate on first write.
+        declared = {i: s.num_arrays for i, s in enumerate(specs) if s.num_arrays}
+        recurrent = (
+            RecurrentPools(num_slots, declared, num_host_slots=num_host_slots) if declared
+            else RecurrentPools.for_model(model, num_slots, num_host_slots=num_host_slots))
     return PagedCache(
         specs, num_blocks, block_size, num_slots=num_slots, recurrent=recurrent,
         num_host_slots=num_host_slots, layout=cache_layout(model), **kwargs,

@@ -83,6 +83,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": dict(attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
     "deepseek_v2": dict(rope_scaling=_YARN),
+    # Window, compression (ratio 4: an open group of up to 3 rows), index
+    # keys, top-k and candidate blocks all small enough to act in the checks.
+    "deepseek_v41": dict(sliding_window=WINDOW, compress_ratios=[0, 4, 4, 4],
+                         kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3],
+                         candidate_source_layer_id=1, candidate_topk_blocks=2,
+                         candidate_block_size=2, index_topk=3, index_n_heads=2,
+                         index_head_dim=16, o_groups=2, o_lora_rank=16, hc_mult=2),
     "exaone4": dict(rope_scaling=None),
     "exaone_moe": dict(sliding_window=WINDOW, layer_types=_SW,
                        is_moe_layer=[False, True, False, True]),

@@ -42,7 +42,21 @@ _AFM7 = ("mlx-lm's afm7 KV-reuse layers rotate queries at (history length - new 
 _LLAMA4 = ("mlx-lm's llama4 builds its chunk mask from one sequence's offset "
            "(mx.arange over cache.offset), so rows at different offsets cannot share a forward")
 
+_MINIMAX = ("mlx-lm's minimax_m3_vl sparse layers place queries at (history width - new "
+            "tokens) and cut key blocks over the history's slots, one width for all rows: "
+            "a shorter row selects other key blocks (mlx-lm's own left-padded batch too, "
+            "unless the padding is a multiple of the block size)")
+
+_DEEPSEEK_V41 = ("mlx-lm's deepseek_v41 takes one start position (cache[0].offset as an int) "
+                 "and one window width for the whole batch and masks no padding; its "
+                 "LayerCache has no batched form in mlx-lm (no merge: 'does not yet support "
+                 "batching')")
+
 MLX_LM_LIMITS: dict[tuple[str, str], str] = {
+    ("deepseek_v41", "batched_decode"): _DEEPSEEK_V41,
+    ("deepseek_v41", "ragged_prefill"): _DEEPSEEK_V41,
+    ("minimax_m3_vl", "batched_decode"): _MINIMAX,
+    ("minimax_m3_vl", "ragged_prefill"): _MINIMAX,
     ("llama4", "batched_decode"): _LLAMA4,
     ("llama4", "ragged_prefill"): _LLAMA4,
     ("gemma2", "batched_decode"): _GEMMA2,
@@ -64,23 +78,11 @@ MLX_LM_LIMITS: dict[tuple[str, str], str] = {
 
 #: Open project gaps on whole architectures (every check fails the same way).
 PROJECT_GAPS: dict[str, str] = {
-    "deepseek_v41": "project gap: its own LayerCache (window + compressed groups + index keys) "
-                    "has no paged counterpart",
-    "longcat_flash_ngram": "project gap: its n-gram context lives in an ArraysCache whose array "
-                           "grows with the tokens seen (up to n - 1 ids); slots hold fixed shapes",
 }
 
 
 #: Open project gaps on single checks of an architecture.
-_MINIMAX_INDEX = ("project gap: minimax_m3_vl's sparse layers select key blocks from an index "
-                  "cache (keys with zero-width values, stored now); with several rows, or "
-                  "with the engine's chunking, the selection differs from one row on mlx-lm's "
-                  "caches (not diagnosed yet; its dense layers pass every check)")
-PROJECT_CHECK_GAPS: dict[tuple[str, str], str] = {
-    ("minimax_m3_vl", "batched_decode"): _MINIMAX_INDEX,
-    ("minimax_m3_vl", "ragged_prefill"): _MINIMAX_INDEX,
-    ("minimax_m3_vl", "engine"): _MINIMAX_INDEX,
-}
+PROJECT_CHECK_GAPS: dict[tuple[str, str], str] = {}
 
 
 def expected_failure(name: str, check: str, model) -> str | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
+from cache import layer_specs
 from tests.arch_checks import CHECKS
 from tests.arch_models import architectures, build
 from tests.arch_status import (
@@ -37,6 +38,7 @@ PASS, EXPECTED, UNEXPECTED, SKIPPED = "pass", "expected", "FAIL", "-"
 class Row:
     name: str
     kinds: str = ""
+    paged: str = ""
     outcomes: dict[str, str] = field(default_factory=dict)
     unbatched: str = ""
     reasons: list[str] = field(default_factory=list)
@@ -73,6 +75,15 @@ def cache_kinds(model) -> str:
     return ", ".join(dict.fromkeys(name(c) for c in caches)) or "KVCache"
 
 
+def paged_kinds(model) -> str:
+    """How the paged storage holds the model's cache positions (`layer_specs`:
+    kinds, with their window), each distinct kind once."""
+    def name(spec) -> str:
+        return spec.kind.value if spec.window is None else f"{spec.kind.value}({spec.window})"
+
+    return ", ".join(dict.fromkeys(name(s) for s in layer_specs(model)))
+
+
 def sweep_one(name: str) -> Row:
     row = Row(name)
     if name in UNBUILDABLE:
@@ -81,6 +92,7 @@ def sweep_one(name: str) -> Row:
         return row
     model = build(name)
     row.kinds = cache_kinds(model)
+    row.paged = paged_kinds(model)
     for check, run in CHECKS.items():
         reason = expected_failure(name, check, model)
         try:
@@ -111,7 +123,7 @@ def _batching_cell(row: Row) -> str:
 
 def render(rows: list[Row]) -> str:
     counts = Counter(r.status for r in rows)
-    head = ["architecture", "caches (make_cache)", *CHECKS, "engine batching", "status",
+    head = ["architecture", "caches (make_cache)", "paged as", *CHECKS, "engine batching", "status",
             "reason"]
     lines = [
         "# Compatibility: mlx-lm architectures on paged storage",
@@ -126,9 +138,12 @@ def render(rows: list[Row]) -> str:
         "lengths), `ragged_prefill` (2 right-padded rows in one forward, then a batched decode),",
         "`prefix_reuse` (a 42-token prefix of a finished, decoded sequence reused by the next),",
         "`engine` (`Engine.generate`, greedy, 3 prompts, `prefill_batch=3`, vs `generate_step`).",
+        "`paged as`: the storage's layer kinds (`cache.layer_specs`; a window in tokens, or for",
+        "`tokens` the input ids a layer reads).",
         "`expected`: a listed mlx-lm limitation or project gap (reason given); `-`: not run.",
         "`engine batching` says which rows the engine runs one at a time because mlx-lm's model",
-        "code cannot batch them (`scheduler/batch_probe.py` detects it when the engine is built).",
+        "code cannot batch them (`scheduler/batch_probe.py` detects it when the engine is built,",
+        "or its `DECLARED` table names the model).",
         "",
         "Summary: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +
         f" ({len(rows)} architectures).",
@@ -137,7 +152,7 @@ def render(rows: list[Row]) -> str:
         "|" + "---|" * len(head),
     ]
     for r in rows:
-        cells = [f"`{r.name}`", r.kinds, *(r.outcomes.get(c, SKIPPED) for c in CHECKS),
+        cells = [f"`{r.name}`", r.kinds, r.paged, *(r.outcomes.get(c, SKIPPED) for c in CHECKS),
                  _batching_cell(r), r.status, "; ".join(r.reasons)]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines) + "\n"

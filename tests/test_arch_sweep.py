@@ -23,12 +23,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
 from blockmgr.errors import InvalidArgument
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler import Engine, SamplingParams
-from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
+from scheduler.batch_probe import BatchSupport, declared_support, probe_batching, probe_cache
 from tests.arch_checks import CHECKS, close, forward, reference, tokens
 from tests.arch_models import architectures, build
 from tests.arch_status import (
@@ -44,7 +44,8 @@ FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 #: family, and each architecture a closed gap was found on.
 QUICK = ("llama", "deepseek_v3", "gemma3_text", "plamo3", "lfm2", "qwen3_next", "mamba",
          "rwkv7", "kimi_linear", "afm7", "gemma3n", "gemma2", "jamba", "granitemoehybrid",
-         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32")
+         "falcon_h1", "longcat_flash", "llama4", "deepseek_v32", "minimax_m3_vl",
+         "longcat_flash_ngram", "deepseek_v41")
 
 
 def _cases():
@@ -108,6 +109,7 @@ def test_attention_only_model_ignores_slots():
 @pytest.mark.parametrize("name, decode, prefill", [
     ("llama", True, True), ("qwen3_next", True, True),
     ("gemma2", False, False), ("jamba", True, False), ("mamba", True, False),
+    ("deepseek_v41", False, False),
 ])
 def test_batch_probe_finds_what_mlx_lm_cannot_batch(name, decode, prefill):
     """The probe agrees with the sweep's batched checks on these models."""
@@ -133,6 +135,30 @@ def test_engine_without_probe_batches_rows_mlx_lm_computes_wrong():
     outs = engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
     assert engine.stats.num_forward_errors >= 1
     assert [o.tokens for o in outs] == want
+
+
+def test_declared_unbatchable_model_is_wrong_batched_even_on_mlx_lm():
+    """Why minimax_m3_vl is declared (`batch_probe.DECLARED`) rather than
+    probed: batched, its sparse layers select other key blocks on mlx-lm's
+    own left-padded `BatchKVCache` (a padding of 7, not a multiple of the
+    block size 4), and in an engine that batches it; the probe's short
+    prompts never reach the block selection. With the declaration the
+    engine's rows run alone (the sweep's engine check)."""
+    model = _model("minimax_m3_vl")
+    assert declared_support(model) == BatchSupport(False, False, declared_support(model).reason)
+    prompts = [tokens(3, 14), tokens(4, 21)]
+    pads = [7, 0]
+    caches = [CacheList(*(BatchKVCache(left_padding=pads) for _ in c.caches))
+              for c in model.make_cache()]
+    batch = mx.array([[0] * p + t for p, t in zip(pads, prompts)])
+    last = np.array(model(batch, cache=caches)[:, -1])
+    worst = [float(np.abs(last[b] - reference(model, p, [len(p)])[-1]).max())
+             for b, p in enumerate(prompts)]
+    assert worst[1] < 1e-4 < worst[0], worst
+    prompts = [tokens(14, 5), tokens(15, 11), tokens(16, 19)]
+    engine = Engine(model, num_blocks=64, block_size=8, prefill_batch=3, batch_probe=False)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert [o.tokens for o in outs] != [_greedy(model, p, 4) for p in prompts]
 
 
 def _greedy(model, prompt, n):
@@ -178,3 +204,92 @@ def test_maskless_model_needs_reserved_tokens_and_a_refusal_changes_nothing():
     pc.append("a", nxt)
     got = forward(model, pc, ["a"], [nxt])[0]
     close(got, reference(model, prompt + nxt, [7])[7:], "decode after the refusal")
+
+
+def test_token_context_needs_reserved_tokens_and_a_refusal_changes_nothing():
+    """longcat_flash_ngram reads its n-gram context from the sequence's token
+    ids: a forward over tokens nobody reserved (ids unknown) is refused
+    (typed error, storage unchanged); the same forward after `append`
+    matches mlx-lm."""
+    model = _model("longcat_flash_ngram")
+    pc = PagedCache.for_model(model, num_blocks=16, block_size=8)
+    assert pc.recurrent is None  # the context needs no slot
+    prompt, nxt = tokens(22, 7), tokens(23, 1)
+    pc.allocate("a", prompt)
+    forward(model, pc, ["a"], [prompt])
+    assert pc.num_computed("a") == 7  # the step counts as finished from here
+    before = pc.debug_state()
+    with pytest.raises(InvalidArgument):
+        model(mx.array([nxt]), cache=pc.views(["a"]))
+    assert pc.debug_state() == before
+    pc.check_integrity()
+    pc.append("a", nxt)
+    got = forward(model, pc, ["a"], [nxt])[0]
+    close(got, reference(model, prompt + nxt, [7])[7:], "decode after the refusal")
+
+
+def test_token_context_follows_truncate_and_fork():
+    """The context is the sequence's own ids, so a rollback (`truncate`) and
+    a fork continue exactly as mlx-lm on the kept tokens."""
+    model = _model("longcat_flash_ngram")
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8)
+    prompt, drafted, kept = tokens(24, 10), tokens(25, 3), tokens(26, 2)
+    pc.allocate("a", prompt + drafted)
+    forward(model, pc, ["a"], [prompt + drafted])
+    pc.truncate("a", len(prompt))
+    pc.fork("a", "b")
+    for sid in ("a", "b"):
+        pc.append(sid, kept)
+    got = forward(model, pc, ["a", "b"], [kept, kept])
+    want = reference(model, prompt + kept, [len(prompt)])[len(prompt):]
+    for b in range(2):
+        close(got[b], want, f"row {b} after truncate")
+    pc.check_integrity()
+
+
+def test_compressed_layer_cache_refuses_a_batch_and_changes_nothing():
+    """deepseek_v41's layer cache serves one row per forward (mlx-lm's model
+    takes one start position): two rows raise a typed error inside a `step`,
+    which rolls back (nothing computed, the slots as they were); each row
+    then runs alone exactly as on mlx-lm's `LayerCache`."""
+    model = _model("deepseek_v41")
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8, num_slots=4)
+    prompts = [tokens(27, 9), tokens(28, 14)]
+    for sid, p in zip("ab", prompts):
+        pc.allocate(sid, p)
+    before = pc.debug_state()
+    with pytest.raises(InvalidArgument):
+        with pc.step(["a", "b"], num_new=[9, 14]) as views:
+            model(mx.array([p + [0] * (14 - len(p)) for p in prompts]), cache=views)
+    assert pc.debug_state() == before
+    for sid, p in zip("ab", prompts):
+        close(forward(model, pc, [sid], [p])[0], reference(model, p, [len(p)]), f"{sid} alone")
+    pc.check_integrity()
+
+
+def test_compressed_layer_cache_state_matches_mlx_lm():
+    """What deepseek_v41 reads of its layer caches at a step's start (the
+    window rows, the open group, the entries and index keys so far) equals
+    mlx-lm's `LayerCache` after the same tokens, read from the pages and
+    the slot (the logit checks see only the window's width)."""
+    model = _model("deepseek_v41")
+    prompt, nxt = tokens(29, 23), tokens(30, 1)
+    ref = model.make_cache()
+    model(mx.array([prompt]), cache=ref)
+    pc = PagedCache.for_model(model, num_blocks=32, block_size=8, num_slots=4)
+    pc.allocate("a", prompt)
+    forward(model, pc, ["a"], [prompt])
+    pc.append("a", nxt)
+    views = pc.views(["a"])
+    for layer, (view, want) in enumerate(zip(views, ref)):
+        got = [view.window]
+        names = ["window"]
+        if layer in (1, 3):  # the compressing layers
+            names += ["compress_kv", "index_k", "pending_kv", "pending_gate"]
+            got += [view.compress_kv, view.index_k, view.pending_kv, view.pending_gate]
+        for name, g in zip(names, got):
+            w = getattr(want, name)
+            assert g.shape == w.shape, (layer, name, g.shape, w.shape)
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-6, err_msg=f"{layer} {name}")
+    got = np.array(model(mx.array([nxt]), cache=views))[0]
+    close(got, reference(model, prompt + nxt, [len(prompt)])[-1:], "decode after the reads")

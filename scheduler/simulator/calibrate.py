@@ -221,12 +221,12 @@ def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid,
     batched gather + scatter per pool array: the storage's copy and swap."""
     import mlx.core as mx
 
-    from cache import LayerKind, layer_specs
+    from cache import layer_specs
 
     config = description["config"]
     heads = int(config.get("num_key_value_heads", config.get("num_attention_heads", 1)))
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    layers = sum(1 for s in layer_specs(model) if s.kind is not LayerKind.RECURRENT)
+    layers = sum(1 for s in layer_specs(model) if s.kind.paged)
     n = grid.copy_pages
     pools = [mx.zeros((4 * n, grid.block_size, heads, head_dim)) for _ in range(2 * layers)]
     mx.eval(pools)
