@@ -219,6 +219,15 @@ class BlockManager:
         check_hashable("namespace", namespace)
         return self._match(namespace, tokens, packed).num_tokens
 
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        """`(namespace, tokens)` of every maximal cached prefix (the trie's
+        leaves): each cached prefix starts one of them. What a hit can
+        really use along one is `cached_prefix_length(tokens + [t])`, as
+        the tokens past the last snapshot or window are not servable.
+        For a cache-aware router's view (`scheduler.kv_events`). Pure;
+        O(sum of the paths' lengths)."""
+        return [] if self._trie is None else self._trie.cached_paths()
+
     def find_prefix(
         self,
         tokens: Iterable[int],

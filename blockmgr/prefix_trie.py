@@ -272,6 +272,21 @@ class PrefixTrie:
             p = hole * block_size
         return 0
 
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        """`(namespace, tokens)` of the path to every leaf: every cached
+        prefix is a prefix of one of them. Pure; O(sum of the paths' lengths)."""
+        paths = []
+        for namespace, root in self._roots.items():
+            stack = [(child, []) for child in root.children.values()]
+            while stack:
+                node, above = stack.pop()
+                tokens = above + node.tokens
+                if node.children:
+                    stack.extend((child, tokens) for child in node.children.values())
+                else:
+                    paths.append((namespace, tokens))
+        return paths
+
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
         root = self._roots.get(namespace)

@@ -1,0 +1,358 @@
+"""KV events (vLLM's wire format) against what the store can really serve.
+
+A subscriber written here decodes every published payload the way llm-d's
+KV-cache manager does (msgpack arrays: [ts, events, rank?], each event
+[tag, fields in order]) and rebuilds the set of advertised prefixes from
+the parent-chained hashes. After every engine step it must equal the set
+obtained from the store's own answers: for every prefix of every sequence
+the test ran, `cached_prefix_length` says how many full blocks a hit there
+uses. Attention, hybrid (hits end at recurrent snapshots) and sliding-window
+(hits need the window's pages) models, with a small pool (evictions), two
+namespaces, an abort and a reset. The socket test runs a real ZMQ
+subscriber and the replay socket; it is skipped without pyzmq.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+import time
+
+import pytest
+
+msgpack = pytest.importorskip("msgpack", reason="KV events need the events extra (msgpack)")
+
+from scheduler import Engine, SamplingParams  # noqa: E402
+from scheduler.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventFormatError,
+    decode_batch,
+    encode_batch,
+)
+from tests.tiny_models import built  # noqa: E402
+
+BLOCK_SIZE = 4
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def test_a_batch_encodes_to_vllm_array_like_tagged_structs():
+    batch = KVEventBatch(1.5, (
+        BlockStored((7, 2**63 - 1), None, (1, 2, 3, 4, 5, 6, 7, 8), 4, None, "GPU", "ns"),
+        BlockRemoved((7,), None),
+        AllBlocksCleared(),
+    ), 0)
+    # The bytes the msgpack spec gives for
+    # [1.5, [["BlockStored", [7, 2**63-1], nil, [1..8], 4, nil, "GPU", "ns"],
+    #        ["BlockRemoved", [7], nil], ["AllBlocksCleared"]], 0]
+    expected = (
+        b"\x93" + b"\xcb" + struct.pack(">d", 1.5) + b"\x93"
+        + b"\x98" + b"\xabBlockStored" + b"\x92\x07\xcf" + (2**63 - 1).to_bytes(8, "big")
+        + b"\xc0" + b"\x98" + bytes(range(1, 9)) + b"\x04\xc0\xa3GPU\xa2ns"
+        + b"\x93\xacBlockRemoved\x91\x07\xc0"
+        + b"\x91\xb0AllBlocksCleared"
+        + b"\x00"
+    )
+    assert encode_batch(batch) == expected
+    assert decode_batch(expected) == batch
+    # Without a rank the batch has two fields (msgspec's omit_defaults).
+    assert msgpack.unpackb(encode_batch(KVEventBatch(2.0, ()))) == [2.0, []]
+
+
+def test_the_decoder_reads_a_newer_vllm_payload_and_refuses_garbage():
+    newer = msgpack.packb([3.0, [["BlockStored", [5], 9, [1, 2], 2, None, "GPU", None,
+                                  [None], 0, "full_attention"]]])
+    assert decode_batch(newer).events == (BlockStored((5,), 9, (1, 2), 2, None, "GPU", None),)
+    for bad in (b"\xc1", msgpack.packb({"ts": 1.0}), msgpack.packb([1.0, [["Nope"]]]),
+                msgpack.packb([1.0, [["BlockStored", [5], None, [1], 2, None, None, None]]]),
+                msgpack.packb([1.0, [["BlockRemoved", ["x"], None]]])):
+        with pytest.raises(KVEventFormatError):
+            decode_batch(bad)
+
+
+def test_block_hashes_follow_the_documented_formula():
+    """sha256(parent as 8 big-endian bytes + token ids as little-endian
+    uint64), first 63 bits; a prompt's first parent is the namespace's seed."""
+    from scheduler.kv_events import chain_hashes
+
+    def first63(data: bytes) -> int:
+        return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") & (2**63 - 1)
+
+    seed = first63(b"mlx-blockmgr kv block\0" + b"'tenant'")
+    h0 = first63(seed.to_bytes(8, "big") + struct.pack("<4Q", 1, 2, 3, 4))
+    h1 = first63(h0.to_bytes(8, "big") + struct.pack("<4Q", 5, 6, 7, 8))
+    assert chain_hashes("tenant", [1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == [h0, h1]
+    assert chain_hashes(None, [1, 2, 3, 4], 4) != [h0]
+
+
+# -------------------------------------------------------------- subscriber
+
+
+class Subscriber:
+    """A router's view of one server, read from raw msgpack as llm-d does."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[int | None, tuple, str | None]] = {}
+        self.num_batches = 0
+
+    def receive(self, payload: bytes) -> None:
+        fields = msgpack.unpackb(payload)
+        assert isinstance(fields, list) and len(fields) in (2, 3)
+        ts, events = fields[0], fields[1]
+        assert isinstance(ts, float) and events, "a batch is sent only when something changed"
+        for event in events:
+            self._apply(event)
+        self.num_batches += 1
+
+    def _apply(self, event: list) -> None:
+        tag = event[0]
+        if tag == "AllBlocksCleared":
+            assert event == ["AllBlocksCleared"]
+            self.blocks.clear()
+        elif tag == "BlockRemoved":
+            _, hashes, _medium = event
+            removed = set(hashes)
+            assert removed <= set(self.blocks), "removed a block that was never stored"
+            for child, (parent, _, _) in self.blocks.items():
+                assert child in removed or parent not in removed, "removed a block's parent only"
+            for digest in hashes:
+                del self.blocks[digest]
+        else:
+            assert tag == "BlockStored"
+            _, hashes, parent, tokens, block_size, lora_id, _medium, lora_name = event
+            assert block_size == BLOCK_SIZE and lora_id is None
+            assert len(tokens) == block_size * len(hashes) and hashes
+            assert parent is None or parent in self.blocks, "stored before its parent"
+            for i, digest in enumerate(hashes):
+                assert digest not in self.blocks, "stored twice"
+                self.blocks[digest] = (parent, tuple(tokens[i * block_size:(i + 1) * block_size]),
+                                       lora_name)
+                parent = digest
+
+    def prefixes(self) -> set[tuple[str | None, tuple]]:
+        """(namespace, tokens up to the block's end) of every advertised block."""
+        result = set()
+        for digest, (_, _, lora_name) in self.blocks.items():
+            runs = []
+            while digest is not None:
+                parent, tokens, _ = self.blocks[digest]
+                runs.append(tokens)
+                digest = parent
+            result.add((lora_name, tuple(t for run in reversed(runs) for t in run)))
+        return result
+
+
+def servable_prefixes(store, sequences) -> set[tuple[str | None, tuple]]:
+    """From the store's own answers: the full-block prefixes a hit uses, for
+    every prefix of every sequence run (each cached prefix is one of them).
+    A token past the prefix stands for the rest of a prompt."""
+    result = set()
+    for namespace, tokens in sequences:
+        for length in range(BLOCK_SIZE, len(tokens) + 1):
+            hit = store.cached_prefix_length(list(tokens[:length]) + [0], namespace)
+            assert hit <= length
+            for end in range(BLOCK_SIZE, hit + 1, BLOCK_SIZE):
+                result.add((namespace, tuple(tokens[:end])))
+    return result
+
+
+class RecordingSink:
+    def __init__(self):
+        self.payloads: list[bytes] = []
+
+    def send(self, payload: bytes) -> None:
+        self.payloads.append(payload)
+
+    def close(self) -> None:
+        pass
+
+
+def workload(vocab: int, seed: int = 0) -> list[tuple[str | None, list[int]]]:
+    """Prompts sharing system prompts (two namespaces), some sharing more."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(n)] for n in (13, 9)]
+    prompts = []
+    for i in range(14):
+        namespace = "tenant-b" if i % 4 == 3 else None
+        tail = [rng.randrange(vocab) for _ in range(rng.randrange(1, 10))]
+        prompts.append((namespace, systems[i % 2] + tail))
+    prompts.append(prompts[2])  # a repeat: a hit on a whole cached prompt
+    return prompts
+
+
+def run_and_check(engine: Engine, prompts, after_step) -> list[list[int]]:
+    """Run the prompts (greedy), calling `after_step(sequences)` after every
+    step and abort with every (namespace, tokens so far) of each request."""
+    tokens: dict = {}
+    namespaces: dict = {}
+
+    def track(rid):
+        def callback(out):
+            for new in out.new_tokens.values():
+                tokens[rid].extend(new)
+        return callback
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    for i, (namespace, prompt) in enumerate(prompts):
+        rid = f"r{i}"
+        tokens[rid], namespaces[rid] = list(prompt), namespace
+        engine.add_request(prompt, params, request_id=rid, namespace=namespace,
+                           callback=track(rid))
+
+    def sequences():
+        return [(namespaces[rid], toks) for rid, toks in tokens.items()]
+
+    num_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        num_steps += 1
+        if num_steps == 3:
+            engine.abort("r1")  # mid-run: its computed tokens enter the cache
+        after_step(sequences())
+    engine.check_integrity()
+    return [tokens[f"r{i}"][len(p):] for i, (_, p) in enumerate(prompts)]
+
+
+MODELS = [("llama", 101), ("lfm2", 61), ("sliding", 101)]
+
+
+@pytest.mark.parametrize("name,vocab", MODELS, ids=[m[0] for m in MODELS])
+def test_the_rebuilt_view_is_what_the_store_serves_after_every_step(name, vocab):
+    sink = RecordingSink()
+    engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
+                    max_num_seqs=4)
+    store = engine.cache.store
+    subscriber = Subscriber()
+    checked, namespaces = [], set()
+
+    def after_step(sequences):
+        while subscriber.num_batches < len(sink.payloads):
+            subscriber.receive(sink.payloads[subscriber.num_batches])
+        expected = servable_prefixes(store, sequences)
+        assert subscriber.prefixes() == expected
+        checked.append(len(expected))
+        namespaces.update(ns for ns, _ in expected)
+
+    run_and_check(engine, workload(vocab), after_step)
+    assert store.stats.num_evicted_nodes > 0, "the pool was meant to evict"
+    assert max(checked) > 5 and engine.kv_events.num_errors == 0
+    assert namespaces == {None, "tenant-b"}  # a namespace is its blocks' adapter name
+    engine.cache.reset_prefix_cache()
+    engine.kv_events.publish()
+    subscriber.receive(sink.payloads[-1])
+    assert msgpack.unpackb(sink.payloads[-1])[1] == [["AllBlocksCleared"]]
+    assert subscriber.prefixes() == set()
+
+
+class FlakySink(RecordingSink):
+    """Loses every third batch after accepting it and raises on the next
+    send, as `ZmqSink` does when its thread fails; and refuses every
+    fifth (a full queue)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_calls = 0
+        self.lost = False
+
+    def send(self, payload: bytes) -> None:
+        self.num_calls += 1
+        if self.lost:
+            self.lost = False
+            raise OSError("an earlier batch was lost")
+        if self.num_calls % 5 == 0:
+            raise OSError("queue full")
+        if self.num_calls % 3 == 2:
+            self.lost = True
+            return
+        super().send(payload)
+
+
+@pytest.mark.parametrize("fault", ["sink", "encoder"])
+def test_a_failing_sink_or_encoder_changes_no_output_and_the_view_recovers(fault, monkeypatch):
+    prompts = workload(101, seed=1)
+    reference = run_and_check(Engine(built("llama"), num_blocks=28, block_size=BLOCK_SIZE,
+                                     max_num_seqs=4), prompts, lambda _: None)
+    if fault == "sink":
+        sink = FlakySink()
+    else:
+        sink = RecordingSink()
+        import scheduler.kv_events as kv_events
+
+        real, calls = kv_events.encode_batch, []
+
+        def failing_encode(batch):
+            calls.append(batch)
+            if len(calls) in (2, 3, 7):
+                raise ValueError("encoder fault")
+            return real(batch)
+
+        monkeypatch.setattr(kv_events, "encode_batch", failing_encode)
+    engine = Engine(built("llama"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
+                    max_num_seqs=4)
+    seen = []
+    outputs = run_and_check(engine, prompts, seen.append)
+    assert outputs == reference
+    publisher = engine.kv_events
+    assert publisher.num_errors >= 2
+    num_errors = None
+    while num_errors != publisher.num_errors:  # a resend after the last fault
+        num_errors = publisher.num_errors
+        publisher.publish()
+    subscriber = Subscriber()
+    for payload in sink.payloads:
+        subscriber.receive(payload)
+    assert subscriber.prefixes() == servable_prefixes(engine.cache.store, seen[-1])
+
+
+# ------------------------------------------------------------------ socket
+
+
+def test_a_zmq_subscriber_and_the_replay_socket_see_every_batch():
+    zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
+    from scheduler.kv_events import END_OF_REPLAY, ZmqSink
+
+    sink = ZmqSink("tcp://127.0.0.1:*", topic="kv@pod-0@tiny",
+                   replay_endpoint="tcp://127.0.0.1:*")
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(sink.last_endpoint)
+    replay = context.socket(zmq.DEALER)
+    replay.connect(sink.replay_last_endpoint)
+    try:
+        engine = Engine(built("lfm2"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
+                        max_num_seqs=4)
+        seen = []
+        run_and_check(engine, workload(61, seed=2), seen.append)
+        deadline = time.monotonic() + 10
+        while sink.num_sent < engine.kv_events.num_batches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        live = {}
+        while sub.poll(200):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv@pod-0@tiny"
+            live[int.from_bytes(seq, "big")] = payload
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(5000), "the replay socket did not answer"
+            empty, seq, payload = replay.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            replayed.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        sink.close()
+        sub.close(linger=0)
+        replay.close(linger=0)
+    assert [seq for seq, _ in replayed] == list(range(len(replayed))) and len(replayed) > 3
+    # PUB drops what was sent before the subscription landed: the rest is identical.
+    assert live and all(live[seq] == payload for seq, payload in replayed if seq in live)
+    subscriber = Subscriber()
+    for _, payload in replayed:
+        subscriber.receive(payload)
+    assert subscriber.prefixes() == servable_prefixes(engine.cache.store, seen[-1])
