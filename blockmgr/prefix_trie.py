@@ -219,6 +219,9 @@ class PrefixTrie:
         self.num_slots_held = 0
         self.num_evicted_pages = 0
         self.num_evicted_nodes = 0
+        #: Grows at every insert, eviction and dropped snapshot: unchanged,
+        #: no hit changed (a router's view need not be recomputed).
+        self.version = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -471,6 +474,7 @@ class PrefixTrie:
         they also fill the holes of the nodes the insert walks through, so
         the new end is a hit point.
         """
+        self.version += 1
         windowed = self._window is not None
         if windowed:
             pages = self._window_pages(pages, len(tokens))
@@ -722,6 +726,7 @@ class PrefixTrie:
             self._evict(self._nodes[self._leaf_lru[0][1]])
 
     def _drop_snapshot(self, node: TrieNode) -> None:
+        self.version += 1
         slot = node.slot
         node.slot = None
         self.num_slots_held -= 1
@@ -731,6 +736,7 @@ class PrefixTrie:
 
     def _evict(self, node: TrieNode) -> None:
         """Remove an unlocked leaf; cascade to a parent left a tombstone leaf."""
+        self.version += 1
         while True:
             parent = node.parent
             del parent.children[node.tokens[0]]

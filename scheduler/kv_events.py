@@ -30,17 +30,20 @@ are imported when an event is first encoded or a socket opened.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import queue
 import struct
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from blockmgr.errors import InvalidArgument
+from blockmgr.prefix_trie import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,19 @@ class KVEventFormatError(InvalidArgument):
     """A payload that is not a KV event batch of the published schema."""
 
 
+class MissingDependency(InvalidArgument):
+    """KV events were asked for but pyzmq or msgpack is not installed."""
+
+
+def _optional(name: str) -> Any:
+    """Import an optional dependency of KV events, or say how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise MissingDependency(
+            f"KV events need {name}: pip install 'mlx-blockmgr[events]'") from None
+
+
 # ------------------------------------------------------------------ encoding
 
 
@@ -117,8 +133,7 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload vLLM's `KVEventBatch` encodes to (msgspec
     array-like structs: [ts, events] plus the data-parallel rank when set;
     each event [tag, fields in declaration order]). Pure; O(tokens)."""
-    import msgpack
-
+    msgpack = _optional("msgpack")
     fields = [batch.ts, [_event_fields(e) for e in batch.events]]
     if batch.data_parallel_rank is not None:
         fields.append(batch.data_parallel_rank)
@@ -129,8 +144,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     """Read a payload of the published schema (vLLM's; trailing fields a newer
     vLLM adds, such as `extra_keys`, are accepted and dropped). Raises
     `KVEventFormatError` naming what is wrong. O(payload)."""
-    import msgpack
-
+    msgpack = _optional("msgpack")
     try:
         fields = msgpack.unpackb(payload)
     except Exception as error:  # msgpack raises several unrelated types
@@ -206,6 +220,9 @@ class ServableStore(Protocol):
     @property
     def block_size(self) -> int: ...
 
+    @property
+    def cache_version(self) -> int: ...
+
     def cached_paths(self) -> list[tuple[Hashable, list[int]]]: ...
 
     def cached_prefix_length(self, tokens: Sequence[int], namespace: Hashable = None) -> int: ...
@@ -222,23 +239,62 @@ class CachedBlock:
     index: int
 
 
-def servable_blocks(store: ServableStore) -> dict[int, CachedBlock]:
+#: Blocks along one cached path: (hash, block), first block first.
+PathBlocks = list[tuple[int, CachedBlock]]
+
+
+def servable_blocks(store: ServableStore,
+                    memo: dict[tuple[Hashable, bytes], PathBlocks] | None = None
+                    ) -> dict[int, CachedBlock]:
     """Every full block a hit can use now, by hash: along each maximal cached
     prefix, the blocks before the hit a prompt following it gets (a token
     past its end stands for the prompt's rest; the hit never covers it).
-    Pure; O(sum of the paths' lengths) plus one hash per block per path."""
+
+    `memo` (kept by the caller between calls, rewritten here) maps each
+    servable path to its blocks, so a path seen last time costs no hashing.
+    A new path reuses the blocks of the prefix it shares with the previous
+    path (the paths come in trie order). Pure but for `memo`. Cost:
+    O(sum of the paths' lengths) at C speed (the paths, the hit queries,
+    the memo keys), O(paths + blocks) dictionary work, one hash per new
+    block.
+    """
     block_size = store.block_size
     blocks: dict[int, CachedBlock] = {}
+    old_memo = {} if memo is None else dict(memo)
+    new_memo: dict[tuple[Hashable, bytes], PathBlocks] = {}
+    previous: tuple[Hashable, list[int], PathBlocks] = (None, [], [])
     for namespace, tokens in store.cached_paths():
         num_blocks = store.cached_prefix_length(tokens + [0], namespace) // block_size
-        parent, seed = None, namespace_seed(namespace)
-        for index in range(num_blocks):
-            run = tuple(tokens[index * block_size:(index + 1) * block_size])
-            digest = block_hash(seed if parent is None else parent, run)
-            if digest not in blocks:
-                blocks[digest] = CachedBlock(parent, run, namespace, index)
-            parent = digest
+        key = (namespace, array("Q", tokens[:num_blocks * block_size]).tobytes())
+        entries = old_memo.get(key)
+        if entries is None:
+            entries = _path_blocks(namespace, tokens, num_blocks, block_size, previous)
+        new_memo[key] = entries
+        blocks.update(entries)
+        previous = (namespace, tokens, entries)
+    if memo is not None:
+        memo.clear()
+        memo.update(new_memo)
     return blocks
+
+
+def _path_blocks(namespace: Hashable, tokens: list[int], num_blocks: int, block_size: int,
+                 previous: tuple[Hashable, list[int], PathBlocks]) -> PathBlocks:
+    """The first `num_blocks` blocks of `tokens`, reusing those of the
+    `previous` (namespace, tokens, blocks) up to where the two part."""
+    last_namespace, last_tokens, last_entries = previous
+    num_reused = 0
+    if last_entries and last_namespace == namespace:
+        num_shared = common_prefix_length(last_tokens, tokens, 0)
+        num_reused = min(num_shared // block_size, len(last_entries), num_blocks)
+    entries = last_entries[:num_reused]
+    parent = entries[-1][0] if entries else None
+    for index in range(num_reused, num_blocks):
+        run = tuple(tokens[index * block_size:(index + 1) * block_size])
+        digest = block_hash(namespace_seed(namespace) if parent is None else parent, run)
+        entries.append((digest, CachedBlock(parent, run, namespace, index)))
+        parent = digest
+    return entries
 
 
 def stored_events(added: Sequence[int], blocks: dict[int, CachedBlock], block_size: int,
@@ -317,8 +373,8 @@ class ZmqSink:
 
     def __init__(self, endpoint: str, *, topic: str = "", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 10_000) -> None:
-        import zmq
-
+        zmq = _optional("zmq")
+        _optional("msgpack")  # fail here, not at the first event
         self.endpoint = endpoint
         self._topic = topic.encode()
         context = zmq.Context.instance()
@@ -343,16 +399,14 @@ class ZmqSink:
     @property
     def last_endpoint(self) -> str:
         """The address bound (a `tcp://*:0` endpoint shows its port here)."""
-        import zmq
-
-        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._pub.getsockopt_string(_optional("zmq").LAST_ENDPOINT)
 
     @property
     def replay_last_endpoint(self) -> str | None:
         """The replay socket's bound address (None without one)."""
-        import zmq
-
-        return None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._replay is None:
+            return None
+        return self._replay.getsockopt_string(_optional("zmq").LAST_ENDPOINT)
 
     def send(self, payload: bytes) -> None:
         lost, self._lost = self._lost, None
@@ -424,12 +478,15 @@ class KVEventPublisher:
     def __init__(self, store: ServableStore, sink: EventSink, *, medium: str | None = None,
                  data_parallel_rank: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
+        _optional("msgpack")  # fail here, not at the first event
         self.store = store
         self.sink = sink
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
         self.clock = clock
         self.advertised: dict[int, CachedBlock] = {}
+        self._memo: dict[tuple[Hashable, bytes], PathBlocks] = {}
+        self._version: int | None = None  # the store's cache_version when last sent
         self.num_batches = 0
         self.num_errors = 0
         self.last_error: Exception | None = None
@@ -441,7 +498,10 @@ class KVEventPublisher:
         counted and logged, and the next call resends everything after an
         `AllBlocksCleared`."""
         try:
-            after = servable_blocks(self.store)
+            version = self.store.cache_version
+            if version == self._version and not self._resync:
+                return None  # no hit changed: O(1)
+            after = servable_blocks(self.store, self._memo)
             block_size = self.store.block_size
             if self._resync:
                 events = [AllBlocksCleared(), *stored_events(list(after), after, block_size,
@@ -449,6 +509,7 @@ class KVEventPublisher:
             else:
                 events = diff_events(self.advertised, after, block_size, self.medium)
             if not events:
+                self._version = version
                 return None
             batch = KVEventBatch(self.clock(), tuple(events), self.data_parallel_rank)
             self.sink.send(encode_batch(batch))
@@ -461,6 +522,7 @@ class KVEventPublisher:
             self._resync = True
             return None
         self.advertised = after
+        self._version = version
         self._resync = False
         self.num_batches += 1
         return batch

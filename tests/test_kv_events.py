@@ -90,6 +90,58 @@ def test_block_hashes_follow_the_documented_formula():
     assert chain_hashes(None, [1, 2, 3, 4], 4) != [h0]
 
 
+# ------------------------------------------------------------ cache version
+
+
+@pytest.mark.parametrize("num_slots", [0, 5], ids=["attention", "hybrid"])
+def test_an_unchanged_cache_version_means_every_hit_is_unchanged(num_slots):
+    """The publisher skips a step when `cache_version` did not move: that is
+    only right if no hit changed. Random calls on a small pool (evictions,
+    dropped snapshots); the hits of many prefixes are compared around each."""
+    from blockmgr import BlockManager, BlockManagerConfig
+    from blockmgr.errors import OutOfBlocks, OutOfSlots
+
+    rng = random.Random(5)
+    bm = BlockManager(BlockManagerConfig(num_blocks=20, block_size=BLOCK_SIZE,
+                                         num_slots=num_slots))
+    stems = [[rng.randrange(9) for _ in range(10)] for _ in range(3)]
+    probes: list[list[int]] = []
+    live: dict[str, list[int]] = {}
+
+    def hits(prompts):
+        return [bm.cached_prefix_length(p[:n] + [99]) for p in prompts
+                for n in range(1, len(p) + 1, 2)]
+
+    num_unchanged = 0
+    for step in range(250):
+        probed = list(probes)
+        version, before = bm.cache_version, hits(probed)
+        choice = rng.random()
+        try:
+            if choice < 0.4 or not live:
+                prompt = rng.choice(stems)[:rng.randrange(3, 11)] + [
+                    rng.randrange(9) for _ in range(rng.randrange(1, 8))]
+                bm.allocate(f"s{step}", prompt)
+                live[f"s{step}"] = prompt
+                probes.append(prompt)
+            elif choice < 0.7:
+                seq = rng.choice(sorted(live))
+                bm.free(seq, rng.randrange(len(live.pop(seq)) + 1))
+            elif choice < 0.85:
+                seq = rng.choice(sorted(live))
+                bm.cache_prefix(seq, rng.randrange(1, bm.num_tokens(seq) + 1))
+            else:
+                seq = rng.choice(sorted(live))
+                bm.append(seq, [rng.randrange(9)])
+        except (OutOfBlocks, OutOfSlots):
+            pass
+        bm.check_integrity()
+        if bm.cache_version == version:
+            num_unchanged += 1
+            assert hits(probed) == before, f"step {step}: a hit changed, the version did not"
+    assert bm.stats.num_evicted_nodes > 0 and num_unchanged > 20
+
+
 # -------------------------------------------------------------- subscriber
 
 
@@ -314,45 +366,101 @@ def test_a_failing_sink_or_encoder_changes_no_output_and_the_view_recovers(fault
 
 def test_a_zmq_subscriber_and_the_replay_socket_see_every_batch():
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
-    from scheduler.kv_events import END_OF_REPLAY, ZmqSink
+    from scheduler.kv_events import ZmqSink
 
     sink = ZmqSink("tcp://127.0.0.1:*", topic="kv@pod-0@tiny",
                    replay_endpoint="tcp://127.0.0.1:*")
-    context = zmq.Context.instance()
-    sub = context.socket(zmq.SUB)
+    sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     sub.connect(sink.last_endpoint)
-    replay = context.socket(zmq.DEALER)
-    replay.connect(sink.replay_last_endpoint)
     try:
         engine = Engine(built("lfm2"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
                         max_num_seqs=4)
         seen = []
         run_and_check(engine, workload(61, seed=2), seen.append)
-        deadline = time.monotonic() + 10
-        while sink.num_sent < engine.kv_events.num_batches and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_sent(sink, engine.kv_events)
         live = {}
         while sub.poll(200):
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv@pod-0@tiny"
             live[int.from_bytes(seq, "big")] = payload
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert replay.poll(5000), "the replay socket did not answer"
-            empty, seq, payload = replay.recv_multipart()
-            if seq == END_OF_REPLAY:
-                break
-            replayed.append((int.from_bytes(seq, "big"), payload))
+        replayed = replay_all(sink, zmq)
     finally:
         sink.close()
         sub.close(linger=0)
-        replay.close(linger=0)
-    assert [seq for seq, _ in replayed] == list(range(len(replayed))) and len(replayed) > 3
+    assert len(replayed) == engine.kv_events.num_batches > 3
     # PUB drops what was sent before the subscription landed: the rest is identical.
-    assert live and all(live[seq] == payload for seq, payload in replayed if seq in live)
+    assert live and all(replayed[seq] == payload for seq, payload in live.items())
     subscriber = Subscriber()
-    for _, payload in replayed:
+    for payload in replayed:
         subscriber.receive(payload)
     assert subscriber.prefixes() == servable_prefixes(engine.cache.store, seen[-1])
+
+
+def wait_sent(sink, publisher, timeout: float = 10.0) -> None:
+    """Until the sink's thread has sent every batch the publisher made."""
+    deadline = time.monotonic() + timeout
+    while sink.num_sent < publisher.num_batches:
+        assert time.monotonic() < deadline, "the sink did not send its queue"
+        time.sleep(0.01)
+
+
+def replay_all(sink, zmq) -> list[bytes]:
+    """Every batch the sink sent, read back through its replay socket."""
+    from scheduler.kv_events import END_OF_REPLAY
+
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay.connect(sink.replay_last_endpoint)
+    try:
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads = []
+        while True:
+            assert replay.poll(5000), "the replay socket did not answer"
+            _, seq, payload = replay.recv_multipart()
+            if seq == END_OF_REPLAY:
+                return payloads
+            assert int.from_bytes(seq, "big") == len(payloads)
+            payloads.append(payload)
+    finally:
+        replay.close(linger=0)
+
+
+def test_the_server_advertises_exactly_what_it_serves(tmp_path):
+    """`blockmgr serve`'s app with KV events: after chat requests sharing a
+    system prompt, the replayed events rebuild the store's servable blocks,
+    and the server reports each advertised chain as a cache hit."""
+    zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from scheduler.async_engine import AsyncEngine
+    from scheduler.serve import load_engine, open_kv_events
+    from scheduler.server import build_app
+    from tests.serve_model import build_model_dir
+    from tests.test_server import ServerThread
+
+    sink = open_kv_events("tcp://127.0.0.1:*", "kv@pod@tiny", "tcp://127.0.0.1:*")
+    engine, name = load_engine(build_model_dir(tmp_path / "tiny"), num_blocks=256,
+                               block_size=BLOCK_SIZE, kv_events=sink)
+    with ServerThread(build_app(AsyncEngine(engine), name)) as server, \
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=60) as client:
+        system = {"role": "system", "content": "You are a terse assistant. Answer in a word."}
+        for question in ("Hi there", "Why is the sky blue?", "Name a color"):
+            client.chat.completions.create(
+                model=name, messages=[system, {"role": "user", "content": question}],
+                max_tokens=4, temperature=0)
+        wait_sent(sink, engine.kv_events)
+        subscriber = Subscriber()
+        for payload in replay_all(sink, zmq):
+            subscriber.receive(payload)
+        store = engine.cache.store
+        advertised = subscriber.prefixes()
+        assert advertised == servable_prefixes(store, store.cached_paths())
+        longest = [chain for ns, chain in advertised
+                   if not any(len(other) > len(chain) and other[:len(chain)] == chain
+                              for _, other in advertised)]
+        assert len(longest) >= 3  # one per conversation, sharing the system prompt
+        for chain in longest:
+            answer = client.completions.create(model=name, prompt=list(chain) + [1],
+                                               max_tokens=1, temperature=0)
+            assert answer.usage.prompt_tokens_details.cached_tokens == len(chain)
