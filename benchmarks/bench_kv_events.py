@@ -69,6 +69,63 @@ def measure(num_blocks: int, num_conversations: int, rounds: int = 30, block_siz
             statistics.median(unchanged), statistics.median(num_blocks_advertised))
 
 
+def engine_run(model, prompts, with_events: bool) -> tuple[float, float, int]:
+    """(wall seconds, seconds inside publish, batches) of one greedy run."""
+    from scheduler import Engine, SamplingParams
+
+    engine = Engine(model, num_blocks=1024, block_size=16, max_num_seqs=8,
+                    kv_events=NullSink() if with_events else None)
+    inside = [0.0]
+    if with_events:
+        publish = engine.kv_events.publish
+
+        def timed_publish():
+            t = time.perf_counter()
+            try:
+                return publish()
+            finally:
+                inside[0] += time.perf_counter() - t
+
+        engine.kv_events.publish = timed_publish
+    t0 = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    wall = time.perf_counter() - t0
+    return wall, inside[0], engine.kv_events.num_batches if with_events else 0
+
+
+def engine_table(rounds: int = 3) -> None:
+    """The engine with and without events, alternated in one run."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4,
+                           intermediate_size=1408, num_attention_heads=8,
+                           num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=32000)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    rng = random.Random(1)
+    system = [rng.randrange(32000) for _ in range(512)]
+    prompts = [system + [rng.randrange(32000) for _ in range(64)] for _ in range(48)]
+    walls = {False: [], True: []}
+    inside, batches = [], 0
+    for _ in range(rounds):
+        for with_events in (False, True):
+            wall, spent, batches = engine_run(model, prompts, with_events)
+            walls[with_events].append(wall)
+            if with_events:
+                inside.append(spent)
+    off, on = statistics.median(walls[False]), statistics.median(walls[True])
+    print()
+    print("| engine run (48 requests, 512-token shared prefix) | wall | publish time "
+          "| batches |")
+    print("|---|---|---|---|")
+    print(f"| without events | {off:.2f} s | | |")
+    print(f"| with events (null sink) | {on:.2f} s | {statistics.median(inside) * 1e3:.1f} ms "
+          f"| {batches} |")
+    print(f"| ratio with / without | {on / off:.3f} | | |")
+
+
 def main() -> None:
     print("| pages (16 tokens) | conversations | advertised blocks | allocate+free "
           "| publish (changed) | ratio | publish (unchanged) |")
@@ -77,6 +134,7 @@ def main() -> None:
         life, pub, same, num_adv = measure(num_blocks, num_conversations)
         print(f"| {num_blocks} | {num_conversations} | {num_adv:.0f} | {life * 1e3:.2f} ms "
               f"| {pub * 1e3:.2f} ms | {pub / life:.0f}x | {same * 1e6:.1f} us |")
+    engine_table()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ counted (`num_errors`, `last_error`) and the next `publish()` resends the
 whole state after an `AllBlocksCleared`, so subscribers converge.
 
 msgpack and pyzmq are optional (`pip install mlx-blockmgr[events]`); they
-are imported when an event is first encoded or a socket opened.
+are imported when a publisher or a socket is made (a missing one raises
+`MissingDependency` there, naming the extra).
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def stored_events(added: Sequence[int], blocks: dict[int, CachedBlock], block_si
                   medium: str | None = None) -> list[BlockStored]:
     """`BlockStored` events for the blocks `added` (hashes into `blocks`),
     chained runs, each run's parent advertised before it (already, or by an
-    earlier run). O(added blocks)."""
+    earlier run). O(added log added)."""
     added_set = set(added)
     children: dict[int, list[int]] = {}
     roots = []
@@ -329,7 +330,7 @@ def stored_events(added: Sequence[int], blocks: dict[int, CachedBlock], block_si
 def diff_events(before: dict[int, CachedBlock], after: dict[int, CachedBlock],
                 block_size: int, medium: str | None = None) -> list[KVEvent]:
     """The events that turn a subscriber's view `before` into `after`.
-    O(blocks)."""
+    O(blocks + changed log changed)."""
     if before and not after:
         return [AllBlocksCleared()]
     removed = sorted((d for d in before if d not in after), key=lambda d: -before[d].index)

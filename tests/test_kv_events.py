@@ -270,7 +270,10 @@ def run_and_check(engine: Engine, prompts, after_step) -> list[list[int]]:
     return [tokens[f"r{i}"][len(p):] for i, (_, p) in enumerate(prompts)]
 
 
-MODELS = [("llama", 101), ("lfm2", 61), ("sliding", 101)]
+#: Attention; hybrid (recurrent + full attention); a sliding window with a
+#: full layer (two groups); recurrent + sliding attention (hits need both a
+#: snapshot and the window's pages).
+MODELS = [("llama", 101), ("lfm2", 61), ("sliding", 101), ("recurrent_gemma", 61)]
 
 
 @pytest.mark.parametrize("name,vocab", MODELS, ids=[m[0] for m in MODELS])
