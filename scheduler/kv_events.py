@@ -471,13 +471,14 @@ class KVEventPublisher:
     """Publishes the changes of a store's servable blocks to a sink.
 
     Call `publish()` after every step (the `Engine` does, and after an
-    abort). It costs one `servable_blocks` (see there) and one batch when
+    abort). `data_parallel_rank` is sent in every batch (0 by default, as
+    vLLM's publisher does: Dynamo's decoder reads three batch fields). It costs one `servable_blocks` (see there) and one batch when
     something changed. Not thread-safe: call it from the thread that drives
     the store.
     """
 
     def __init__(self, store: ServableStore, sink: EventSink, *, medium: str | None = None,
-                 data_parallel_rank: int | None = None,
+                 data_parallel_rank: int | None = 0,
                  clock: Callable[[], float] = time.time) -> None:
         _optional("msgpack")  # fail here, not at the first event
         self.store = store

@@ -154,7 +154,8 @@ class Subscriber:
 
     def receive(self, payload: bytes) -> None:
         fields = msgpack.unpackb(payload)
-        assert isinstance(fields, list) and len(fields) in (2, 3)
+        # [ts, events, data_parallel_rank]: Dynamo reads all three
+        assert isinstance(fields, list) and len(fields) == 3 and fields[2] == 0
         ts, events = fields[0], fields[1]
         assert isinstance(ts, float) and events, "a batch is sent only when something changed"
         for event in events:
@@ -467,3 +468,67 @@ def test_the_server_advertises_exactly_what_it_serves(tmp_path):
             answer = client.completions.create(model=name, prompt=list(chain) + [1],
                                                max_tokens=1, temperature=0)
             assert answer.usage.prompt_tokens_details.cached_tokens == len(chain)
+
+
+def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
+    """The CLI as a process: --kv-events connects its PUB socket to a bound
+    subscriber, --kv-events-replay serves the batches; a token-id prompt's
+    full blocks are advertised under the topic; a bad endpoint is one line."""
+    zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from tests.serve_model import build_model_dir
+    from tests.test_server_cli import _free_port, _serve
+
+    bad = _serve("--model", ".", "--kv-events", "tcp://nowhere")
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and err.strip().startswith("blockmgr serve: error: cannot open KV")
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub_port = sub.bind_to_random_port("tcp://127.0.0.1")
+    port, replay_port = _free_port(), _free_port()
+    proc = _serve("--model", str(build_model_dir(tmp_path / "tiny")), "--port", str(port),
+                  "--num-blocks", "64", "--block-size", str(BLOCK_SIZE),
+                  "--kv-events", f"tcp://127.0.0.1:{sub_port}",
+                  "--kv-events-topic", "kv@pod-1@tiny",
+                  "--kv-events-replay", f"tcp://127.0.0.1:{replay_port}")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=5, timeout=60)
+        prompt = list(range(3, 17))  # 14 ids: 3 full blocks of 4
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                          temperature=0, extra_body={"ignore_eos": True})
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.2)
+        live = []
+        while sub.poll(500):
+            live.append(sub.recv_multipart())
+        replay = zmq.Context.instance().socket(zmq.DEALER)
+        replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        try:
+            replay.send_multipart([b"", (0).to_bytes(8, "big")])
+            payloads = []
+            while replay.poll(5000):
+                _, seq, payload = replay.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    break
+                payloads.append(payload)
+        finally:
+            replay.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        proc.kill()
+        proc.wait(timeout=10)
+    assert payloads and all(topic == b"kv@pod-1@tiny" for topic, _, _ in live)
+    assert [payload for _, _, payload in live] == payloads[len(payloads) - len(live):]
+    subscriber = Subscriber()
+    for payload in payloads:
+        subscriber.receive(payload)
+    assert {(None, tuple(prompt[:n])) for n in (4, 8, 12)} <= subscriber.prefixes()
