@@ -532,3 +532,159 @@ def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
     for payload in payloads:
         subscriber.receive(payload)
     assert {(None, tuple(prompt[:n])) for n in (4, 8, 12)} <= subscriber.prefixes()
+
+
+# ------------------------------------------------------------- stateful
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+from blockmgr import GroupedStore, GroupedStoreConfig  # noqa: E402
+from blockmgr.errors import BlockManagerError, DuplicateSequence  # noqa: E402
+from scheduler.kv_events import KVEventPublisher  # noqa: E402
+
+#: Small alphabet and lengths: prompts share prefixes often.
+PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
+
+
+class PublisherMachine(RuleBasedStateMachine):
+    """Random store calls (allocate, append, cache_prefix, free, reset), a
+    sink that fails when told, and refused calls; after each, one publish.
+    Whenever the last publish went out, the subscriber's view equals the
+    store's servable prefixes; a refused call changes neither."""
+
+    windows: tuple = (None,)
+    num_slots = 0
+
+    def __init__(self):
+        super().__init__()
+        self.store = GroupedStore(GroupedStoreConfig(
+            num_blocks=14, block_size=BLOCK_SIZE, windows=self.windows,
+            num_slots=self.num_slots))
+        self.sink = SwitchSink()
+        self.publisher = KVEventPublisher(self.store, self.sink)
+        self.subscriber = Subscriber()
+        self.sequences: list[tuple[str | None, list[int]]] = []
+        self.live: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _call(self, method, *args) -> bool:
+        try:
+            method(*args)
+        except BlockManagerError:
+            return False
+        return True
+
+    @rule(prompt=PROMPTS, namespace=st.sampled_from([None, "t"]))
+    def allocate(self, prompt, namespace):
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        if self._call(self.store.allocate, seq_id, prompt, namespace):
+            tokens = list(prompt)
+            self.live[seq_id] = tokens
+            self.sequences.append((namespace, tokens))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        if self._call(self.store.append, seq_id, [token]):
+            self.live[seq_id].append(token)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def cache_prefix(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        num = data.draw(st.integers(1, len(self.live[seq_id])))
+        self._call(self.store.cache_prefix, seq_id, num)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        num = data.draw(st.integers(0, len(self.live[seq_id])))
+        self.store.free(seq_id, num)
+        del self.live[seq_id]
+
+    @rule()
+    def reset(self):
+        self.store.reset_prefix_cache()
+
+    @rule()
+    def fail_next_send(self):
+        self.sink.fail_next = True
+
+    @rule()
+    def lose_next_send(self):
+        self.sink.lose_next = True
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def refused_call(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        self.publish()
+        before = (self.store.debug_state(), len(self.sink.payloads))
+        with pytest.raises(DuplicateSequence):
+            self.store.allocate(seq_id, [1, 2])
+        assert self.publisher.publish() is None
+        assert (self.store.debug_state(), len(self.sink.payloads)) == before
+
+    def publish(self) -> bool:
+        """Publish and deliver; whether the subscriber is up to date (the
+        publish went out and no earlier batch is lost)."""
+        num_errors = self.publisher.num_errors
+        self.publisher.publish()
+        for payload in self.sink.payloads[self.subscriber.num_batches:]:
+            self.subscriber.receive(payload)
+        return self.publisher.num_errors == num_errors and not self.sink.lost
+
+    @invariant()
+    def the_view_is_what_the_store_serves(self):
+        self.store.check_integrity()
+        if self.publish():
+            assert self.subscriber.prefixes() == servable_prefixes(self.store, self.sequences)
+
+
+class SwitchSink(RecordingSink):
+    """Refuses the next send when told to (`fail_next`), or accepts and
+    loses it and raises on the one after (`lose_next`, as `ZmqSink` does
+    when its thread fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_next = self.lose_next = self.lost = False
+
+    def send(self, payload: bytes) -> None:
+        if self.fail_next or self.lost:
+            self.fail_next = self.lost = False
+            raise OSError("socket down")
+        if self.lose_next:
+            self.lose_next, self.lost = False, True
+            return
+        super().send(payload)
+
+
+class HybridPublisherMachine(PublisherMachine):
+    num_slots = 4
+
+
+class SlidingPublisherMachine(PublisherMachine):
+    windows = (None, 6)
+
+
+class HybridSlidingPublisherMachine(PublisherMachine):
+    windows = (6,)
+    num_slots = 4
+
+
+def _publisher_case(machine):
+    case = machine.TestCase
+    case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+    return case
+
+
+TestPublisher = _publisher_case(PublisherMachine)
+TestHybridPublisher = _publisher_case(HybridPublisherMachine)
+TestSlidingPublisher = _publisher_case(SlidingPublisherMachine)
+TestHybridSlidingPublisher = _publisher_case(HybridSlidingPublisherMachine)
