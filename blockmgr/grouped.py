@@ -176,6 +176,16 @@ class GroupedStore:
         tokens, packed = _checked(tokens, namespace)
         return self._common_hit(tokens, namespace, packed)[0].num_tokens
 
+    @property
+    def cache_version(self) -> int:
+        """`BlockManager.cache_version` over every group (their sum). O(groups)."""
+        return sum(m.cache_version for m in self._managers)
+
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        """Group 0's `BlockManager.cached_paths`: a hit every group can serve
+        is a prefix of one of them (group 0 serves it too). Pure."""
+        return self._first.cached_paths()
+
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
         """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
         tokens, packed = _checked(tokens, namespace)

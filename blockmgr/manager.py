@@ -219,6 +219,22 @@ class BlockManager:
         check_hashable("namespace", namespace)
         return self._match(namespace, tokens, packed).num_tokens
 
+    @property
+    def cache_version(self) -> int:
+        """A number that grows whenever the prefix cache may have changed
+        (an insert, an eviction, a dropped snapshot); equal numbers mean
+        every hit is as it was. O(1)."""
+        return 0 if self._trie is None else self._trie.version
+
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        """`(namespace, tokens)` of every maximal cached prefix (the trie's
+        leaves): each cached prefix starts one of them. What a hit can
+        really use along one is `cached_prefix_length(tokens + [t])`, as
+        the tokens past the last snapshot or window are not servable.
+        For a cache-aware router's view (`scheduler.kv_events`). Pure;
+        O(sum of the paths' lengths)."""
+        return [] if self._trie is None else self._trie.cached_paths()
+
     def find_prefix(
         self,
         tokens: Iterable[int],

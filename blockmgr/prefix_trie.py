@@ -219,6 +219,9 @@ class PrefixTrie:
         self.num_slots_held = 0
         self.num_evicted_pages = 0
         self.num_evicted_nodes = 0
+        #: Grows at every insert, eviction and dropped snapshot: unchanged,
+        #: no hit changed (a router's view need not be recomputed).
+        self.version = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -302,6 +305,21 @@ class PrefixTrie:
                 return True
             end = first_index  # the deeper node served the straddled index
         return end <= first  # an empty path serves nothing
+
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        """`(namespace, tokens)` of the path to every leaf: every cached
+        prefix is a prefix of one of them. Pure; O(sum of the paths' lengths)."""
+        paths = []
+        for namespace, root in self._roots.items():
+            stack = [(child, []) for child in root.children.values()]
+            while stack:
+                node, above = stack.pop()
+                tokens = above + node.tokens
+                if node.children:
+                    stack.extend((child, tokens) for child in node.children.values())
+                else:
+                    paths.append((namespace, tokens))
+        return paths
 
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
@@ -491,6 +509,7 @@ class PrefixTrie:
         they also fill the holes of the nodes the insert walks through, so
         the new end is a hit point.
         """
+        self.version += 1
         windowed = self._window is not None
         if windowed:
             pages = self._window_pages(pages, len(tokens))
@@ -746,6 +765,7 @@ class PrefixTrie:
             self._evict(self._nodes[self._leaf_lru[0][1]])
 
     def _drop_snapshot(self, node: TrieNode) -> None:
+        self.version += 1
         slot = node.slot
         node.slot = None
         self.num_slots_held -= 1
@@ -755,6 +775,7 @@ class PrefixTrie:
 
     def _evict(self, node: TrieNode) -> None:
         """Remove an unlocked leaf; cascade to a parent left a tombstone leaf."""
+        self.version += 1
         while True:
             parent = node.parent
             del parent.children[node.tokens[0]]

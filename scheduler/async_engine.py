@@ -102,6 +102,8 @@ class AsyncEngine:
         self._wake.set()
         if self._started:
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # the engine's outside resources (KV-event socket)
         return self._num_aborted_at_exit
 
     @property

@@ -315,6 +315,14 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
                             "they are aborted (default 10)")
+    serve.add_argument("--kv-events", metavar="ENDPOINT",
+                       help="publish the prefix cache's KV events for cache-aware routers "
+                            "(vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557 "
+                            "(needs the events extra; design/kv_events.md)")
+    serve.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                       help="ZMQ topic of the events (llm-d reads kv@<pod>@<model>; default '')")
+    serve.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                       help="ZMQ ROUTER endpoint answering replay requests for missed batches")
 
 
 # ---------------------------------------------------------------- config
@@ -700,10 +708,11 @@ def cmd_serve(args) -> int:
     from scheduler import serve
 
     serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    kv_events = serve.open_kv_events(args.kv_events, args.kv_events_topic, args.kv_events_replay)
     engine, name = serve.load_engine(
         args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
     )
     hint = serve.blas_hint()
     if hint:

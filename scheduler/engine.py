@@ -45,6 +45,7 @@ from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.faults import ForwardFaults
+from scheduler.kv_events import EventSink, open_publisher
 from scheduler.request import (
     Request,
     RequestMetrics,
@@ -168,6 +169,11 @@ class Engine:
     (`RequestOutput.new_text`, `GenerationOutput.texts`), `SamplingParams.stop`
     strings apply, and the tokenizer's end-of-sequence tokens stop a sample
     unless `ignore_eos` (`scheduler.text`).
+
+    `kv_events` (a ZMQ endpoint such as "tcp://*:5557", or an `EventSink`):
+    after every step and abort, publish what the prefix cache can serve in
+    vLLM's KV-event format, for cache-aware routers (`scheduler.kv_events`;
+    needs the `events` extra). `close()` closes its socket.
     """
 
     def __init__(
@@ -189,6 +195,7 @@ class Engine:
         vocab_size: int | None = None,
         step_listener: StepListener | None = None,
         tokenizer: Any = None,
+        kv_events: str | EventSink | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -240,6 +247,7 @@ class Engine:
         self.text = None if tokenizer is None else TextCodec(tokenizer)
         self._tracked: dict[Hashable, _Tracked] = {}
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
+        self.kv_events = None if kv_events is None else open_publisher(self.cache.store, kv_events)
 
     # ------------------------------------------------------------- requests
 
@@ -344,6 +352,7 @@ class Engine:
             self._deliver([out])
         self._forget(request_id)
         self.faults.forget(request_id)
+        self._publish_kv_events()
 
     def _forget(self, request_id: Hashable) -> None:
         """Drop the engine's per-request maps (the request has ended)."""
@@ -375,6 +384,7 @@ class Engine:
             if (self.scheduler.has_unfinished() and not self.scheduler.num_running
                     and not out.preempted):
                 raise RuntimeError("requests are waiting but none fits in the page pool")
+            self._publish_kv_events()
             return []
         run = _StepRun()
         try:
@@ -385,9 +395,20 @@ class Engine:
         t2 = self.clock()
         results = self._settle(out, run)
         self._record(out, t0, t1, t2)
+        self._publish_kv_events()
         if self.step_listener is not None:
             self.step_listener(out, self.stats.step_times[-1])
         return results
+
+    def _publish_kv_events(self) -> None:
+        """Tell routers what the prefix cache can serve now (never raises)."""
+        if self.kv_events is not None:
+            self.kv_events.publish()
+
+    def close(self) -> None:
+        """Release what lives outside the engine: the KV-event socket."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled

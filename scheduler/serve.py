@@ -71,6 +71,16 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     return engine, path.name
 
 
+def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str | None = None):
+    """The ZMQ sink of `--kv-events` (None without an endpoint), opened
+    before the model loads so that a bad endpoint fails at once."""
+    if endpoint is None:
+        return None
+    from scheduler.kv_events import ZmqSink
+
+    return ZmqSink(endpoint, topic=topic, replay_endpoint=replay_endpoint)
+
+
 def blas_hint() -> str | None:
     """One line on preloading OpenBLAS, when this Linux process's MLX has no
     optimized BLAS mapped (None otherwise)."""
