@@ -134,8 +134,10 @@ class EngineStats:
     peak_kv_bytes: most KV page bytes held at once (sequences + prefix trie);
     peak_state_bytes: likewise for recurrent slots;
     num_forward_errors: forwards that raised (rolled back and retried);
-    num_draft_tokens / num_accepted_tokens / num_draft_forwards: speculative
-    decoding (`acceptance_rate`); `num_forwards` counts the target's only.
+    num_draft_tokens / num_accepted_tokens / num_draft_forwards /
+    num_recomputed_tokens: speculative decoding (`acceptance_rate`; tokens
+    computed again after a hybrid checkpoint restore); `num_forwards`
+    counts the target's only.
     """
 
     num_steps: int = 0
@@ -152,6 +154,7 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative decoding: tokens the draft proposed
     num_accepted_tokens: int = 0  # ... and the target accepted
     num_draft_forwards: int = 0
+    num_recomputed_tokens: int = 0  # pending again after a hybrid checkpoint restore
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -544,6 +547,7 @@ class Engine:
             stats.num_draft_tokens += counts.num_drafted
             stats.num_accepted_tokens += counts.num_accepted
             stats.num_generated_tokens += counts.num_accepted
+            stats.num_recomputed_tokens += counts.num_recomputed
         taken = {id(s) for s in rows}
         return [s for s in seqs if id(s) not in taken]
 

@@ -37,12 +37,14 @@ from scheduler.scheduler import AcceptedTokens, ScheduledSeq
 @dataclass(slots=True)
 class SpeculationCounts:
     """What one `Speculator.run` did: draft tokens proposed, accepted,
-    forwards of the draft and of the target model."""
+    forwards of the draft and of the target model, target tokens to compute
+    again because a hybrid row's checkpoint came back."""
 
     num_drafted: int = 0
     num_accepted: int = 0
     num_draft_forwards: int = 0
     num_target_forwards: int = 0
+    num_recomputed: int = 0  # tokens pending again after a checkpoint restore
 
 
 @dataclass(slots=True)
@@ -277,6 +279,8 @@ class Speculator:
         for r, (num, token) in zip(rows, results):
             counts.num_accepted += num
             num_computed = computed.get(r.seq_id, target.num_computed(r.seq_id))
+            kept = r.item.start_position + r.item.num_tokens + num
+            counts.num_recomputed += kept - num_computed
             out[r.seq_id] = AcceptedTokens((*r.drafts[:num], token), num_computed)
         return out
 
