@@ -49,7 +49,7 @@ def qwen3_args(hidden: int, layers: int, heads: int, head_dim: int, mlp: int):
 
 
 def lfm2_args(hidden: int, layers: int, heads: int, mlp: int):
-    attention = {layers // 2 - 1, layers - 1}
+    attention = {layers // 2 - 1, layers - 1} if layers >= 4 else {layers - 1}
     return lfm2.ModelArgs(
         model_type="lfm2", vocab_size=VOCAB["lfm2"], hidden_size=hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
