@@ -15,6 +15,7 @@ from blockmgr.errors import (
     OutOfHostMemory,
     OutOfSlots,
     SequenceSwapped,
+    SpeculationInFlight,
     UnknownSequence,
     WrongArgumentType,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "PrefixMatch",
     "PrefixCacheStats",
     "SequenceSwapped",
+    "SpeculationInFlight",
     "SwapIn",
     "SwapInSlot",
     "SwapOut",

@@ -47,6 +47,11 @@ class NoSnapshot(BlockManagerError):
     """Recurrent state cannot be rolled back: no snapshot exists at the target."""
 
 
+class SpeculationInFlight(BlockManagerError):
+    """The call cannot run while the sequence has a speculation transaction
+    open (`begin_speculation`); commit or abort it first."""
+
+
 class IntegrityError(BlockManagerError, AssertionError):
     """`check_integrity()` found a broken invariant: a bug, never a user error."""
 

@@ -20,10 +20,16 @@ straight to it (no cost over a plain `BlockManager`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 
 from blockmgr.config import GroupedStoreConfig
-from blockmgr.errors import DuplicateSequence, IntegrityError, InvalidArgument, OutOfHostMemory
+from blockmgr.errors import (
+    DuplicateSequence,
+    IntegrityError,
+    InvalidArgument,
+    OutOfHostMemory,
+    WrongArgumentType,
+)
 from blockmgr.manager import BlockManager
 from blockmgr.ops import MemoryOp
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
@@ -37,7 +43,8 @@ Plan = tuple[MemoryOp, ...]
 _SINGLE_GROUP_CALLS = (
     "can_allocate", "allocate", "cached_prefix_length", "can_append", "append", "fork",
     "can_truncate", "truncate", "cache_prefix", "free", "can_swap_out", "swap_out",
-    "can_swap_in", "swap_in",
+    "can_swap_in", "swap_in", "can_speculate", "begin_speculation", "commit_speculation",
+    "abort_speculation",
 )
 
 
@@ -303,6 +310,50 @@ class GroupedStore:
                 raise IntegrityError("truncate succeeded where can_truncate said no")
         return tuple(op for m in self._managers for op in m.truncate(seq_id, num_tokens))
 
+    # ------------------------------------------------------------ speculation
+
+    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
+        """Would `begin_speculation(drafts)` succeed in every group? Pure."""
+        drafts = self._checked_drafts(drafts)
+        return all(m.can_speculate(drafts) for m in self._managers)
+
+    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
+        """Open speculation transactions in every group (see
+        `BlockManager.begin_speculation`); all or nothing."""
+        drafts = self._checked_drafts(drafts)
+        for m in self._managers:
+            if not m.can_speculate(drafts):
+                m.begin_speculation(drafts)  # raises its precise error, changes nothing
+                raise IntegrityError("begin_speculation succeeded where can_speculate said no")
+        return tuple(op for m in self._managers for op in m.begin_speculation(drafts))
+
+    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
+        """Keep each sequence's accepted drafts in every group; returns the
+        sequences whose recurrent checkpoint came back (group 0 keeps the
+        slots). Group 0 checks the argument first: the others cannot fail."""
+        restored = self._first.commit_speculation(accepted)
+        for m in self._managers[1:]:
+            m.commit_speculation(accepted)
+        return restored
+
+    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> None:
+        """Close the transactions of `seq_ids` keeping no draft, in every group."""
+        if isinstance(seq_ids, (str, bytes)):
+            raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
+        self.commit_speculation(dict.fromkeys(seq_ids, 0))
+
+    def speculation_start(self, seq_id: Hashable) -> int | None:
+        return self._first.speculation_start(seq_id)
+
+    def _checked_drafts(self, drafts) -> dict:
+        """The drafts as lists, checked once for every group; the layout
+        must allow a restored checkpoint (see `BlockManager.begin_speculation`)."""
+        if not isinstance(drafts, Mapping):
+            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
+        if self.is_hybrid and any(w is not None for w in self.windows):
+            raise InvalidArgument("speculation on recurrent + sliding-window layers is not supported")
+        return {seq_id: token_list(t, f"drafts[{seq_id!r}]") for seq_id, t in drafts.items()}
+
     # ------------------------------------------------------------- cache/free
 
     def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
@@ -381,6 +432,8 @@ class GroupedStore:
                     raise IntegrityError(f"group {g} holds {seq_id!r} in another namespace")
                 if m.is_swapped(seq_id) != first.is_swapped(seq_id):
                     raise IntegrityError(f"group {g} disagrees whether {seq_id!r} is swapped")
+                if m.speculation_start(seq_id) != first.speculation_start(seq_id):
+                    raise IntegrityError(f"group {g} disagrees on {seq_id!r}'s speculation")
 
     def debug_state(self) -> tuple:
         """Every group's `debug_state()`: equal before and after a failed call."""

@@ -26,7 +26,7 @@ of every layer: design/errors.md.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 
 from blockmgr.config import BlockManagerConfig
 from blockmgr.errors import (
@@ -38,7 +38,9 @@ from blockmgr.errors import (
     OutOfHostMemory,
     OutOfSlots,
     SequenceSwapped,
+    SpeculationInFlight,
     UnknownSequence,
+    WrongArgumentType,
 )
 from blockmgr.ops import (
     NO_OPS,
@@ -59,11 +61,12 @@ from blockmgr.prefix_trie import (
     PrefixTrie,
     pack_tokens,
 )
-from blockmgr.sequence import Allocation, Sequence
+from blockmgr.sequence import Allocation, Sequence, Speculation
 from blockmgr.stats import PrefixCacheStats
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,
+    check_int,
     check_hashable,
     packed_prompt,
     prompt_list,
@@ -431,8 +434,9 @@ class BlockManager:
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
         window = self._window
-        if window is not None and (num_before - window + 1) // self._block_size > seq.num_released:
-            self._release_out_of_window(seq, num_before)  # a page fell out of the window
+        if (window is not None and seq.speculation is None
+                and (num_before - window + 1) // self._block_size > seq.num_released):
+            self._release_out_of_window(seq, num_before)  # a page fell out; speculating: at the commit
         if grows and self._events:
             self._deliver_events()
         return ops
@@ -485,7 +489,7 @@ class BlockManager:
         Fork once every reserved token of `seq_id` is computed; the first
         write of either sequence copies what it shares. O(pages).
         """
-        seq = self._resident(seq_id)
+        seq = self._idle(seq_id)
         self._check_new_id(new_seq_id)
         table = list(seq.block_table)
         self._pages.incref_all(table[seq.first_owned :])
@@ -514,7 +518,7 @@ class BlockManager:
 
         Bad arguments still raise, as in `truncate`.
         """
-        seq = self._resident(seq_id)
+        seq = self._idle(seq_id)
         num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return True
@@ -534,7 +538,7 @@ class BlockManager:
         (shared, CoW) and `NoSnapshot` is raised when there is none. With a
         sliding window, rolling back past released pages is refused.
         """
-        seq = self._resident(seq_id)
+        seq = self._idle(seq_id)
         num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return NO_OPS
@@ -606,6 +610,126 @@ class BlockManager:
         self._slots.incref(node.slot)
         return NO_OPS, node.slot
 
+    # ------------------------------------------------------------ speculation
+
+    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
+        """Would `begin_speculation(drafts)` succeed now? Changes nothing;
+        bad arguments raise as there."""
+        _, num_pages, num_slots = self._plan_speculation(drafts)
+        return self._can_reserve(num_pages, num_slots)
+
+    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
+        """Open a speculation transaction for every sequence in `drafts`
+        (seq_id -> draft token ids, possibly none) and reserve pages for the
+        drafts, all at once or not at all.
+
+        The drafts (and whatever `append` adds before the commit) are the
+        speculative tail: never inserted into the prefix trie. A hybrid
+        sequence's slot becomes a copy (`CopySlot`) of its current state and
+        the old slot is kept as the checkpoint. While a transaction is open,
+        `fork`, `truncate`, `cache_prefix` and `swap_out` raise
+        `SpeculationInFlight` and `free` aborts it first. With a sliding
+        window, no page is released until the first append after the
+        commit. Raises
+        `OutOfBlocks` / `OutOfSlots` (nothing changed) when memory is short
+        after eviction. O(sequences + draft pages).
+        """
+        plan, num_pages, num_slots = self._plan_speculation(drafts)
+        self._reserve(num_pages, num_slots)
+        ops: list[MemoryOp] = []
+        for seq, tokens, copy_page in plan:
+            ops.extend(self._make_writable(seq, copy_page, False))
+            checkpoint = seq.slot
+            if checkpoint is not None:
+                seq.slot = self._slots.take_one()
+                ops.append(CopySlot(checkpoint, seq.slot))
+            seq.speculation = Speculation(len(seq.tokens), checkpoint)
+            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
+            seq.block_table.extend(self._pages.take(num_new_pages - len(seq.block_table)))
+            seq.tokens.extend(tokens)
+        if self._events:
+            self._deliver_events()
+        return tuple(ops)
+
+    def _plan_speculation(self, drafts) -> tuple[list[tuple], int, int]:
+        """Check `begin_speculation`'s argument whole: (sequence, draft list,
+        copy its last page?) per entry, pages and slots to reserve. Pure."""
+        if not isinstance(drafts, Mapping):
+            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
+        if self._slots is not None and self._window is not None:
+            # A restored checkpoint recomputes tokens whose window pages
+            # the next append may already release.
+            raise InvalidArgument("speculation on recurrent + sliding-window layers is not supported")
+        plan = []
+        num_pages = num_slots = 0
+        for seq_id, tokens in drafts.items():
+            seq = self._idle(seq_id)
+            tokens = token_list(tokens, f"drafts[{seq_id!r}]")
+            pages, copy_page, _ = self._growth(seq, len(tokens))
+            num_pages += pages + copy_page
+            num_slots += seq.slot is not None
+            plan.append((seq, tokens, copy_page))
+        return plan, num_pages, num_slots
+
+    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
+        """Close the transactions of the sequences in `accepted` (seq_id ->
+        drafts kept): each keeps its tokens up to `start + accepted` and
+        releases the pages past them, all at once or not at all.
+
+        A hybrid sequence keeping every speculative token keeps its working
+        slot (the state after them); one keeping fewer gets its checkpoint
+        back (the state at begin): returned in the set of *restored*
+        sequences, whose tokens from that state on must be computed again.
+        Raises `InvalidArgument` (nothing changed) for a sequence without a
+        transaction or a count past its speculative tail. O(sequences +
+        released pages).
+        """
+        plan = self._plan_commit(accepted)
+        return frozenset(seq.seq_id for seq, num in plan if self._end_speculation(seq, num))
+
+    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> None:
+        """Close the transactions of `seq_ids` keeping no draft (a hybrid
+        sequence gets its checkpoint back). All or nothing, as the commit."""
+        if isinstance(seq_ids, (str, bytes)):
+            raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
+        self.commit_speculation(dict.fromkeys(seq_ids, 0))
+
+    def speculation_start(self, seq_id: Hashable) -> int | None:
+        """The token count at `begin_speculation` (None: no transaction open)."""
+        spec = self._get(seq_id).speculation
+        return None if spec is None else spec.start
+
+    def _plan_commit(self, accepted) -> list[tuple[Sequence, int]]:
+        if not isinstance(accepted, Mapping):
+            raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
+        plan = []
+        for seq_id, num in accepted.items():
+            seq = self._get(seq_id)
+            spec = seq.speculation
+            if spec is None:
+                raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
+            num = check_int(f"accepted[{seq_id!r}]", num, 0, len(seq.tokens) - spec.start)
+            plan.append((seq, num))
+        return plan
+
+    def _end_speculation(self, seq: Sequence, num_accepted: int) -> bool:
+        """Keep `num_accepted` speculative tokens; True when the checkpoint
+        came back. Cannot fail (the caller checked)."""
+        spec, seq.speculation = seq.speculation, None
+        end = spec.start + num_accepted
+        restored = spec.checkpoint is not None and end < len(seq.tokens)
+        if spec.checkpoint is not None:
+            keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
+            seq.slot = keep
+            self._slots.release(drop)
+        keep_pages = -(-end // self._block_size)
+        self._pages.release_all(seq.block_table[keep_pages:])
+        del seq.block_table[keep_pages:]
+        del seq.tokens[end:]
+        # No window release here: the manager does not know which tokens are
+        # computed; the next append releases from its own first position.
+        return restored
+
     # ----------------------------------------------------------- cache/free
 
     def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
@@ -617,7 +741,7 @@ class BlockManager:
         copied (`CopySlot`). A no-op without a prefix cache. Raises
         `OutOfSlots` when no slot can be had for the snapshot.
         """
-        seq = self._resident(seq_id)
+        seq = self._idle(seq_id)
         num_tokens = self._computed_count(seq, num_tokens)
         trie = self._trie
         if trie is None or num_tokens == 0:
@@ -658,9 +782,13 @@ class BlockManager:
         None means every token was computed. The slot (state after the last
         computed token) is handed to the trie with no copy; tokens already
         cached are not stored twice. Never fails for a live id. A swapped-out
-        sequence just gives its host memory back.
+        sequence just gives its host memory back. An open speculation is
+        aborted first (`num_computed` counts from the tokens before it).
         """
         seq = self._get(seq_id)
+        if seq.speculation is not None:
+            self._check_free_count(seq, num_computed)
+            self._end_speculation(seq, 0)  # drafts never reach the trie
         num_computed = self._computed_count(seq, num_computed)
         del self._seqs[seq_id]
         if seq.swapped:
@@ -696,7 +824,7 @@ class BlockManager:
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Is there host memory to swap the sequence out? Changes nothing."""
-        seq = self._resident(seq_id)
+        seq = self._idle(seq_id)
         num_pages = len(seq.block_table) - seq.num_released
         num_slots = 1 if seq.slot is not None else 0
         return self._host_pages.can_take(num_pages) and self._host_slots.can_take(num_slots)
@@ -801,6 +929,15 @@ class BlockManager:
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
 
+    def _idle(self, seq_id: Hashable) -> Sequence:
+        """The resident sequence, which must have no speculation open."""
+        seq = self._resident(seq_id)
+        if seq.speculation is not None:
+            raise SpeculationInFlight(
+                f"sequence {seq_id!r} has a speculation open; commit or abort it first"
+            )
+        return seq
+
     def _resident(self, seq_id: Hashable) -> Sequence:
         """The live sequence, which must not be swapped out."""
         seq = self._get(seq_id)
@@ -821,6 +958,17 @@ class BlockManager:
             raise InvalidArgument(f"sequence id must be hashable, got {seq_id!r}") from None
         if exists:
             raise DuplicateSequence(f"sequence {seq_id!r} is already live")
+
+    def _check_free_count(self, seq: Sequence, num_computed: int | None) -> None:
+        """`free`'s count for a sequence with a speculation open: at most the
+        tokens before the drafts."""
+        if num_computed is not None and check_count("num_computed", num_computed) > (
+            seq.speculation.start
+        ):
+            raise InvalidArgument(
+                f"{seq.seq_id!r} has {seq.speculation.start} tokens before its drafts, "
+                f"not {num_computed}"
+            )
 
     def _computed_count(self, seq: Sequence, num_computed: int | None) -> int:
         if num_computed is None:
@@ -957,6 +1105,8 @@ class BlockManager:
             raise IntegrityError(f"{where} is swapped out but locks the trie")
         if seq.slot is not None:
             slot_refs[seq.slot] += 1
+        if seq.speculation is not None:
+            self._check_speculation(seq, where, slot_refs)
         node = seq.locked_node
         if node is not None and node.parent is None:
             raise IntegrityError(f"{where} locks a node that left the trie")
@@ -967,6 +1117,19 @@ class BlockManager:
         while node is not None and node.parent is not None:
             locks[node.node_id] = locks.get(node.node_id, 0) + 1
             node = node.parent
+
+    def _check_speculation(self, seq: Sequence, where: str, slot_refs) -> None:
+        """An open transaction: resident, its start within the tokens, a
+        checkpoint slot exactly when hybrid, distinct from the working one."""
+        spec = seq.speculation
+        if seq.swapped or not 0 <= spec.start <= len(seq.tokens):
+            raise IntegrityError(f"{where} speculates from {spec.start} (or while swapped out)")
+        if (spec.checkpoint is None) != (seq.slot is None) or (
+            spec.checkpoint is not None and spec.checkpoint == seq.slot
+        ):
+            raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} beside slot {seq.slot}")
+        if spec.checkpoint is not None:
+            slot_refs[spec.checkpoint] += 1
 
     def _check_borrowed(self, seq: Sequence, where: str) -> None:
         """Borrowed pages are full, inside the locked path, held at their
@@ -1012,6 +1175,9 @@ class BlockManager:
                 seq.swapped,
                 seq.anchored,
                 seq.num_borrowed,
+                None if seq.speculation is None else (
+                    seq.speculation.start, seq.speculation.checkpoint
+                ),
             )
             for seq_id, seq in self._seqs.items()
         )

@@ -9,6 +9,20 @@ from blockmgr.ops import MemoryOp
 from blockmgr.prefix_trie import TrieNode
 
 
+@dataclass(slots=True)
+class Speculation:
+    """An open speculation transaction of one sequence (`begin_speculation`).
+
+    start: the sequence's token count at begin; tokens past it are drafts,
+        never inserted into the prefix trie.
+    checkpoint: hybrid only: the slot holding the recurrent state as it was
+        at begin (the sequence writes into a copy); None otherwise.
+    """
+
+    start: int
+    checkpoint: int | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """A live sequence: its tokens, the pages holding them, its slot.
@@ -26,6 +40,7 @@ class Sequence:
     While `swapped`, block_table and slot name host pages and a host slot.
     `packed` is `tokens[:len(packed) // 8]` packed as the trie stores them
     (the prompt's, from `allocate`), so caching them packs nothing again.
+    `speculation` is the open speculation transaction, if any.
     """
 
     seq_id: Hashable
@@ -39,6 +54,7 @@ class Sequence:
     anchored: bool = False
     num_borrowed: int = 0
     packed: bytes = b""
+    speculation: Speculation | None = None
 
     @property
     def first_owned(self) -> int:

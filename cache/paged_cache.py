@@ -25,7 +25,13 @@ from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 import mlx.core as mx
 
 from blockmgr import Allocation, BlockManager, GroupedStore, GroupedStoreConfig
-from blockmgr.errors import IntegrityError, InvalidArgument, SequenceSwapped, UnknownSequence
+from blockmgr.errors import (
+    IntegrityError,
+    InvalidArgument,
+    SequenceSwapped,
+    UnknownSequence,
+    WrongArgumentType,
+)
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from cache import attention_hook
 from cache.host_pool import HostPagePool
@@ -92,6 +98,7 @@ class _SeqState:
     known: int  # leading tokens whose ids are real (views may add placeholders)
     in_flight: int = 0  # tokens of a started step that has not finished yet
     batch: BatchState | None = None  # the views running that step
+    checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
 
 
 def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
@@ -226,12 +233,20 @@ class PagedCache:
                 )
             if state.known > num_tokens:
                 raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
+            start = self.store.speculation_start(seq_id)
+            if (start is None) != (state.checkpoint is None) or (
+                start is not None and state.checkpoint > start
+            ):
+                raise IntegrityError(
+                    f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
+                )
 
     def debug_state(self) -> tuple:
         """The store's `debug_state()` and each sequence's computed state, as
         plain values: equal before and after a refused call. O(state)."""
         seqs = tuple(
-            (seq_id, st.computed, st.known, st.in_flight) for seq_id, st in self._seqs.items()
+            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint)
+            for seq_id, st in self._seqs.items()
         )
         return self.store.debug_state(), seqs
 
@@ -373,8 +388,11 @@ class PagedCache:
     def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
         """End `seq_id`; its computed tokens (None: all) enter the tries.
         A step still in flight (a forward that never finished) counts as not
-        computed."""
+        computed; an open speculation is aborted first (drafts never enter)."""
         n = self._trie_count(seq_id, num_computed)
+        if self._seqs[seq_id].checkpoint is not None:
+            self.abort_speculation([seq_id])
+            n = self._trie_count(seq_id, min(n, self._seqs[seq_id].computed))
         plan = self.store.free(seq_id, n)
         self._queue(plan)
         del self._seqs[seq_id]
@@ -401,6 +419,56 @@ class PagedCache:
         if self._recurrent is not None and n != state.computed:
             return 0
         return n
+
+    # --- speculation (see design/speculation.md) ------------------------------
+
+    def can_speculate(self, drafts: Mapping[Hashable, Sequence[int]]) -> bool:
+        """Would `begin_speculation(drafts)` succeed now? Changes nothing."""
+        return self.store.can_speculate(drafts)
+
+    def begin_speculation(self, drafts: Mapping[Hashable, Sequence[int]]) -> Plan:
+        """Reserve pages for each sequence's draft tokens (seq_id -> ids) and
+        checkpoint its recurrent state, all at once or not at all (the
+        store's `begin_speculation`). The drafts are pending tokens like
+        appended ones; the next forward computes them."""
+        if not isinstance(drafts, Mapping):
+            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
+        states = {s: self._state(s) for s in drafts}
+        num_before = {s: self.store.num_tokens(s) for s in drafts}
+        plan = self.store.begin_speculation(drafts)
+        self._queue(plan)
+        for s, state in states.items():
+            state.checkpoint = state.computed
+            if state.known == num_before[s]:
+                state.known = self.store.num_tokens(s)
+        return plan
+
+    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> dict[Hashable, int]:
+        """Keep each sequence's first `accepted[seq_id]` drafts (all or
+        nothing, the store's `commit_speculation`). Returns each sequence's
+        computed count after it: the kept tokens, or for a hybrid sequence
+        that rejected a draft the count at its checkpoint (the state came
+        back; the tokens from there are pending and computed again)."""
+        if not isinstance(accepted, Mapping):
+            raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
+        for s in accepted:
+            self._state(s)
+        restored = self.store.commit_speculation(accepted)
+        counts = {}
+        for s in accepted:
+            state = self._seqs[s]
+            num_tokens = self.store.num_tokens(s)
+            state.computed = state.checkpoint if s in restored else min(state.computed, num_tokens)
+            state.known = min(state.known, num_tokens)
+            state.checkpoint = None
+            counts[s] = state.computed
+        return counts
+
+    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> dict[Hashable, int]:
+        """Drop every draft of `seq_ids` (as a commit keeping none)."""
+        if isinstance(seq_ids, (str, bytes)):
+            raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
+        return self.commit_speculation(dict.fromkeys(seq_ids, 0))
 
     # --- swap (preemption to host memory) ------------------------------------------
 

@@ -61,6 +61,7 @@ from scheduler.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.speculative import Speculator
 from scheduler.storage import build_storage
 from scheduler.text import SampleText, TextCodec, is_text_prompt
 
@@ -133,7 +134,11 @@ class EngineStats:
 
     peak_kv_bytes: most KV page bytes held at once (sequences + prefix trie);
     peak_state_bytes: likewise for recurrent slots;
-    num_forward_errors: forwards that raised (rolled back and retried).
+    num_forward_errors: forwards that raised (rolled back and retried);
+    num_draft_tokens / num_accepted_tokens / num_draft_forwards /
+    num_recomputed_tokens: speculative decoding (`acceptance_rate`; tokens
+    computed again after a hybrid checkpoint restore); `num_forwards`
+    counts the target's only.
     """
 
     num_steps: int = 0
@@ -147,6 +152,17 @@ class EngineStats:
     peak_state_bytes: int = 0
     num_forward_errors: int = 0
     step_times: list[float] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative decoding: tokens the draft proposed
+    num_accepted_tokens: int = 0  # ... and the target accepted
+    num_draft_forwards: int = 0
+    num_recomputed_tokens: int = 0  # pending again after a hybrid checkpoint restore
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (None before any draft)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
 
 
 class Engine:
@@ -196,6 +212,8 @@ class Engine:
         step_listener: StepListener | None = None,
         tokenizer: Any = None,
         kv_events: str | EventSink | None = None,
+        draft_model: Any = None,
+        num_speculative_tokens: int = 4,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -207,8 +225,9 @@ class Engine:
             raise ValueError("give either scheduler_config or scheduler keywords, not both")
         config = scheduler_config or SchedulerConfig(**scheduler_kwargs)
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
-        if num_slots is None:
-            num_slots = 2 * config.max_num_seqs + 2 if hybrid else 0
+        if num_slots is None:  # speculation: one more per sequence (the checkpoint)
+            per_seq = 2 if draft_model is None else 3
+            num_slots = per_seq * config.max_num_seqs + 2 if hybrid else 0
         store_kwargs = {}
         if num_host_blocks:  # swap space (host slots only matter for hybrid models)
             store_kwargs = {"num_host_blocks": num_host_blocks,
@@ -221,9 +240,10 @@ class Engine:
         # Rows the model's own code cannot batch run one by one (see batch_probe).
         self.batching = (
             probe_batching(model, probe_cache(model, block_size, hybrid),
-                           probe_prefill=prefill_batch > 1)
+                           probe_prefill=prefill_batch > 1 or draft_model is not None)
             if batch_probe else BatchSupport()
         )
+        self._batch_probe = batch_probe
         # A sample must stop before one sequence outgrows the whole pool (a
         # model whose layers all slide releases pages as it goes).
         capacity = self.cache.num_usable_blocks * block_size
@@ -246,8 +266,38 @@ class Engine:
         self._ids = itertools.count()
         self.text = None if tokenizer is None else TextCodec(tokenizer)
         self._tracked: dict[Hashable, _Tracked] = {}
+        self.speculator = None if draft_model is None else self._speculator(
+            draft_model, num_speculative_tokens, num_blocks, block_size, num_slots,
+            enable_prefix_cache, config.max_model_len)
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
         self.kv_events = None if kv_events is None else open_publisher(self.cache.store, kv_events)
+
+    def _speculator(self, draft_model, k, num_blocks, block_size, num_slots,
+                    enable_prefix_cache, max_model_len) -> Speculator:
+        """Speculative decoding: the draft model on its own paged storage
+        (as many pages and slots as the target's, its own prefix cache)."""
+        k = check_int("num_speculative_tokens", k, 1)
+        draft_vocab = _model_vocab_size(draft_model)
+        if draft_vocab != self.vocab_size:
+            raise InvalidArgument(
+                f"the draft model's vocabulary ({draft_vocab}) is not the target's "
+                f"({self.vocab_size})")
+        hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(draft_model))
+        draft_cache = build_storage(
+            draft_model, num_blocks, block_size, num_slots=num_slots if hybrid else 0,
+            enable_prefix_cache=enable_prefix_cache)
+        draft_batching = (
+            probe_batching(draft_model, probe_cache(draft_model, block_size, hybrid))
+            if self._batch_probe else BatchSupport()
+        )
+        for storage in (self.cache, draft_cache):
+            if storage.is_hybrid and any(w is not None for w in storage.store.windows):
+                raise InvalidArgument(
+                    "speculative decoding does not support models with both recurrent and "
+                    "sliding-window layers (design/speculation.md)")
+        batched = self.batching.prefill and draft_batching.prefill
+        return Speculator(self.model, self.cache, draft_model, draft_cache, k,
+                          batched=batched, max_model_len=max_model_len)
 
     # ------------------------------------------------------------- requests
 
@@ -394,6 +444,8 @@ class Engine:
             raise
         t2 = self.clock()
         results = self._settle(out, run)
+        if self.speculator is not None:
+            self.speculator.release_ended()
         self._record(out, t0, t1, t2)
         self._publish_kv_events()
         if self.step_listener is not None:
@@ -468,8 +520,11 @@ class Engine:
     def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
         """Forward the scheduled work (decode rows, then prefill chunks),
         recording in `run` what finished."""
-        decode = [s for s in out.seqs if s.num_tokens == 1]
-        prefill = [s for s in out.seqs if s.num_tokens > 1]
+        seqs = out.seqs
+        if self.speculator is not None:
+            seqs = self._run_speculative(seqs, run)
+        decode = [s for s in seqs if s.num_tokens == 1]
+        prefill = [s for s in seqs if s.num_tokens > 1]
         alone = [s for s in decode if self.faults.isolated(s.request_id)]
         together = [s for s in decode if not self.faults.isolated(s.request_id)]
         if together and self.batching.decode:
@@ -489,6 +544,33 @@ class Engine:
             self._run_group(together[i : i + k], run)
         for seq in alone:
             self._prefill_one(seq, run)
+
+    def _run_speculative(self, seqs: list[ScheduledSeq], run: _StepRun) -> list[ScheduledSeq]:
+        """Speculate the eligible rows (`Speculator.eligible`, not isolated
+        by a fault) in one draft-and-verify round; returns the other rows.
+        A raising round counts as never run, as any failed forward."""
+        speculator = self.speculator
+        rows = [s for s in seqs if speculator.eligible(s)
+                and not self.faults.isolated(s.request_id)]
+        if not rows:
+            return seqs
+        try:
+            accepted, counts = speculator.run(rows, self._keys)
+        except Exception as error:
+            self._failed(rows, error, run)
+        else:
+            run.sampled.update(accepted)
+            run.done.extend(rows)
+            self.faults.succeeded(s.request_id for s in rows)
+            stats = self.stats
+            stats.num_forwards += counts.num_target_forwards
+            stats.num_draft_forwards += counts.num_draft_forwards
+            stats.num_draft_tokens += counts.num_drafted
+            stats.num_accepted_tokens += counts.num_accepted
+            stats.num_generated_tokens += counts.num_accepted
+            stats.num_recomputed_tokens += counts.num_recomputed
+        taken = {id(s) for s in rows}
+        return [s for s in seqs if id(s) not in taken]
 
     def _run_group(self, group: list[ScheduledSeq], run: _StepRun) -> None:
         """One forward over `group`; a raising one is recorded (`run`), not
@@ -703,8 +785,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         """The storage's invariants: every layer group's, and the computed
-        counts (raises `IntegrityError`)."""
+        counts (raises `IntegrityError`); the draft model's storage too."""
         self.cache.check_integrity()
+        if self.speculator is not None:
+            self.speculator.draft_cache.check_integrity()
 
     def debug_state(self) -> tuple:
         """The scheduler's and the store's `debug_state()`, plus the engine's

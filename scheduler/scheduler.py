@@ -184,6 +184,18 @@ class RequestOutput:
     logprobs: dict[int, list] | None = None  # TokenLogprob per new token of sample i
 
 
+@dataclass(frozen=True, slots=True)
+class AcceptedTokens:
+    """A speculative decode row's result, given to `update` in place of one
+    sampled token: the accepted drafts and the token after them, and how
+    many of the sequence's tokens the store holds as computed after the
+    transaction's commit (a hybrid sequence that rejected a draft is back
+    at its checkpoint: the tokens from there are computed again)."""
+
+    tokens: tuple[int, ...]
+    num_computed: int
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """Metrics of the last step (counts) and running totals (`*_total`)."""
@@ -774,8 +786,12 @@ class Scheduler:
         finished: set[int] = set()
         for item, seq, tokens in plan:
             seq.in_flight = False
-            seq.num_computed += item.num_tokens
             seq.request.metrics.num_computed_tokens += item.num_tokens
+            if type(tokens) is AcceptedTokens:
+                if self._add_accepted(seq, tokens, now, results):
+                    finished.add(id(seq))
+                continue
+            seq.num_computed += item.num_tokens
             if item.is_prefill:
                 self._checkpoint(seq)
             if tokens is None:
@@ -825,6 +841,8 @@ class Scheduler:
                 value = sampled[item.seq_id]
                 if type(value) is int and value >= 0 and item.num_samples == 1:
                     tokens = value  # the common case, checked inline
+                elif type(value) is AcceptedTokens:
+                    tokens = _checked_accepted(item, seq, value)
                 else:
                     tokens = _sampled_tokens(item, value)
             plan.append((item, seq, tokens))
@@ -901,6 +919,17 @@ class Scheduler:
             out.finished = True
         out.status = req.status
         return True
+
+    def _add_accepted(self, seq: _Seq, accepted: AcceptedTokens, now: float, results) -> bool:
+        """A speculative row's tokens, one by one until a stop condition; the
+        store kept the accepted drafts (all but the last token) as reserved.
+        True if the sample ended."""
+        seq.num_computed = accepted.num_computed
+        seq.num_reserved += len(accepted.tokens) - 1
+        for token in accepted.tokens:
+            if self._add_token(seq, seq.index, token, now, results):
+                return True
+        return False
 
     def _stop_reason(self, req: Request, index: int, token: int) -> RequestStatus | None:
         params = req.sampling
@@ -988,6 +1017,18 @@ def _sampled_tokens(item: ScheduledSeq, value: object) -> int | list[int]:
     return tokens[0] if item.num_samples == 1 else tokens
 
 
+def _checked_accepted(item: ScheduledSeq, seq: _Seq, value: AcceptedTokens) -> AcceptedTokens:
+    """A speculative row's result: one sample's row, at least one token id,
+    a computed count within the tokens the store holds after the commit."""
+    name = f"sampled[{item.seq_id!r}]"
+    tokens = token_list(value.tokens, f"{name}.tokens")
+    num_stored = seq.num_reserved + len(tokens) - 1
+    if item.num_samples != 1 or not tokens:
+        raise InvalidArgument(f"{name}: accepted tokens need a one-sample row and a token")
+    check_int(f"{name}.num_computed", value.num_computed, 0, num_stored)
+    return value
+
+
 def _can_swap_out(kv: KVStore, seq_id: Hashable) -> bool:
     try:
         return kv.can_swap_out(seq_id)
@@ -1000,6 +1041,7 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 
 
 __all__ = [
+    "AcceptedTokens",
     "RequestOutput",
     "RequestTooLarge",
     "StaleSchedulerOutput",

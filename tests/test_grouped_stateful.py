@@ -19,6 +19,7 @@ from blockmgr import (
     GroupedStoreConfig,
     InvalidArgument,
     SequenceSwapped,
+    SpeculationInFlight,
     UnknownSequence,
 )
 from tests.shadow import GroupedShadowStorage
@@ -42,8 +43,17 @@ BAD_CALLS = [
     ("free an unknown id", lambda s, live: s.free("nobody")),
     ("swap in a resident sequence", lambda s, live: s.swap_in(live)),
     ("ask a missing group", lambda s, live: s.block_table(live, 99)),
+    ("speculate with a str draft", lambda s, live: s.begin_speculation({live: "ab"})),
+    ("speculate on an unknown id", lambda s, live: s.begin_speculation({"nobody": [1]})),
+    ("speculate with a list", lambda s, live: s.begin_speculation([(live, [1])])),
+    ("commit an unknown id", lambda s, live: s.commit_speculation({"nobody": 0})),
+    ("commit a negative count", lambda s, live: s.commit_speculation({live: -1})),
+    ("commit past the drafts", lambda s, live: s.commit_speculation({live: 10_000})),
+    ("abort a str", lambda s, live: s.abort_speculation("ab")),
 ]
-REFUSALS = (InvalidArgument, UnknownSequence, DuplicateSequence, SequenceSwapped)
+REFUSALS = (
+    InvalidArgument, UnknownSequence, DuplicateSequence, SequenceSwapped, SpeculationInFlight
+)
 
 
 class GroupedMachine(BlockManagerMachine):
@@ -59,6 +69,7 @@ class GroupedMachine(BlockManagerMachine):
         self.shadow = GroupedShadowStorage(self.bm)
         self.next_id = 0
         self.seen: list[list[int]] = []
+        self.speculating: dict[str, tuple[int, int]] = {}
 
     @rule(data=st.data(), which=st.integers(0, len(BAD_CALLS) - 1))
     def bad_call(self, data, which) -> None:
@@ -88,6 +99,7 @@ class HybridSlidingMachine(GroupedMachine):
         num_blocks=24, block_size=4, windows=(None, 6), num_slots=6,
         num_host_blocks=8, num_host_slots=2,
     )
+    speculation_supported = False
 
 
 class SlidingRecurrentMachine(GroupedMachine):
@@ -97,6 +109,7 @@ class SlidingRecurrentMachine(GroupedMachine):
         num_blocks=24, block_size=4, windows=(7,), num_slots=6, num_host_blocks=8,
         num_host_slots=2,
     )
+    speculation_supported = False
 
 
 TestGrouped = _test_case(GroupedMachine)

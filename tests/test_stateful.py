@@ -30,6 +30,7 @@ from blockmgr import (
     OutOfBlocks,
     OutOfHostMemory,
     OutOfSlots,
+    SpeculationInFlight,
 )
 from tests.shadow import ShadowStorage
 
@@ -50,6 +51,8 @@ BAD_TOKENS = [
 
 class BlockManagerMachine(RuleBasedStateMachine):
     config = BlockManagerConfig(num_blocks=24, block_size=4, num_host_blocks=10)
+    #: False where the layout refuses speculation (recurrent + sliding window).
+    speculation_supported = True
 
     @initialize()
     def start(self) -> None:
@@ -57,6 +60,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.shadow = ShadowStorage(self.bm)
         self.next_id = 0
         self.seen: list[list[int]] = []  # every prompt allocated so far
+        # Open speculations: seq_id -> (token count at begin, computed at begin).
+        self.speculating: dict[str, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------- helpers
 
@@ -68,8 +73,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return sorted(self.shadow.computed)
 
     def resident(self) -> list[str]:
-        """Live sequences that are not swapped out."""
-        return [s for s in self.live() if not self.bm.is_swapped(s)]
+        """Live sequences that are not swapped out, with no speculation open."""
+        return [
+            s for s in self.live() if not self.bm.is_swapped(s) and s not in self.speculating
+        ]
 
     def settled(self) -> list[str]:
         """Resident sequences whose reserved tokens are all computed."""
@@ -188,7 +195,91 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data) -> None:
         seq_id = data.draw(st.sampled_from(self.live()))
-        self.shadow.apply(self.bm.free(seq_id, self.shadow.computed.pop(seq_id)))
+        self.free_sequence(seq_id)
+
+    def free_sequence(self, seq_id: str) -> None:
+        """Free with the computed count; a speculating sequence's is what its
+        storage holds once the drafts are gone (hybrid: the checkpoint's)."""
+        computed = self.shadow.computed.pop(seq_id)
+        if seq_id in self.speculating:
+            start, at_begin = self.speculating.pop(seq_id)
+            computed = at_begin if self.config.num_slots else min(computed, start)
+        self.shadow.apply(self.bm.free(seq_id, computed))
+
+    # ------------------------------------------------------------ speculation
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def begin_speculation(self, data) -> None:
+        """Drafts for some idle sequences at once (some with pending tokens,
+        as a verification forward sees them); maybe "verify" right away."""
+        ids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3,
+                                 unique=True))
+        drafts = {s: data.draw(st.lists(st.integers(0, 6), max_size=6)) for s in ids}
+        if not self.speculation_supported:
+            assert self.refused(lambda: self.bm.begin_speculation(drafts), ValueError)
+            return
+        expect_ok = self.bm.can_speculate(drafts)
+        if self.refused(lambda: self.bm.begin_speculation(drafts), OutOfBlocks, OutOfSlots):
+            assert not expect_ok, "can_speculate said yes but begin_speculation refused"
+            return
+        assert expect_ok, "can_speculate said no but begin_speculation succeeded"
+        self.shadow.apply(self.result)
+        for seq_id, tokens in drafts.items():
+            start = self.bm.num_tokens(seq_id) - len(tokens)
+            self.speculating[seq_id] = (start, self.shadow.computed[seq_id])
+            if data.draw(st.booleans()):
+                self.shadow.compute(seq_id)
+
+    @precondition(lambda self: self.speculating)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 6), min_size=1, max_size=3))
+    def append_draft(self, data, new) -> None:
+        """A draft model's next token(s): appended inside the transaction."""
+        seq_id = data.draw(st.sampled_from(sorted(self.speculating)))
+        if self.shadow.computed[seq_id] != self.bm.num_tokens(seq_id):
+            self.shadow.compute(seq_id)
+        if self.refused(lambda: self.bm.append(seq_id, new), OutOfBlocks, OutOfSlots):
+            return
+        self.shadow.apply(self.result)
+
+    @precondition(lambda self: self.speculating)
+    @rule(data=st.data())
+    def commit_speculation(self, data) -> None:
+        """Keep a random number of drafts per sequence (the verification
+        forward ran, or not: a commit before it is an abort's case)."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.speculating)), min_size=1,
+                                 max_size=3, unique=True))
+        accepted = {}
+        for seq_id in ids:
+            start, _ = self.speculating[seq_id]
+            if data.draw(st.booleans()):
+                self.shadow.compute(seq_id)
+            accepted[seq_id] = data.draw(st.integers(0, self.bm.num_tokens(seq_id) - start))
+        tails = {seq_id: self.bm.num_tokens(seq_id) for seq_id in accepted}
+        if data.draw(st.booleans()):
+            restored = self.bm.commit_speculation(accepted)
+        else:
+            accepted = dict.fromkeys(accepted, 0)
+            self.bm.abort_speculation(list(accepted))
+            restored = None
+        self.end_speculation(accepted, tails, restored)
+
+    def end_speculation(self, accepted: dict, num_before: dict, restored) -> None:
+        """The shadow's side of a commit: tokens past the kept ones are gone;
+        a hybrid sequence that kept fewer than all is back at its checkpoint
+        (and must compute again from where that state ends)."""
+        expected = set()
+        for seq_id, num in accepted.items():
+            start, at_begin = self.speculating.pop(seq_id)
+            end = start + num
+            assert self.bm.num_tokens(seq_id) == end
+            if self.config.num_slots and end < num_before[seq_id]:
+                expected.add(seq_id)
+                self.shadow.computed[seq_id] = at_begin
+            else:
+                self.shadow.computed[seq_id] = min(self.shadow.computed[seq_id], end)
+        if restored is not None:
+            assert restored == expected, f"restored {set(restored)}, expected {expected}"
 
     @precondition(lambda self: self.settled())
     @rule(data=st.data())
@@ -231,7 +322,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
             lambda: bm.cache_prefix(target, -3),
             lambda: bm.can_append(target, -1),
             lambda: bm.free("missing"),
+            lambda: bm.begin_speculation({target: tokens}),
+            lambda: bm.begin_speculation([(target, [1])]),
+            lambda: bm.begin_speculation({"missing": [1]}),
+            lambda: bm.commit_speculation({target: -1}),
+            lambda: bm.commit_speculation({target: 10**6}),
+            lambda: bm.commit_speculation({"missing": 0}),
+            lambda: bm.abort_speculation("ab"),
         ]
+        speculating = sorted(self.speculating)
+        if speculating:  # what an open transaction refuses
+            spec = data.draw(st.sampled_from(speculating))
+            calls += [
+                lambda: bm.begin_speculation({spec: [1]}),
+                lambda: bm.fork(spec, "bad-new"),
+                lambda: bm.truncate(spec, 0),
+                lambda: bm.cache_prefix(spec),
+                lambda: bm.swap_out(spec),
+                lambda: bm.free(spec, self.speculating[spec][0] + 1),
+            ]
+        else:  # a commit of a sequence with nothing open
+            calls.append(lambda: bm.commit_speculation({target: 0}))
         call = data.draw(st.sampled_from(calls))
         assert self.refused(call, BlockManagerError), "a bad call was accepted"
 
@@ -256,7 +367,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         for seq_id in self.live():
-            self.bm.free(seq_id, self.shadow.computed.pop(seq_id))
+            self.free_sequence(seq_id)
         self.bm.check_integrity()
         for m in self.managers():  # nothing leaks: what is not free is held by the trie
             assert m.config.num_blocks - m.num_free_blocks == m.num_cached_blocks
