@@ -310,7 +310,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
     serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
-                       help="KV page pool size, e.g. 4GiB or 512MB (default 4GiB)")
+                       help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
+                            "recurrent slots first, pages with the rest")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
     serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
@@ -757,8 +758,9 @@ def cmd_serve(args) -> int:
     if hint:
         print(hint, file=sys.stderr)
     bm = engine.cache.block_manager
+    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
     print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
-          f"({engine.cache.nbytes / 2**30:.2f} GiB) on http://{args.host}:{args.port}",
+          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots} on http://{args.host}:{args.port}",
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout)

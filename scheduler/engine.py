@@ -126,6 +126,12 @@ class _StepRun:
     aborts: list[tuple[Hashable, Exception]] = field(default_factory=list)
 
 
+def default_num_slots(max_num_seqs: int) -> int:
+    """Recurrent slots a hybrid model's engine gets by default: two per
+    running sequence (its state and a prefix snapshot) plus two."""
+    return 2 * max_num_seqs + 2
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Counters and timings (seconds) over the engine's life.
@@ -201,7 +207,7 @@ class Engine:
         config = scheduler_config or SchedulerConfig(**scheduler_kwargs)
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
         if num_slots is None:
-            num_slots = 2 * config.max_num_seqs + 2 if hybrid else 0
+            num_slots = default_num_slots(config.max_num_seqs) if hybrid else 0
         store_kwargs = {}
         if num_host_blocks:  # swap space (host slots only matter for hybrid models)
             store_kwargs = {"num_host_blocks": num_host_blocks,
