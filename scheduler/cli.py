@@ -318,6 +318,8 @@ def _add_serve_parser(sub) -> None:
                        help="sequences running at once (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                        help="token budget of one step (default 2048)")
+    serve.add_argument("--prefill-batch", type=_positive_int, default=1, metavar="N",
+                       help="prefill chunks per forward (default 1; see design/serving.md)")
     serve.add_argument("--max-waiting", type=_positive_int, default=256,
                        help="waiting requests before new ones get 429 (default 256)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
@@ -752,7 +754,7 @@ def cmd_serve(args) -> int:
     engine, name = serve.load_engine(
         args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefill_batch=args.prefill_batch,
     )
     hint = serve.blas_hint()
     if hint:
