@@ -1,15 +1,20 @@
-"""`blockmgr serve` beside `mlx_lm.server`, same model directory, same load.
+"""`blockmgr serve` beside `mlx_lm.server`, same model directory, same load,
+driven by `blockmgr bench`.
 
 Builds a Qwen3-0.6B-shaped model (hidden 1024, 16 heads / 8 KV heads of
 128, vocabulary 151936; `--layers` layers, random float32 weights) with a
-byte-level BPE tokenizer trained locally, writes it in mlx-lm's format,
-then for each server: starts it on 127.0.0.1 (a subprocess, the same
-environment, so the same BLAS), sends the workload from `--concurrency`
-client threads with the official openai client (streaming chat, greedy),
-and reports output tokens/s, TTFT p50/p99 and the server's peak RSS
-(VmHWM). Workloads: `shared` (one system prompt of ~`--system-tokens`
-tokens, a short unique question each) and `multiturn` (conversations whose
-every turn resends the whole history).
+word-level tokenizer of the same size built locally (every id decodes to a
+word: `build_word_tokenizer`), writes it in mlx-lm's format and
+two traces with the simulator's workload generator (closed loop, no arrival
+times): `shared` (chat on one system prompt of `--system-words` words, a
+short unique question each) and `multiturn` (conversations of 4 turns on
+the same kind of system prompt, every turn resending the history). Then for
+each workload and server: starts the server on 127.0.0.1 (a subprocess, the
+same environment, so the same BLAS), warms it up with two requests, runs
+`blockmgr bench --trace ... --concurrency C` (streaming chat, greedy,
+`--max-tokens` outputs) and reports output tokens/s, TTFT p50/p99, the
+server-reported cached prompt tokens and the server's peak RSS (VmHWM).
+The bench reports are kept under `--out`.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python benchmarks/compare_serve.py --requests 32 --concurrency 8
@@ -18,33 +23,58 @@ every turn resends the whole history).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.serve_model import build_tokenizer  # noqa: E402
+from scheduler.loadgen import WORDS  # noqa: E402
+from tests.serve_model import CHAT_TEMPLATE, EOS  # noqa: E402
+
+VOCAB = 151936
+
+
+def build_word_tokenizer(path: Path, vocab_size: int = VOCAB):
+    """A word-level tokenizer as large as the model's vocabulary: the
+    chat-template markers, the load generator's words (one token each), then
+    "w<i>" up to `vocab_size`, so every token id the model samples decodes to
+    a word and both servers stream a text delta per token (a smaller
+    tokenizer leaves most ids without text, and `mlx_lm.server` sends no
+    chunk for them, which hides its first token from the client)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [EOS, "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["[UNK]"] + list(dict.fromkeys(WORDS)))}
+    vocab.update((f"w{i}", i) for i in range(len(vocab), vocab_size))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # words joined by spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="[UNK]",
+                                   additional_special_tokens=specials[1:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
 
 
 def build_qwen3_dir(path: Path, layers: int) -> Path:
     from mlx_lm.models import qwen3
     from mlx_lm.utils import save_config, save_model
 
-    build_tokenizer(path)
+    build_word_tokenizer(path)
     config = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": layers,
               "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
               "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": True}
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
@@ -69,16 +99,18 @@ def peak_rss(pid: int) -> int:
 
 
 def start(kind: str, model_dir: Path, port: int, concurrency: int,
-          kv_memory: str) -> subprocess.Popen:
-    if kind == "blockmgr":
+          kv_memory: str, prefill_batch: int = 1, root: Path = ROOT) -> subprocess.Popen:
+    if kind.startswith("blockmgr"):
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--kv-memory", kv_memory, "--max-num-seqs", "64"]
+        if prefill_batch != 1:  # (a baseline checkout may not have the option)
+            cmd += ["--prefill-batch", str(prefill_batch)]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
                "--port", str(port), "--decode-concurrency", str(concurrency),
                "--prompt-concurrency", str(concurrency), "--log-level", "WARNING"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(root)})
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -100,65 +132,38 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not come up")
 
 
-def workload(kind: str, num_requests: int, system_tokens: int, seed: int = 0) -> list[list]:
-    rng = np.random.default_rng(seed)
-    words = ("paged attention keeps the cache in fixed size blocks while a prefix trie "
-             "shares the system prompt between requests streams of tokens").split()
+def write_traces(folder: Path, num_requests: int, system_words: int, max_tokens: int,
+                 turns: int = 4) -> dict[str, Path]:
+    """The two workloads as trace files (the simulator's generator, closed loop)."""
+    from scheduler.simulator.lengths import LengthDist
+    from scheduler.simulator.trace import write_trace
+    from scheduler.simulator.workloads import WorkloadConfig, generate
 
-    def sentence(n):
-        return " ".join(rng.choice(words, size=n))
+    common = dict(num_requests=num_requests, arrival="closed", num_system_prompts=1,
+                  user_len=LengthDist("fixed", 12), output_len=LengthDist("fixed", max_tokens),
+                  think_time=0.0, seed=0)
+    configs = {
+        "shared": WorkloadConfig(mix={"chat": 1.0}, system_len=LengthDist("fixed", system_words),
+                                 **common),
+        "multiturn": WorkloadConfig(mix={"multiturn": 1.0}, turns=LengthDist("fixed", turns),
+                                    system_len=LengthDist("fixed", system_words // 4), **common),
+    }
+    paths = {}
+    for name, config in configs.items():
+        paths[name] = folder / f"{name}.jsonl"
+        write_trace(paths[name], generate(config), {"vocab_size": 32000,
+                                                    "workload": config.to_dict()})
+    return paths
 
-    if kind == "shared":
-        system = sentence(system_tokens // 2)
-        return [[{"role": "system", "content": system},
-                 {"role": "user", "content": sentence(12)}] for _ in range(num_requests)]
-    chats, turns = [], 4  # multiturn: each conversation resends its history
-    for _ in range(num_requests // turns):
-        history = [{"role": "system", "content": sentence(system_tokens // 8)}]
-        for _ in range(turns):
-            history = history + [{"role": "user", "content": sentence(20)}]
-            chats.append(list(history))
-            history = history + [{"role": "assistant", "content": sentence(24)}]
-    return chats
 
-
-def run_load(url: str, model: str, chats: list[list], max_tokens: int, concurrency: int) -> dict:
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=600)
-    ttfts, tokens, lock, queue = [], [0], threading.Lock(), list(range(len(chats)))
-
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                i = queue.pop(0)
-            t0 = time.perf_counter()
-            first = None
-            count = 0
-            stream = client.chat.completions.create(
-                model=model, messages=chats[i], max_tokens=max_tokens, temperature=0,
-                stream=True, stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content is not None and first is None:
-                    first = time.perf_counter() - t0
-                if chunk.usage is not None:
-                    count = chunk.usage.completion_tokens
-            with lock:
-                ttfts.append(first if first is not None else time.perf_counter() - t0)
-                tokens[0] += count
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    client.close()
-    return {"wall": wall, "tokens": tokens[0], "tok_s": tokens[0] / wall,
-            "ttft_p50": float(np.percentile(ttfts, 50)), "ttft_p99": float(np.percentile(ttfts, 99))}
+def bench(url: str, model: str, trace: Path, concurrency: int, out: Path) -> dict:
+    """`blockmgr bench` as a subprocess; its report's summary."""
+    cmd = [sys.executable, "-m", "scheduler.cli", "bench", "--url", url, "--model", model,
+           "--trace", str(trace), "--concurrency", str(concurrency), "--out", str(out),
+           "--no-progress", "--json"]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads((out / "report.json").read_text())["summary"]
 
 
 def main() -> None:
@@ -167,29 +172,50 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--system-tokens", type=int, default=400)
+    parser.add_argument("--system-words", type=int, default=400,
+                        help="words (= tokens) of the shared system prompt")
     parser.add_argument("--servers", default="blockmgr,mlx_lm")
     parser.add_argument("--kv-memory", default="256MiB", help="blockmgr serve's page pool")
+    parser.add_argument("--prefill-batch", default="1",
+                        help="blockmgr serve's prefill chunks per forward; several values "
+                             "(1,8) run it once per value")
     parser.add_argument("--workloads", default="shared,multiturn")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="another checkout whose blockmgr serve also runs (e.g. a "
+                             "`git archive` of an earlier commit)")
+    parser.add_argument("--out", default="serve-bench", help="folder for the bench reports")
     args = parser.parse_args()
     blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "") else \
         "bundled reference BLAS"
     print(f"# {platform.machine()} {os.cpu_count()} cores, mlx {mx.__version__}, {blas}")
+    out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_qwen3_dir(Path(tmp) / "qwen3-shape", args.layers)
-        print(f"| workload | server | output tok/s | TTFT p50 (s) | TTFT p99 (s) | peak RSS (MiB) |")
-        print("|---|---|---|---|---|---|")
+        traces = write_traces(Path(tmp), args.requests, args.system_words, args.max_tokens)
+        (Path(tmp) / "warm").mkdir()
+        warmup = write_traces(Path(tmp) / "warm", 2, args.system_words, 4)
+        print("| workload | server | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
+              "cached prompt tokens | peak RSS (MiB) |")
+        print("|---|---|---|---|---|---|---|")
+        kinds = args.servers.split(",")
+        if args.baseline:
+            kinds.insert(0, "blockmgr-baseline")
+        runs = [(kind, int(batch)) for kind in kinds
+                for batch in (args.prefill_batch.split(",") if kind == "blockmgr" else [1])]
         for name in args.workloads.split(","):
-            chats = workload(name, args.requests, args.system_tokens)
-            for kind in args.servers.split(","):
+            for kind, batch in runs:
+                label = f"{kind} --prefill-batch {batch}" if kind.startswith("blockmgr") else kind
+                root = Path(args.baseline) if kind == "blockmgr-baseline" else ROOT
                 port = free_port()
-                proc = start(kind, model_dir, port, args.concurrency, args.kv_memory)
+                proc = start(kind, model_dir, port, args.concurrency, args.kv_memory, batch, root)
                 url = f"http://127.0.0.1:{port}"
                 try:
                     wait_up(url, proc)
-                    model = model_dir.name if kind == "blockmgr" else str(model_dir)
-                    run_load(url, model, chats[:2], args.max_tokens, 1)  # warm-up
-                    r = run_load(url, model, chats, args.max_tokens, args.concurrency)
+                    blockmgr = kind.startswith("blockmgr")
+                    model = model_dir.name if blockmgr else str(model_dir)
+                    tag = f"{name}-{kind}" + (f"-pb{batch}" if blockmgr else "")
+                    bench(url, model, warmup[name], 1, out / f"warmup-{tag}")
+                    s = bench(url, model, traces[name], args.concurrency, out / tag)
                     rss = peak_rss(proc.pid)
                 finally:
                     proc.terminate()
@@ -198,8 +224,11 @@ def main() -> None:
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait()
-                print(f"| {name} | {kind} | {r['tok_s']:.1f} | {r['ttft_p50']:.3f} | "
-                      f"{r['ttft_p99']:.3f} | {rss / 2**20:.0f} |", flush=True)
+                lat = s["latency"]["ttft_s"]
+                print(f"| {name} | {label} | {s['throughput']['output_tokens_per_s']:.1f} | "
+                      f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
+                      f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
     blockmgr calibrate --preset NAME     cost profile of the real engine here
     blockmgr compare A B                 two reports side by side
     blockmgr serve --model DIR           an OpenAI-compatible server (design/serving.md)
+    blockmgr bench --url URL [options]   the workload against a server, the same report
 
 Every option is validated; a bad one prints one line
 (``blockmgr simulate: error: ...``) and exits with status 2. A failed
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workload, with a cost model instead of a model, and write a report.",
     )
     _add_workload_options(sim)
+    _add_pool_options(sim)
     r = _add_run_options(sim)
     r.add_argument("--cost", type=_costs, metavar="K=S,...",
                    help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_options(rep)
     _add_workload_options(rep)
+    _add_pool_options(rep)
     _add_run_options(rep)
     rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None, ray=None)
 
@@ -206,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("reports", nargs=2, metavar="REPORT", help="report.json (or its folder)")
     cmp_.add_argument("--json", action="store_true", help="print the table as JSON")
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -254,6 +258,10 @@ def _add_workload_options(parser) -> None:
     w.add_argument("--time-scale", type=_positive_float, metavar="F",
                    help="multiply the trace's arrival and think times by F (0.5: twice the load)")
 
+
+
+def _add_pool_options(parser) -> None:
+    """The block manager's and the scheduler's options (simulate, replay)."""
     m = parser.add_argument_group("block manager")
     m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
     m.add_argument("--block-size", type=_positive_int, help="tokens per page (default 16)")
@@ -302,13 +310,16 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
     serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
-                       help="KV page pool size, e.g. 4GiB or 512MB (default 4GiB)")
+                       help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
+                            "recurrent slots first, pages with the rest")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
     serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
                        help="sequences running at once (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                        help="token budget of one step (default 2048)")
+    serve.add_argument("--prefill-batch", type=_positive_int, default=1, metavar="N",
+                       help="prefill chunks per forward (default 1; see design/serving.md)")
     serve.add_argument("--max-waiting", type=_positive_int, default=256,
                        help="waiting requests before new ones get 429 (default 256)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
@@ -323,6 +334,43 @@ def _add_serve_parser(sub) -> None:
                        help="ZMQ topic of the events (llm-d reads kv@<pod>@<model>; default '')")
     serve.add_argument("--kv-events-replay", metavar="ENDPOINT",
                        help="ZMQ ROUTER endpoint answering replay requests for missed batches")
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="replay a workload or trace against an OpenAI-compatible server",
+        description="Send the workload (the same options and trace files as simulate) to a "
+                    "server (blockmgr serve, mlx_lm.server, vLLM) at its arrival times, streaming, "
+                    "and write the same report (throughput, TTFT/TPOT, server-reported cached "
+                    "tokens). See design/serving.md.",
+    )
+    b = bench.add_argument_group("server")
+    b.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", help="model id to send (default: the first of GET /v1/models)")
+    b.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="endpoint (default chat)")
+    b.add_argument("--prompt-format", choices=("text", "tokens"), default="text",
+                   help="prompts as text (one word per token id; default) or token ids "
+                        "(completions only; not mlx_lm.server)")
+    b.add_argument("--vocab-size", type=_int_at_least(2), metavar="V",
+                   help="token ids drawn from [0, V) (default 32000; tokens prompts must fit the "
+                        "server's vocabulary)")
+    b.add_argument("--timeout", type=_positive_float, default=600.0, metavar="SECONDS",
+                   help="one request's time limit (default 600)")
+    b.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos (outputs may end before max_tokens)")
+    b.add_argument("--api-key", help="sent as a bearer token")
+    _add_workload_options(bench)
+    r = bench.add_argument_group("run and report")
+    r.add_argument("--config", metavar="FILE", help="start from a config (or a report.json) and apply options")
+    r.add_argument("--out", metavar="DIR", help=f"report folder (default ./{DEFAULT_OUT})")
+    r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON (nothing else on stdout)")
+    scratch = _Parser(add_help=False)
+    _add_pool_options(scratch)
+    bench.set_defaults(**vars(scratch.parse_args([])), check=None, sample_every=None, cost=None,
+                       profile=None)
 
 
 # ---------------------------------------------------------------- config
@@ -573,12 +621,15 @@ def _run_with_progress(args, config, run):
         raise ValueError(str(exc)) from None
 
 
-def _write_and_print(args, result, title: str) -> int:
+def _write_and_print(args, result, title: str, write=None, rows=None) -> int:
+    """Write the report folder (`write`, default the simulator's) and print
+    its table (`rows` of the summary, default `summary_rows`)."""
     from scheduler.simulator.report import format_table, summary_rows, write_report
 
+    write, rows = write or write_report, rows or summary_rows
     out_dir = Path(args.out or DEFAULT_OUT)
     try:
-        folder, plots, note = write_report(result, out_dir, plots=not args.no_plots)
+        folder, plots, note = write(result, out_dir, plots=not args.no_plots)
     except OSError as exc:
         raise ValueError(f"cannot write the report to {out_dir}: {exc.strerror}") from None
     if note:
@@ -586,7 +637,7 @@ def _write_and_print(args, result, title: str) -> int:
     if args.json:
         print(json.dumps(result.summary, indent=1))
     else:
-        print(format_table(summary_rows(result.summary), title))
+        print(format_table(rows(result.summary), title))
         print(f"report: {folder / 'report.md'} ({len(plots)} plots), {folder / 'report.json'}")
     return 0
 
@@ -713,21 +764,67 @@ def cmd_serve(args) -> int:
         args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
+        prefill_batch=args.prefill_batch,
     )
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
     bm = engine.cache.block_manager
+    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
     print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
-          f"({engine.cache.nbytes / 2**30:.2f} GiB) on http://{args.host}:{args.port}",
+          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots} on http://{args.host}:{args.port}",
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout)
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Replay the workload against `--url` and write the report."""
+    from blockmgr.errors import InvalidArgument
+    from scheduler.bench_report import bench_rows, write_bench_report
+    from scheduler.loadgen import BenchOptions, run_bench
+    from scheduler.simulator.runner import sessions_of
+    from scheduler.simulator.trace import TraceError
+
+    if args.write_trace is not None:
+        raise ValueError("--write-trace applies to simulate; bench a written trace with --trace")
+    time_scale, args.time_scale = args.time_scale or 1.0, None  # bench scales every workload
+    config = build_config(args)
+    if args.vocab_size is not None:
+        config = dataclasses.replace(config, vocab_size=args.vocab_size)
+    try:
+        options = BenchOptions(args.url, model=args.model, api=args.api,
+                               prompt_format=args.prompt_format, time_scale=time_scale,
+                               timeout=args.timeout, ignore_eos=not args.no_ignore_eos,
+                               api_key=args.api_key)
+        sessions = list(sessions_of(config))
+    except (InvalidArgument, TraceError) as exc:
+        raise ValueError(str(exc)) from None
+    total = sum(len(s) for s in sessions)
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc=f"bench {args.url}", file=sys.stderr)
+    try:
+        result = run_bench(config, options, sessions,
+                           on_done=(lambda outcome: bar.update(1)) if bar is not None else None)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    _write_and_print(args, result, f"blockmgr bench {options.base}", write_bench_report,
+                     bench_rows)
+    failed = result.summary["requests"]["aborted"]
+    if failed:
+        print(f"blockmgr bench: warning: {failed} of {total} requests failed", file=sys.stderr)
+    return 0 if failed < total else 1
+
+
 COMMANDS = {"simulate": cmd_simulate, "replay": cmd_replay, "calibrate": cmd_calibrate,
-            "compare": cmd_compare, "serve": cmd_serve}
+            "compare": cmd_compare, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

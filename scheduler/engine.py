@@ -6,7 +6,9 @@ Each `step()`:
    `cache.PagedCache` (which queues and applies its own plans);
 2. the scheduled sequences run through the model over `PagedCache.step` views:
    all single-token rows (decode) in one batched forward, prefill chunks in
-   groups of `prefill_batch` (right-padded to the group's longest chunk).
+   groups of `prefill_batch` (right-padded to the group's longest chunk); a
+   chunk that samples runs all but its last token there and the last token
+   as one more row of the decode forward (one LM head for every sample).
    On the CPU backend a padded multi-sequence prefill costs more than the
    same sequences one by one (16 x 285 tokens: 0.84 s batched vs 16 x 20 ms
    alone, plain mlx-lm, no cache involved), hence the default of 1;
@@ -128,6 +130,13 @@ class _StepRun:
     aborts: list[tuple[Hashable, Exception]] = field(default_factory=list)
 
 
+def default_num_slots(max_num_seqs: int, speculative: bool = False) -> int:
+    """Recurrent slots a hybrid model's engine gets by default: two per
+    running sequence (its state and a prefix snapshot), three with a draft
+    model (plus the speculation checkpoint), plus two."""
+    return (3 if speculative else 2) * max_num_seqs + 2
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Counters and timings (seconds) over the engine's life.
@@ -226,8 +235,7 @@ class Engine:
         config = scheduler_config or SchedulerConfig(**scheduler_kwargs)
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
         if num_slots is None:  # speculation: one more per sequence (the checkpoint)
-            per_seq = 2 if draft_model is None else 3
-            num_slots = per_seq * config.max_num_seqs + 2 if hybrid else 0
+            num_slots = default_num_slots(config.max_num_seqs, draft_model is not None) if hybrid else 0
         store_kwargs = {}
         if num_host_blocks:  # swap space (host slots only matter for hybrid models)
             store_kwargs = {"num_host_blocks": num_host_blocks,
@@ -518,21 +526,59 @@ class Engine:
             r.new_text[index] = delta
 
     def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
-        """Forward the scheduled work (decode rows, then prefill chunks),
-        recording in `run` what finished."""
+        """Forward the scheduled work, recording in `run` what finished.
+
+        With batched decode, a sampling prefill chunk runs as its head (all
+        but the last token, no logits) before the decode forward and its
+        last token as one more row of that forward: the step reads the
+        weights and the LM head once for every sampled row, instead of once
+        more per prefill (on a model whose weights dominate, that forward
+        costs about as much as the whole decode batch)."""
         seqs = out.seqs
         if self.speculator is not None:
-            seqs = self._run_speculative(seqs, run)
+            seqs = self._run_speculative(seqs, run)  # the rows it does not take
         decode = [s for s in seqs if s.num_tokens == 1]
         prefill = [s for s in seqs if s.num_tokens > 1]
-        alone = [s for s in decode if self.faults.isolated(s.request_id)]
-        together = [s for s in decode if not self.faults.isolated(s.request_id)]
-        if together and self.batching.decode:
-            self._run_group(together, run)
-        else:
-            alone = together + alone
+        isolated = self.faults.isolated
+        together = [s for s in decode if not isolated(s.request_id)]
+        alone = [s for s in decode if isolated(s.request_id)]
+        if not self.batching.decode:
+            together, alone = [], together + alone
+        split = [s for s in prefill
+                 if s.sample and self.batching.decode and not isolated(s.request_id)]
+        whole = [s for s in prefill if not any(s is x for x in split)]
+        heads = [replace(s, token_ids=s.token_ids[:-1], sample=False) for s in split]
+        self._run_prefill(heads, run)
+        ran = {id(item) for item in run.done}
+        chunks = {id(head): seq for head, seq in zip(heads, split) if id(head) in ran}
+        if together or chunks:
+            self._run_decode(together, chunks, run)
         for seq in alone:
             self._run_group([seq], run)
+        self._run_prefill(whole, run)
+
+    def _run_decode(self, rows: list[ScheduledSeq], chunks: dict[int, ScheduledSeq],
+                    run: _StepRun) -> None:
+        """One forward over the decode rows and the last token of every
+        chunk whose head ran (`chunks`: id of the head in `run.done` -> the
+        chunk). On success a chunk replaces its head in `run.done`; on a
+        failure the heads stay there (computed: only the last tokens run
+        again) and the rows are handled as `_run_group` does."""
+        tails = [replace(seq, token_ids=seq.token_ids[-1:],
+                         start_position=seq.start_position + seq.num_tokens - 1)
+                 for seq in chunks.values()]
+        group = rows + tails
+        try:
+            run.sampled.update(self._forward(group))
+        except Exception as error:
+            self._failed(group, error, run)
+            return
+        run.done[:] = [chunks.get(id(item), item) for item in run.done]
+        run.done.extend(rows)
+        self.faults.succeeded(s.request_id for s in group)
+
+    def _run_prefill(self, prefill: list[ScheduledSeq], run: _StepRun) -> None:
+        """Prefill chunks alone or in groups of `prefill_batch`."""
         k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:

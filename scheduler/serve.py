@@ -2,8 +2,9 @@
 
 `load_engine(path, ...)` loads an mlx-lm model directory (`mlx_lm.load`)
 and builds an `Engine` whose page pool fits a memory budget
-(`kv_memory`, e.g. "4GiB": pages of every layer group together) unless a
-page count is given. `run(...)` serves it with uvicorn until SIGINT or
+(`kv_memory`, e.g. "4GiB": a hybrid model's recurrent slots first, then
+pages of every layer group together; `size_pool`) unless a page count is
+given. `run(...)` serves it with uvicorn until SIGINT or
 SIGTERM (uvicorn stops accepting, lets in-flight responses finish for
 `graceful_seconds`, then the engine aborts what is left).
 `blas_hint()` is the one line printed on Linux when MLX's CPU backend runs
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +54,71 @@ def page_bytes(model: Any, block_size: int) -> int:
     return storage.nbytes
 
 
+def slot_bytes(model: Any) -> int:
+    """Bytes of one recurrent slot over every recurrent layer (0 for a model
+    without recurrent layers): the state of a one-token forward."""
+    from cache.layers import LayerKind, layer_specs
+    from recurrent.pools import probe_specs
+
+    if not any(s.kind is LayerKind.RECURRENT for s in layer_specs(model)):
+        return 0
+    return sum(spec.nbytes for layer in probe_specs(model).values() for spec in layer
+               if spec is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """How a KV memory budget is spent: `num_slots` recurrent slots first
+    (the engine's slot count), pages of every layer group with the rest."""
+
+    num_blocks: int
+    num_slots: int
+    page_bytes: int
+    slot_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.page_bytes + self.num_slots * self.slot_bytes
+
+
+def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int) -> PoolSize:
+    """Pages and slots that fit `budget` bytes. A hybrid model gets the
+    engine's default slots (`default_num_slots`: each running sequence's
+    state and a prefix snapshot), whose bytes come off the budget first;
+    pages take the rest. Raises `InvalidArgument` when not even the slots
+    and one page fit. Cost: two one-token forwards."""
+    from scheduler.engine import default_num_slots
+
+    per_slot = slot_bytes(model)
+    num_slots = default_num_slots(max_num_seqs) if per_slot else 0
+    per_page = max(1, page_bytes(model, block_size))
+    left = budget - num_slots * per_slot
+    if left < per_page:
+        raise InvalidArgument(
+            f"a KV memory budget of {budget} bytes does not hold {num_slots} recurrent slots of "
+            f"{per_slot} bytes and one page of {per_page} bytes; give at least "
+            f"{num_slots * per_slot + per_page} bytes (or fewer --max-num-seqs)")
+    return PoolSize(left // per_page, num_slots, per_page, per_slot)
+
+
 def load_engine(path: str | Path, *, kv_memory: str | None = None,
                 num_blocks: int | None = None, block_size: int = 16, **engine_kwargs):
-    """(Engine, model name) for an mlx-lm model directory."""
+    """(Engine, model name) for an mlx-lm model directory. Without
+    `num_blocks` the pool fits `kv_memory` (default 4GiB; `size_pool`)."""
     import mlx_lm
 
     from scheduler.engine import Engine
+    from scheduler.scheduler import SchedulerConfig
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{str(path)!r} is not an mlx-lm model directory (no config.json)")
     model, tokenizer = mlx_lm.load(str(path))
     if num_blocks is None:
-        budget = parse_bytes(kv_memory or "4GiB")
-        num_blocks = max(1, budget // max(1, page_bytes(model, block_size)))
+        max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
+        size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs)
+        num_blocks = size.num_blocks
+        engine_kwargs.setdefault("num_slots", size.num_slots or None)
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
                     **engine_kwargs)
     return engine, path.name

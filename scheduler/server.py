@@ -7,7 +7,8 @@ server-sent events, or one JSON answer), `GET /v1/models`, `GET /health`,
 Every request body is checked before anything is queued: a malformed one
 gets 400 with OpenAI's error object naming the bad field (the checks are
 `SamplingParams`' and the engine's own, `blockmgr.validation`); an unknown
-model 404; a full waiting queue 429; a stopped engine 503. `usage` reports
+model 404; a full waiting queue 429; a stopped engine 503. A completions
+body with several prompts queues one request per prompt, all or none. `usage` reports
 `prompt_tokens_details.cached_tokens`, the prefix-cache hit of the request.
 A client that disconnects (mid-stream or while waiting for a whole answer)
 has its request aborted, which frees its pages.
@@ -39,6 +40,8 @@ DEFAULT_MAX_TOKENS = 16
 #: The most top logprobs per position each endpoint accepts (OpenAI's limits).
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+#: The most prompts one /v1/completions body may hold (each is a request).
+MAX_PROMPTS = 64
 
 _FINISH = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -118,21 +121,26 @@ class OpenAIServer:
     # ------------------------------------------------------------- requests
 
     async def _serve(self, request: HttpRequest, chat: bool) -> Response:
+        streams = []
         try:
             body = await _json_body(request)
             self._check_model(body)
-            prompt, sampling = (_chat_request if chat else _completion_request)(body)
+            prompts, sampling = (_chat_request if chat else _completion_request)(body)
             options = _Options.of(body, chat)
-            stream = await self.engine.add(prompt, sampling)
+            for prompt in prompts:
+                streams.append(await self.engine.add(prompt, sampling))
         except HttpError as error:
             return error.response()
         except QueueFull as error:
+            self._abort(streams)
             return HttpError(429, str(error), "rate_limit_exceeded").response()
         except EngineStopped as error:
+            self._abort(streams)
             return HttpError(503, str(error), "server_error").response()
         except InvalidArgument as error:  # every typed check (WrongArgumentType included)
+            self._abort(streams)
             return HttpError(400, str(error)).response()
-        reply = _Reply(self, stream, sampling, options, chat)
+        reply = _Reply(self, streams, sampling, options, chat)
         if options.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         return await self._whole(request, reply)
@@ -151,6 +159,11 @@ class OpenAIServer:
             return Response(status_code=499)
         gone.cancel()
         return JSONResponse(answer.result())
+
+    def _abort(self, streams) -> None:
+        """Abort the requests queued for a body that then failed (all or none)."""
+        for stream in streams:
+            self.engine.abort(stream.request.request_id)
 
     def _check_model(self, body: Mapping) -> None:
         model = body.get("model")
@@ -180,44 +193,81 @@ class _Options:
 
 
 class _Reply:
-    """Turns one request's outputs into OpenAI's JSON or SSE chunks."""
+    """Turns the outputs of one body's requests (one per prompt) into
+    OpenAI's JSON or SSE chunks: choice `k * n + i` is prompt k's sample i."""
 
-    def __init__(self, server: OpenAIServer, stream, sampling: SamplingParams, options, chat):
-        self.server, self.stream, self.sampling, self.options, self.chat = (
-            server, stream, sampling, options, chat)
+    def __init__(self, server: OpenAIServer, streams, sampling: SamplingParams, options, chat):
+        self.server, self.streams, self.sampling, self.options, self.chat = (
+            server, streams, sampling, options, chat)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        n = sampling.n
+        n = sampling.n * len(streams)
         self.texts = [""] * n
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
         self.num_tokens = [0] * n
         self.offsets = [0] * n  # completions logprobs: characters of the tokens so far
 
-    def _absorb(self, out: RequestOutput) -> None:
+    def _absorb(self, first: int, out: RequestOutput) -> None:
+        """Take one output of the request whose first choice is `first`."""
         for i, tokens in out.new_tokens.items():
-            self.num_tokens[i] += len(tokens)
+            self.num_tokens[first + i] += len(tokens)
         for i, text in (out.new_text or {}).items():
-            self.texts[i] += text
+            self.texts[first + i] += text
         for i, entries in (out.logprobs or {}).items():
-            self.logprobs[i].extend(entries)
+            self.logprobs[first + i].extend(entries)
         for i, reason in enumerate(out.finish_reasons):
             if reason is not None:
-                self.reasons[i] = _FINISH[reason]
+                self.reasons[first + i] = _FINISH[reason]
 
     def usage(self) -> dict:
-        metrics = self.stream.request.metrics
-        prompt = metrics.num_prompt_tokens
+        metrics = [stream.request.metrics for stream in self.streams]
+        prompt = sum(m.num_prompt_tokens for m in metrics)
         completion = sum(self.num_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": metrics.num_cached_tokens or 0}}
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(m.num_cached_tokens or 0 for m in metrics)}}
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(first choice index, output) of every request as they come;
+        leaving early (or a failure) aborts every unfinished request."""
+        engine, n = self.server.engine, self.sampling.n
+        if len(self.streams) == 1:
+            async for out in engine.outputs(self.streams[0]):
+                yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(first: int, stream) -> None:
+            try:
+                async for out in engine.outputs(stream):
+                    merged.put_nowait((first, out))
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader
+                merged.put_nowait((first, error))
+            finally:
+                merged.put_nowait((first, None))
+
+        tasks = [asyncio.ensure_future(pump(k * n, s)) for k, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                first, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield first, item
+        finally:
+            for task in tasks:
+                task.cancel()  # closes its output iteration: an unfinished request is aborted
 
     async def collect(self) -> dict:
-        async for out in self.server.engine.outputs(self.stream):
-            self._absorb(out)
+        async for first, out in self.outputs():
+            self._absorb(first, out)
         choices = []
-        for i in range(self.sampling.n):
+        for i in range(len(self.texts)):
             choice: dict[str, Any] = {"index": i, "finish_reason": self.reasons[i]}
             logprobs = self._logprobs(i, self.logprobs[i]) if self.sampling.logprobs is not None \
                 else None
@@ -236,17 +286,17 @@ class _Reply:
         if self.chat:
             for i in range(self.sampling.n):
                 yield _sse(self._chunk(i, {"role": "assistant", "content": ""}, None, None))
-        async for out in self.server.engine.outputs(self.stream):
-            before = [len(x) for x in self.logprobs]
-            self._absorb(out)
+        async for first, out in self.outputs():
+            before = [len(self.logprobs[first + i]) for i in range(self.sampling.n)]
+            self._absorb(first, out)
             for i in sorted(set(out.new_tokens) | set(out.new_text or {})):
                 text = (out.new_text or {}).get(i, "")
-                reason = self.reasons[i] if out.finish_reasons[i] is not None else None
+                reason = self.reasons[first + i] if out.finish_reasons[i] is not None else None
                 logprobs = None
                 if self.sampling.logprobs is not None:
-                    logprobs = self._logprobs(i, self.logprobs[i][before[i]:])
+                    logprobs = self._logprobs(first + i, self.logprobs[first + i][before[i]:])
                 delta = {"content": text} if self.chat else text
-                yield _sse(self._chunk(i, delta, reason, logprobs))
+                yield _sse(self._chunk(first + i, delta, reason, logprobs))
         if self.options.include_usage:
             yield _sse({"id": self.id, "object": self._chunk_object(), "created": self.created,
                         "model": self.server.model_name, "choices": [], "usage": self.usage()})
@@ -325,15 +375,25 @@ def _max_tokens(body: Mapping, names: tuple[str, ...], default: int | None) -> d
     return {} if default is None else {"max_tokens": default}
 
 
-def _completion_request(body: Mapping) -> tuple[Any, SamplingParams]:
+def _prompts(body: Mapping) -> list:
+    """OpenAI's prompt forms: a string, token ids, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        raise HttpError(400, "one prompt per request (got a list of prompts)", param="prompt")
-    if not isinstance(prompt, (str, list)) or not prompt:
-        raise HttpError(400, f"prompt must be a non-empty string or a list of token ids, "
-                        f"got {prompt!r:.80}", param="prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompts = prompt  # a batch: strings or token-id lists
+    else:
+        prompts = [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise HttpError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
+                        param="prompt")
+    for item in prompts:
+        if not isinstance(item, (str, list)) or not item:
+            raise HttpError(400, f"prompt must be a non-empty string, a list of token ids or a "
+                            f"list of those, got {item!r:.80}", param="prompt")
+    return prompts
+
+
+def _completion_request(body: Mapping) -> tuple[list, SamplingParams]:
+    prompts = _prompts(body)
     if body.get("echo"):
         raise HttpError(400, "echo is not supported", param="echo")
     extra = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS)
@@ -344,10 +404,10 @@ def _completion_request(body: Mapping) -> tuple[Any, SamplingParams]:
             raise HttpError(400, f"logprobs must be an int in [0, {MAX_COMPLETION_LOGPROBS}], "
                             f"got {logprobs!r:.40}", param="logprobs")
         extra["logprobs"] = logprobs
-    return prompt, _sampling(body, extra)
+    return prompts, _sampling(body, extra)
 
 
-def _chat_request(body: Mapping) -> tuple[Any, SamplingParams]:
+def _chat_request(body: Mapping) -> tuple[list, SamplingParams]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, f"messages must be a non-empty list, got {messages!r:.80}",
@@ -362,7 +422,7 @@ def _chat_request(body: Mapping) -> tuple[Any, SamplingParams]:
             raise HttpError(400, f"top_logprobs must be an int in [0, {MAX_CHAT_TOP_LOGPROBS}], "
                             f"got {top!r:.40}", param="top_logprobs")
         extra["logprobs"] = top
-    return [_plain_message(m, i) for i, m in enumerate(messages)], _sampling(body, extra)
+    return [[_plain_message(m, i) for i, m in enumerate(messages)]], _sampling(body, extra)
 
 
 def _plain_message(message: object, index: int) -> dict:

@@ -211,6 +211,53 @@ def test_n_samples(served, client, reference):
     assert len(set(texts.values())) > 1  # three different samples
 
 
+def test_several_prompts_per_completion_request(served, client, reference):
+    """OpenAI's list of prompts: choice k * n + i is prompt k's sample i;
+    usage sums over prompts; streaming interleaves them by index."""
+    _, engine, name = served
+    _, tok = reference
+    prompts = ["Hello world", "The quick brown fox"]
+    wants = [greedy_text(reference, tok.encode(p))[0] for p in prompts]
+    whole = client.completions.create(model=name, prompt=prompts, n=2, temperature=0,
+                                      max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [wants[0], wants[0], wants[1], wants[1]]
+    assert whole.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert whole.usage.completion_tokens == 4 * MAX_TOKENS
+    ids = [tok.encode(p) for p in reversed(prompts)]
+    stream = client.completions.create(model=name, prompt=ids, temperature=0, stream=True,
+                                       max_tokens=MAX_TOKENS, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    texts, usage = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert texts == {0: wants[1], 1: wants[0]}
+    assert usage.completion_tokens == 2 * MAX_TOKENS
+    assert usage.prompt_tokens == sum(map(len, ids))
+    wait_idle(engine)
+    engine.check_integrity()
+
+
+def test_a_bad_prompt_in_a_list_queues_none_of_them(served):
+    """The second prompt is out of the vocabulary: 400, and the first one,
+    queued already, is aborted (it returns nothing and holds nothing)."""
+    server, engine, name = served
+    before = _aborted_count(server)
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": name, "prompt": [[1, 2, 3], [1, 10**6]], "max_tokens": 50})
+    assert r.status_code == 400, r.text
+    assert "prompt_tokens" in r.json()["error"]["message"]
+    wait_aborted(server, before + 1)
+    wait_idle(engine)
+    engine.check_integrity()
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": name, "prompt": ["a", ""], "max_tokens": 2})
+    assert r.status_code == 400 and "non-empty" in r.json()["error"]["message"]
+    assert _aborted_count(server) == before + 1  # refused before anything was queued
+
+
 def _log_softmax(row):
     row = np.asarray(row, dtype=np.float64)
     return row - row.max() - np.log(np.exp(row - row.max()).sum())

@@ -204,31 +204,13 @@ class MetricsRecorder:
         start = float(req["arrival"].min()) if num_done else 0.0
         end = float(steps["time"][-1]) if len(steps["time"]) else 0.0
         makespan = max(end - start, 0.0)
-        out_tokens = float(req["output_tokens"].sum())
-        prompt_tokens = float(req["prompt_tokens"].sum())
         computed = float(steps["prefill_tokens"].sum() + steps["decode_tokens"].sum())
+        requests, throughput = self._counts(req, makespan, "simulated_seconds")
+        throughput["computed_tokens_per_s"] = _rate(computed, makespan)
         return {
-            "requests": {
-                "finished": num_done,
-                "aborted": self.num_aborted,
-                "by_workload": self._by_workload(req),
-                "prompt_tokens": int(prompt_tokens),
-                "output_tokens": int(out_tokens),
-            },
-            "throughput": {
-                "simulated_seconds": makespan,
-                "requests_per_s": _rate(num_done, makespan),
-                "output_tokens_per_s": _rate(out_tokens, makespan),
-                "prompt_tokens_per_s": _rate(prompt_tokens, makespan),
-                "computed_tokens_per_s": _rate(computed, makespan),
-            },
-            "latency": {
-                "ttft_s": _dist(req["ttft"]),
-                "tpot_s": _dist(req["tpot"]),
-                "e2e_s": _dist(req["e2e"]),
-                "queue_s": _dist(req["queue"]),
-                "max_token_gap_s": _dist(req["max_gap"]),
-            },
+            "requests": requests,
+            "throughput": throughput,
+            "latency": {**_latency(req), "queue_s": _dist(req["queue"])},
             "prefix_cache": _prefix(bm_stats, req),
             "memory": self._memory(steps, mem, num_blocks, block_size),
             "slots": _slots(steps, num_slots, bm_stats),
@@ -260,6 +242,47 @@ class MetricsRecorder:
             },
             "bookkeeping": _bookkeeping(steps["bookkeeping"], num_done, wall_seconds),
         }
+
+    def request_summary(self, seconds: float) -> dict:
+        """The request-side sections of `summary()` (requests, throughput,
+        latency, the first-admission prefix hit) over `seconds` of run time,
+        for runs that see only requests (a load generator against a server).
+        O(requests)."""
+        req = self.request_arrays()
+        prompt_tokens = float(req["prompt_tokens"].sum())
+        cached = float(req["cached_tokens"].sum())
+        requests, throughput = self._counts(req, seconds, "seconds")
+        return {
+            "requests": requests,
+            "throughput": throughput,
+            "latency": _latency(req),
+            "prefix_cache": {
+                "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+                "first_admission_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+                "hit_tokens": int(cached),
+                "query_tokens": int(prompt_tokens),
+            },
+        }
+
+    def _counts(self, req, seconds: float, seconds_key: str) -> tuple[dict, dict]:
+        """The `requests` and `throughput` sections over `seconds`."""
+        num_done = len(req["arrival"])
+        out_tokens = float(req["output_tokens"].sum())
+        prompt_tokens = float(req["prompt_tokens"].sum())
+        requests = {
+            "finished": num_done,
+            "aborted": self.num_aborted,
+            "by_workload": self._by_workload(req),
+            "prompt_tokens": int(prompt_tokens),
+            "output_tokens": int(out_tokens),
+        }
+        throughput = {
+            seconds_key: seconds,
+            "requests_per_s": _rate(num_done, seconds),
+            "output_tokens_per_s": _rate(out_tokens, seconds),
+            "prompt_tokens_per_s": _rate(prompt_tokens, seconds),
+        }
+        return requests, throughput
 
     def _by_workload(self, req) -> dict[str, dict]:
         """Per workload kind: requests, first-admission hit rate, TTFT and e2e."""
@@ -322,6 +345,15 @@ def _slots(steps, num_slots: int, stats) -> dict | None:
         "used_peak": int(_max(used)),
         "used_mean": _mean(used),
         "trie_slots_final": stats.num_trie_slots,
+    }
+
+
+def _latency(req) -> dict:
+    return {
+        "ttft_s": _dist(req["ttft"]),
+        "tpot_s": _dist(req["tpot"]),
+        "e2e_s": _dist(req["e2e"]),
+        "max_token_gap_s": _dist(req["max_gap"]),
     }
 
 

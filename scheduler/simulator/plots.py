@@ -103,6 +103,13 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
     ax.legend(fontsize=8)
     names.append(_save(fig, out_dir / "memory.png"))
 
+    names.append(plot_latency(requests, out_dir))
+    return names
+
+
+def plot_latency(requests: dict, out_dir: Path) -> str:
+    """latency.png: CDFs of TTFT, TPOT and end-to-end time; returns its name."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     for ax, key, title in zip(axes, ("ttft", "tpot", "e2e"),
                               ("time to first token", "time per output token", "end to end")):
@@ -113,8 +120,7 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
             for q in (50, 99):
                 ax.axvline(np.percentile(values, q), ls=":", lw=1, color="gray")
         ax.set(xlabel="seconds", ylabel="fraction of requests", title=title)
-    names.append(_save(fig, out_dir / "latency.png"))
-    return names
+    return _save(fig, Path(out_dir) / "latency.png")
 
 
 def plot_sweep(rows: list[dict], params: list[str], out_path: Path) -> str:

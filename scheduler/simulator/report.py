@@ -99,9 +99,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("requests finished / aborted", f"{req['finished']} / {req['aborted']}"),
         ("simulated time", f"{thr['simulated_seconds']:.1f} s"),
         ("throughput", f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} out tok/s"),
-        ("TTFT p50 / p99", _pair(lat["ttft_s"], "s")),
-        ("time per output token p50 / p99", _pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
-        ("end-to-end p50 / p99", _pair(lat["e2e_s"], "s")),
+        ("TTFT p50 / p99", format_pair(lat["ttft_s"], "s")),
+        ("time per output token p50 / p99", format_pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
+        ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
         ("prefix hit rate (token-weighted)", f"{pc['hit_rate'] * 100:.1f} %"),
         *_bound_rows(pc),
         ("page usage peak / mean", f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
@@ -114,7 +114,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("evicted pages / trie nodes", f"{summary['evictions']['pages']} / {summary['evictions']['nodes']}"),
         ("trie nodes final / peak", f"{summary['trie']['nodes_final']} / {summary['trie']['nodes_peak']}"),
         ("steps", f"{summary['steps']['count']}"),
-        ("bookkeeping per step mean / p99", _pair(book["per_step_us"], "us", fmt="{:.0f}")),
+        ("bookkeeping per step mean / p99", format_pair(book["per_step_us"], "us", fmt="{:.0f}")),
         ("wall time", f"{book['wall_seconds']:.2f} s"),
     ]
     if "checks" in summary:
@@ -139,7 +139,7 @@ def _slot_rows(slots: dict | None) -> list[tuple[str, str]]:
              f"{slots['used_peak']} / {slots['used_mean']:.0f} of {slots['num_slots']}")]
 
 
-def _pair(dist: dict, unit: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+def format_pair(dist: dict, unit: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
     """"p50 / p99 unit" of a distribution dict."""
     if dist.get("p50") is None:
         return "n/a"
