@@ -155,12 +155,13 @@ class Flaky:
 
 
 @pytest.mark.parametrize("which", ["draft_model", "model"])
-def test_a_failing_draft_or_verification_forward_is_retried_and_leaks_nothing(which):
+@pytest.mark.parametrize("name", ["lfm2", "recurrent_gemma"])
+def test_a_failing_draft_or_verification_forward_is_retried_and_leaks_nothing(name, which):
     """The round counts as never run: both transactions are aborted, the
     rows run again (alone, without drafts) and the outputs stay right."""
-    prompts, want = refs("lfm2")
-    engine = Engine(built("lfm2"), num_blocks=128, block_size=8,
-                    draft_model=draft("lfm2", "agrees"), num_speculative_tokens=3)
+    prompts, want = refs(name)
+    engine = Engine(built(name), num_blocks=128, block_size=8,
+                    draft_model=draft(name, "agrees"), num_speculative_tokens=3)
     speculator = engine.speculator
     setattr(speculator, which, Flaky(getattr(speculator, which), failing=(2,)))
     outs = engine.generate(prompts[:4], SamplingParams(max_tokens=MAX_TOKENS))
