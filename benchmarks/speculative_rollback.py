@@ -4,7 +4,8 @@ generated token, against the acceptance rate.
 
 Run: python benchmarks/speculative_rollback.py
 
-The test-sized lfm2 and qwen3_next (tests/tiny_models.py) with drafts that
+The test-sized lfm2, qwen3_next and recurrent_gemma (recurrent + sliding
+window 16; tests/tiny_models.py) with drafts that
 are noisy copies of the target (more noise: less agreement), k = 3, 8
 prompts of 2..69 tokens, 32 new tokens each, greedy. Counts, not timings:
 they do not depend on the machine.
@@ -22,7 +23,7 @@ def main() -> None:
     print("| model | draft noise | acceptance | target forwards | recomputed | recomputed / generated |")
     print("|---|---|---|---|---|---|")
     prompts = make_prompts(HYBRID_VOCAB)[:8]
-    for name in ("lfm2", "qwen3_next"):
+    for name in ("lfm2", "qwen3_next", "recurrent_gemma"):
         for noise in (0.005, 0.05, 0.2, 3.0):
             engine = Engine(built(name), num_blocks=256, block_size=8, max_num_seqs=8,
                             draft_model=noisy_copy(name, noise), num_speculative_tokens=3)

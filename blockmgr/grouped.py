@@ -268,8 +268,11 @@ class GroupedStore:
         """Would `append` of `num_tokens` tokens succeed in every group? Pure."""
         return all(m.can_append(seq_id, num_tokens) for m in self._managers)
 
-    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
-        """Reserve pages in every group for tokens about to be computed.
+    def append(
+        self, seq_id: Hashable, new_tokens: Iterable[int], num_computed: int | None = None
+    ) -> Plan:
+        """Reserve pages in every group for tokens about to be computed
+        (`num_computed`: see `BlockManager.append`).
 
         Raises `OutOfBlocks` / `OutOfSlots` (nothing changed) when any group
         lacks room after eviction. O(groups) per token, amortised.
@@ -280,11 +283,11 @@ class GroupedStore:
         num_tokens = len(new_tokens)
         for m in others:
             if not m.can_append(seq_id, num_tokens):
-                m.append(seq_id, new_tokens)  # raises its precise error, changes nothing
+                m.append(seq_id, new_tokens, num_computed)  # raises its precise error, changes nothing
                 raise IntegrityError("append succeeded where can_append said no")
-        ops = self._first.append(seq_id, new_tokens)  # checks itself: nothing changed yet
+        ops = self._first.append(seq_id, new_tokens, num_computed)  # checks itself: nothing changed yet
         for m in others:
-            more = m.append(seq_id, new_tokens)
+            more = m.append(seq_id, new_tokens, num_computed)
             if more:
                 ops = (*ops, *more)
         return ops
@@ -312,20 +315,31 @@ class GroupedStore:
 
     # ------------------------------------------------------------ speculation
 
-    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
-        """Would `begin_speculation(drafts)` succeed in every group? Pure."""
-        drafts = self._checked_drafts(drafts)
-        return all(m.can_speculate(drafts) for m in self._managers)
+    def can_speculate(
+        self,
+        drafts: Mapping[Hashable, Iterable[int]],
+        num_computed: Mapping[Hashable, int] | None = None,
+    ) -> bool:
+        """Would `begin_speculation(drafts, num_computed)` succeed in every
+        group? Pure."""
+        drafts, num_computed = self._checked_drafts(drafts, num_computed)
+        return all(m.can_speculate(drafts, num_computed) for m in self._managers)
 
-    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
+    def begin_speculation(
+        self,
+        drafts: Mapping[Hashable, Iterable[int]],
+        num_computed: Mapping[Hashable, int] | None = None,
+    ) -> Plan:
         """Open speculation transactions in every group (see
-        `BlockManager.begin_speculation`); all or nothing."""
-        drafts = self._checked_drafts(drafts)
+        `BlockManager.begin_speculation`); all or nothing. A hybrid store
+        gives every group group 0's recompute positions, so that a sliding
+        group keeps the pages a restored checkpoint's recompute attends to."""
+        drafts, num_computed = self._checked_drafts(drafts, num_computed)
         for m in self._managers:
-            if not m.can_speculate(drafts):
-                m.begin_speculation(drafts)  # raises its precise error, changes nothing
+            if not m.can_speculate(drafts, num_computed):
+                m.begin_speculation(drafts, num_computed)  # raises its precise error, changes nothing
                 raise IntegrityError("begin_speculation succeeded where can_speculate said no")
-        return tuple(op for m in self._managers for op in m.begin_speculation(drafts))
+        return tuple(op for m in self._managers for op in m.begin_speculation(drafts, num_computed))
 
     def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
         """Keep each sequence's accepted drafts in every group; returns the
@@ -345,14 +359,29 @@ class GroupedStore:
     def speculation_start(self, seq_id: Hashable) -> int | None:
         return self._first.speculation_start(seq_id)
 
-    def _checked_drafts(self, drafts) -> dict:
-        """The drafts as lists, checked once for every group; the layout
-        must allow a restored checkpoint (see `BlockManager.begin_speculation`)."""
+    def recompute_from(self, seq_id: Hashable) -> int | None:
+        return self._first.recompute_from(seq_id)
+
+    def _checked_drafts(self, drafts, num_computed) -> tuple[dict, Mapping | None]:
+        """The drafts as lists, checked once for every group, and the
+        recompute positions every group gets: a hybrid store's default is
+        group 0's (its hold, else all tokens), for the sliding groups too."""
         if not isinstance(drafts, Mapping):
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
-        if self.is_hybrid and any(w is not None for w in self.windows):
-            raise InvalidArgument("speculation on recurrent + sliding-window layers is not supported")
-        return {seq_id: token_list(t, f"drafts[{seq_id!r}]") for seq_id, t in drafts.items()}
+        drafts = {seq_id: token_list(t, f"drafts[{seq_id!r}]") for seq_id, t in drafts.items()}
+        if not self.is_hybrid or (num_computed is not None and not isinstance(num_computed, Mapping)):
+            return drafts, num_computed  # the managers check it
+        given = {} if num_computed is None else num_computed
+        positions = {}
+        for seq_id in drafts:
+            if seq_id in given:
+                positions[seq_id] = given[seq_id]
+            else:
+                hold = self._first.recompute_from(seq_id)  # raises for an unknown id
+                positions[seq_id] = self._first.num_tokens(seq_id) if hold is None else hold
+        if not given.keys() <= drafts.keys():
+            return drafts, given  # the managers raise the precise error
+        return drafts, positions
 
     # ------------------------------------------------------------- cache/free
 

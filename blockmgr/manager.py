@@ -407,14 +407,21 @@ class BlockManager:
             return True  # the common decode step: room in the last page
         return self._can_reserve(num_pages + copy_page, copy_slot)
 
-    def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
+    def append(
+        self, seq_id: Hashable, new_tokens: Iterable[int], num_computed: int | None = None
+    ) -> Plan:
         """Reserve pages for tokens about to be computed; returns the plan.
 
         A partly filled last page or a slot shared with another owner is
         copied first (CoW). With a sliding window, pages no longer visible to
-        the new tokens are released. O(1) amortised per token.
+        the first token still to compute are released: `num_computed` is
+        the count of computed tokens (None: every token before the new ones,
+        or, after a commit restored a checkpoint, its position, kept until a
+        count is given). O(1) amortised per token.
         """
         seq = self._resident(seq_id)
+        if num_computed is not None:
+            num_computed = check_int("num_computed", num_computed, 0, len(seq.tokens))
         if not (  # a decode step's one checked token (`extend` copies it)
             type(new_tokens) is list
             and len(new_tokens) == 1
@@ -434,9 +441,12 @@ class BlockManager:
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
         window = self._window
+        release_from = num_before
+        if seq.speculation is None and (num_computed is not None or seq.recompute_from is not None):
+            release_from = self._move_recompute_hold(seq, num_before, num_computed)
         if (window is not None and seq.speculation is None
-                and (num_before - window + 1) // self._block_size > seq.num_released):
-            self._release_out_of_window(seq, num_before)  # a page fell out; speculating: at the commit
+                and (release_from - window + 1) // self._block_size > seq.num_released):
+            self._release_out_of_window(seq, release_from)  # a page fell out; speculating: at the commit
         if grows and self._events:
             self._deliver_events()
         return ops
@@ -466,6 +476,15 @@ class BlockManager:
             self._slots.release(src)
             ops.append(CopySlot(src, seq.slot))
         return tuple(ops)
+
+    @staticmethod
+    def _move_recompute_hold(seq: Sequence, num_before: int, num_computed: int | None) -> int:
+        """The first position still to compute (the window release keeps
+        what it attends to); a given `num_computed` replaces the hold."""
+        if num_computed is not None:
+            seq.recompute_from = num_computed if num_computed < num_before else None
+        hold = seq.recompute_from
+        return num_before if hold is None else hold
 
     def _release_out_of_window(self, seq: Sequence, first_new_position: int) -> None:
         """Release pages the token at `first_new_position` can no longer see.
@@ -508,6 +527,7 @@ class BlockManager:
             anchored=seq.anchored,
             num_borrowed=seq.num_borrowed,  # the same lock holds them
             packed=seq.packed,
+            recompute_from=seq.recompute_from,
         )
         return NO_OPS
 
@@ -562,6 +582,8 @@ class BlockManager:
         if seq.locked_node is not None and num_tokens < seq.locked_node.end:
             seq.anchored = False  # new tokens may differ from the node's
         seq.num_released = min(seq.num_released, keep)
+        if seq.recompute_from is not None:
+            seq.recompute_from = min(seq.recompute_from, num_tokens)
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
             self._slots.release(old_slot)
@@ -612,13 +634,26 @@ class BlockManager:
 
     # ------------------------------------------------------------ speculation
 
-    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
-        """Would `begin_speculation(drafts)` succeed now? Changes nothing;
-        bad arguments raise as there."""
-        _, num_pages, num_slots = self._plan_speculation(drafts)
+    def can_speculate(
+        self,
+        drafts: Mapping[Hashable, Iterable[int]],
+        num_computed: Mapping[Hashable, int] | None = None,
+    ) -> bool:
+        """Would `begin_speculation(drafts, num_computed)` succeed now?
+        Changes nothing; bad arguments raise as there."""
+        _, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
         return self._can_reserve(num_pages, num_slots)
 
-    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
+    def recompute_from(self, seq_id: Hashable) -> int | None:
+        """The position a restored checkpoint is computed again from, while
+        the window keeps what it attends to (None: no such hold)."""
+        return self._get(seq_id).recompute_from
+
+    def begin_speculation(
+        self,
+        drafts: Mapping[Hashable, Iterable[int]],
+        num_computed: Mapping[Hashable, int] | None = None,
+    ) -> Plan:
         """Open a speculation transaction for every sequence in `drafts`
         (seq_id -> draft token ids, possibly none) and reserve pages for the
         drafts, all at once or not at all.
@@ -628,22 +663,30 @@ class BlockManager:
         sequence's slot becomes a copy (`CopySlot`) of its current state and
         the old slot is kept as the checkpoint. While a transaction is open,
         `fork`, `truncate`, `cache_prefix` and `swap_out` raise
-        `SpeculationInFlight` and `free` aborts it first. With a sliding
-        window, no page is released until the first append after the
-        commit. Raises
+        `SpeculationInFlight` and `free` aborts it first.
+
+        `num_computed` (seq_id -> count) says where the checkpoint stands:
+        the tokens computed at begin, which a commit keeping less than the
+        whole tail makes the caller compute again. Default: a hybrid
+        sequence's hold (`recompute_from`) or all its tokens; none for the
+        others. With a sliding window, no page is released until the commit;
+        after a commit keeping less than the tail, the window keeps the pages
+        that position attends to until `append` is given a larger count.
+        Raises `InvalidArgument` when those pages were already released, and
         `OutOfBlocks` / `OutOfSlots` (nothing changed) when memory is short
         after eviction. O(sequences + draft pages).
         """
-        plan, num_pages, num_slots = self._plan_speculation(drafts)
+        plan, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
         self._reserve(num_pages, num_slots)
         ops: list[MemoryOp] = []
-        for seq, tokens, copy_page in plan:
+        for seq, tokens, copy_page, recompute_from in plan:
             ops.extend(self._make_writable(seq, copy_page, False))
             checkpoint = seq.slot
             if checkpoint is not None:
                 seq.slot = self._slots.take_one()
                 ops.append(CopySlot(checkpoint, seq.slot))
-            seq.speculation = Speculation(len(seq.tokens), checkpoint)
+            seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
+            seq.recompute_from = None  # the transaction holds it
             num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
             seq.block_table.extend(self._pages.take(num_new_pages - len(seq.block_table)))
             seq.tokens.extend(tokens)
@@ -651,15 +694,18 @@ class BlockManager:
             self._deliver_events()
         return tuple(ops)
 
-    def _plan_speculation(self, drafts) -> tuple[list[tuple], int, int]:
-        """Check `begin_speculation`'s argument whole: (sequence, draft list,
-        copy its last page?) per entry, pages and slots to reserve. Pure."""
+    def _plan_speculation(self, drafts, num_computed) -> tuple[list[tuple], int, int]:
+        """Check `begin_speculation`'s arguments whole: (sequence, draft list,
+        copy its last page?, recompute position) per entry, pages and slots
+        to reserve. Pure."""
         if not isinstance(drafts, Mapping):
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
-        if self._slots is not None and self._window is not None:
-            # A restored checkpoint recomputes tokens whose window pages
-            # the next append may already release.
-            raise InvalidArgument("speculation on recurrent + sliding-window layers is not supported")
+        if num_computed is None:
+            num_computed = {}
+        elif not isinstance(num_computed, Mapping):
+            raise WrongArgumentType(f"num_computed must be a mapping, got {num_computed!r:.80}")
+        elif not num_computed.keys() <= drafts.keys():
+            raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
         plan = []
         num_pages = num_slots = 0
         for seq_id, tokens in drafts.items():
@@ -668,8 +714,24 @@ class BlockManager:
             pages, copy_page, _ = self._growth(seq, len(tokens))
             num_pages += pages + copy_page
             num_slots += seq.slot is not None
-            plan.append((seq, tokens, copy_page))
+            plan.append((seq, tokens, copy_page, self._recompute_position(seq, num_computed)))
         return plan, num_pages, num_slots
+
+    def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
+        """Where a partial commit of `seq` recomputes from (checked: its
+        window's pages are held), or None."""
+        seq_id = seq.seq_id
+        if seq_id not in num_computed:
+            if seq.slot is None:
+                return seq.recompute_from
+            return len(seq.tokens) if seq.recompute_from is None else seq.recompute_from
+        position = check_int(f"num_computed[{seq_id!r}]", num_computed[seq_id], 0, len(seq.tokens))
+        if not self._window_keeps(seq, position):
+            raise InvalidArgument(
+                f"cannot speculate on {seq_id!r} from {position} computed tokens: "
+                "pages its window needs were already released"
+            )
+        return position
 
     def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
         """Close the transactions of the sequences in `accepted` (seq_id ->
@@ -725,9 +787,11 @@ class BlockManager:
         keep_pages = -(-end // self._block_size)
         self._pages.release_all(seq.block_table[keep_pages:])
         del seq.block_table[keep_pages:]
+        if end < len(seq.tokens) and spec.recompute_from is not None:
+            seq.recompute_from = spec.recompute_from  # computed again: hold its window
         del seq.tokens[end:]
         # No window release here: the manager does not know which tokens are
-        # computed; the next append releases from its own first position.
+        # computed; the next append releases from its first token to compute.
         return restored
 
     # ----------------------------------------------------------- cache/free
@@ -1107,6 +1171,7 @@ class BlockManager:
             slot_refs[seq.slot] += 1
         if seq.speculation is not None:
             self._check_speculation(seq, where, slot_refs)
+        self._check_recompute_hold(seq, seq.recompute_from, len(seq.tokens), where)
         node = seq.locked_node
         if node is not None and node.parent is None:
             raise IntegrityError(f"{where} locks a node that left the trie")
@@ -1130,6 +1195,16 @@ class BlockManager:
             raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} beside slot {seq.slot}")
         if spec.checkpoint is not None:
             slot_refs[spec.checkpoint] += 1
+        if seq.recompute_from is not None:
+            raise IntegrityError(f"{where} holds {seq.recompute_from} beside its transaction")
+        self._check_recompute_hold(seq, spec.recompute_from, spec.start, where)
+
+    def _check_recompute_hold(self, seq: Sequence, position: int | None, limit: int, where: str) -> None:
+        """A position to compute again from: within `limit`, its window held."""
+        if position is not None and not (
+            0 <= position <= limit and (seq.swapped or self._window_keeps(seq, position))
+        ):
+            raise IntegrityError(f"{where} recomputes from {position} but its window is released")
 
     def _check_borrowed(self, seq: Sequence, where: str) -> None:
         """Borrowed pages are full, inside the locked path, held at their
@@ -1176,8 +1251,10 @@ class BlockManager:
                 seq.anchored,
                 seq.num_borrowed,
                 None if seq.speculation is None else (
-                    seq.speculation.start, seq.speculation.checkpoint
+                    seq.speculation.start, seq.speculation.checkpoint,
+                    seq.speculation.recompute_from,
                 ),
+                seq.recompute_from,
             )
             for seq_id, seq in self._seqs.items()
         )

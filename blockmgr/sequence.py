@@ -17,10 +17,14 @@ class Speculation:
         never inserted into the prefix trie.
     checkpoint: hybrid only: the slot holding the recurrent state as it was
         at begin (the sequence writes into a copy); None otherwise.
+    recompute_from: the position a commit keeping less than the whole tail
+        makes the caller compute again from (a restored checkpoint's: the
+        computed count at begin); None when nothing is computed again.
     """
 
     start: int
     checkpoint: int | None = None
+    recompute_from: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -41,6 +45,9 @@ class Sequence:
     `packed` is `tokens[:len(packed) // 8]` packed as the trie stores them
     (the prompt's, from `allocate`), so caching them packs nothing again.
     `speculation` is the open speculation transaction, if any.
+    `recompute_from` is set after a commit restored a recurrent checkpoint:
+    the tokens from that position on are computed again, so the sliding
+    window keeps the pages that position attends to (see `append`).
     """
 
     seq_id: Hashable
@@ -55,6 +62,7 @@ class Sequence:
     num_borrowed: int = 0
     packed: bytes = b""
     speculation: Speculation | None = None
+    recompute_from: int | None = None
 
     @property
     def first_owned(self) -> int:

@@ -338,7 +338,9 @@ class PagedCache:
     def _append(self, seq_id: Hashable, tokens: Iterable, known: bool) -> Plan:
         state = self._state(seq_id)
         num_before = self.store.num_tokens(seq_id)
-        plan = self.store.append(seq_id, tokens)
+        # The computed count, not num_before: after a restored checkpoint the
+        # tokens since it are computed again and a window keeps their pages.
+        plan = self.store.append(seq_id, tokens, state.computed)
         self._queue(plan)
         num_added = self.store.num_tokens(seq_id) - num_before
         if known and state.known == num_before:
@@ -435,7 +437,10 @@ class PagedCache:
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
         states = {s: self._state(s) for s in drafts}
         num_before = {s: self.store.num_tokens(s) for s in drafts}
-        plan = self.store.begin_speculation(drafts)
+        # A hybrid checkpoint holds the state after the computed tokens: a
+        # partial commit computes again from there (sliding windows keep it).
+        num_computed = {s: state.computed for s, state in states.items()} if self.is_hybrid else None
+        plan = self.store.begin_speculation(drafts, num_computed)
         self._queue(plan)
         for s, state in states.items():
             state.checkpoint = state.computed

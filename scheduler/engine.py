@@ -298,11 +298,6 @@ class Engine:
             probe_batching(draft_model, probe_cache(draft_model, block_size, hybrid))
             if self._batch_probe else BatchSupport()
         )
-        for storage in (self.cache, draft_cache):
-            if storage.is_hybrid and any(w is not None for w in storage.store.windows):
-                raise InvalidArgument(
-                    "speculative decoding does not support models with both recurrent and "
-                    "sliding-window layers (design/speculation.md)")
         batched = self.batching.prefill and draft_batching.prefill
         return Speculator(self.model, self.cache, draft_model, draft_cache, k,
                           batched=batched, max_model_len=max_model_len)

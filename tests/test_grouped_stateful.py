@@ -46,6 +46,13 @@ BAD_CALLS = [
     ("speculate with a str draft", lambda s, live: s.begin_speculation({live: "ab"})),
     ("speculate on an unknown id", lambda s, live: s.begin_speculation({"nobody": [1]})),
     ("speculate with a list", lambda s, live: s.begin_speculation([(live, [1])])),
+    ("speculate from a negative count",
+     lambda s, live: s.begin_speculation({live: [1]}, {live: -1})),
+    ("speculate from past the tokens",
+     lambda s, live: s.begin_speculation({live: [1]}, {live: 10_000})),
+    ("speculate from a count without drafts",
+     lambda s, live: s.begin_speculation({live: [1]}, {"nobody": 0})),
+    ("append with computed past the tokens", lambda s, live: s.append(live, [1], 10_000)),
     ("commit an unknown id", lambda s, live: s.commit_speculation({"nobody": 0})),
     ("commit a negative count", lambda s, live: s.commit_speculation({live: -1})),
     ("commit past the drafts", lambda s, live: s.commit_speculation({live: 10_000})),
@@ -99,7 +106,6 @@ class HybridSlidingMachine(GroupedMachine):
         num_blocks=24, block_size=4, windows=(None, 6), num_slots=6,
         num_host_blocks=8, num_host_slots=2,
     )
-    speculation_supported = False
 
 
 class SlidingRecurrentMachine(GroupedMachine):
@@ -109,7 +115,6 @@ class SlidingRecurrentMachine(GroupedMachine):
         num_blocks=24, block_size=4, windows=(7,), num_slots=6, num_host_blocks=8,
         num_host_slots=2,
     )
-    speculation_supported = False
 
 
 TestGrouped = _test_case(GroupedMachine)

@@ -51,8 +51,6 @@ BAD_TOKENS = [
 
 class BlockManagerMachine(RuleBasedStateMachine):
     config = BlockManagerConfig(num_blocks=24, block_size=4, num_host_blocks=10)
-    #: False where the layout refuses speculation (recurrent + sliding window).
-    speculation_supported = True
 
     @initialize()
     def start(self) -> None:
@@ -160,6 +158,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert expect_ok
         self.shadow.apply(self.result)
 
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), new=st.lists(st.integers(0, 6), min_size=1, max_size=3))
+    def append_pending(self, data, new) -> None:
+        """The next token of a sequence whose tokens are not all computed
+        (after a restored checkpoint: the engine's next decode step), told
+        the computed count as `PagedCache` does; the next compute starts
+        there, and the shadow asserts its window's pages are still held."""
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        computed = self.shadow.computed[seq_id]
+        if self.refused(lambda: self.bm.append(seq_id, new, computed), OutOfBlocks, OutOfSlots):
+            return
+        self.shadow.apply(self.result)
+
     @precondition(lambda self: self.settled())
     @rule(data=st.data())
     def fork(self, data) -> None:
@@ -203,7 +214,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         computed = self.shadow.computed.pop(seq_id)
         if seq_id in self.speculating:
             start, at_begin = self.speculating.pop(seq_id)
-            computed = at_begin if self.config.num_slots else min(computed, start)
+            # The abort restores a hybrid checkpoint only when drafts are cut.
+            restored = self.config.num_slots and self.bm.num_tokens(seq_id) > start
+            computed = at_begin if restored else min(computed, start)
         self.shadow.apply(self.bm.free(seq_id, computed))
 
     # ------------------------------------------------------------ speculation
@@ -216,11 +229,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3,
                                  unique=True))
         drafts = {s: data.draw(st.lists(st.integers(0, 6), max_size=6)) for s in ids}
-        if not self.speculation_supported:
-            assert self.refused(lambda: self.bm.begin_speculation(drafts), ValueError)
-            return
-        expect_ok = self.bm.can_speculate(drafts)
-        if self.refused(lambda: self.bm.begin_speculation(drafts), OutOfBlocks, OutOfSlots):
+        # A hybrid checkpoint holds the state after the computed tokens: say
+        # so (as `PagedCache` does), else the default (the hold, or all).
+        num_computed = None
+        if self.config.num_slots and data.draw(st.booleans()):
+            num_computed = {s: self.shadow.computed[s] for s in ids}
+        expect_ok = self.bm.can_speculate(drafts, num_computed)
+        if self.refused(lambda: self.bm.begin_speculation(drafts, num_computed),
+                        OutOfBlocks, OutOfSlots):
             assert not expect_ok, "can_speculate said yes but begin_speculation refused"
             return
         assert expect_ok, "can_speculate said no but begin_speculation succeeded"
@@ -325,6 +341,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             lambda: bm.begin_speculation({target: tokens}),
             lambda: bm.begin_speculation([(target, [1])]),
             lambda: bm.begin_speculation({"missing": [1]}),
+            lambda: bm.begin_speculation({target: [1]}, {target: -1}),
+            lambda: bm.begin_speculation({target: [1]}, {target: 10**6}),
+            lambda: bm.begin_speculation({target: [1]}, {"other": 0}),
+            lambda: bm.begin_speculation({target: [1]}, [(target, 0)]),
+            lambda: bm.append(target, [1], data.draw(st.sampled_from([-1, 10**6, 1.5, True]))),
             lambda: bm.commit_speculation({target: -1}),
             lambda: bm.commit_speculation({target: 10**6}),
             lambda: bm.commit_speculation({"missing": 0}),

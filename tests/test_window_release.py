@@ -45,3 +45,37 @@ def test_pages_leave_exactly_with_the_window(prefix_cache, prompt_len):
         assert table[:num_released] == [None] * num_released  # released pages come first
         assert num_released == num_dead_pages(num_before, len(table)), (step, num_before)
         bm.check_integrity()
+
+
+@pytest.mark.parametrize("accepted", [0, 2])
+def test_a_restored_checkpoint_keeps_the_window_of_its_recompute(accepted):
+    """recurrent_gemma-like (slots + window): a speculation committed with
+    a rejection brings the checkpoint back, from where the tokens are
+    computed again; appends until a larger computed count is given release
+    only what the checkpoint's position no longer sees (the naive count)."""
+    bm = BlockManager(BlockManagerConfig(
+        num_blocks=64, block_size=BLOCK, sliding_window=WINDOW, num_slots=8,
+    ))
+    bm.allocate("s", list(range(100, 130)))  # 30 tokens, all computed, 1 more pending
+    bm.append("s", [7])
+    bm.begin_speculation({"s": [1, 2, 3, 4, 5]}, {"s": 30})
+    assert bm.commit_speculation({"s": accepted}) == {"s"}  # a draft was rejected
+    assert bm.recompute_from("s") == 30
+    bm.check_integrity()
+    num_held_back = 0  # appends where the new tokens alone would release more
+    for num_computed in [None, 30, 30, 34]:
+        num_before = bm.num_tokens("s")
+        bm.append("s", [8, 9, 10], num_computed)
+        table = bm.block_table("s")
+        first_to_compute = 30 if num_computed in (None, 30) else 34
+        num_dead = num_dead_pages(first_to_compute, len(table))
+        assert sum(page is None for page in table) == num_dead
+        num_held_back += num_dead_pages(num_before, len(table)) > num_dead
+        bm.check_integrity()
+    assert num_held_back >= 2
+    assert bm.recompute_from("s") == 34
+    with pytest.raises(ValueError):  # its window is gone: no checkpoint there
+        bm.begin_speculation({"s": [1]}, {"s": 20})
+    bm.append("s", [1], bm.num_tokens("s"))  # all computed: the hold ends
+    assert bm.recompute_from("s") is None
+    bm.check_integrity()
