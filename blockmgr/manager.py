@@ -661,7 +661,8 @@ class BlockManager:
         The drafts (and whatever `append` adds before the commit) are the
         speculative tail: never inserted into the prefix trie. A hybrid
         sequence's slot becomes a copy (`CopySlot`) of its current state and
-        the old slot is kept as the checkpoint. While a transaction is open,
+        the old slot is kept as the checkpoint (a shared slot, after a fork,
+        is copied into a checkpoint of its own: two slots). While a transaction is open,
         `fork`, `truncate`, `cache_prefix` and `swap_out` raise
         `SpeculationInFlight` and `free` aborts it first.
 
@@ -679,12 +680,19 @@ class BlockManager:
         plan, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
         self._reserve(num_pages, num_slots)
         ops: list[MemoryOp] = []
-        for seq, tokens, copy_page, recompute_from in plan:
+        for seq, tokens, copy_page, copy_slot, recompute_from in plan:
             ops.extend(self._make_writable(seq, copy_page, False))
-            checkpoint = seq.slot
+            checkpoint = source = seq.slot
+            if copy_slot:
+                # Shared (a fork's sibling holds it too): a restore makes the
+                # sequence compute into its checkpoint, so it gets its own.
+                # Both copies read `source`, which the sibling keeps alive.
+                checkpoint = self._slots.take_one()
+                ops.append(CopySlot(source, checkpoint))
+                self._slots.release(source)
             if checkpoint is not None:
                 seq.slot = self._slots.take_one()
-                ops.append(CopySlot(checkpoint, seq.slot))
+                ops.append(CopySlot(source, seq.slot))
             seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
             seq.recompute_from = None  # the transaction holds it
             num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
@@ -696,7 +704,7 @@ class BlockManager:
 
     def _plan_speculation(self, drafts, num_computed) -> tuple[list[tuple], int, int]:
         """Check `begin_speculation`'s arguments whole: (sequence, draft list,
-        copy its last page?, recompute position) per entry, pages and slots
+        copy its last page?, copy its shared slot?, recompute position) per entry, pages and slots
         to reserve. Pure."""
         if not isinstance(drafts, Mapping):
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
@@ -711,10 +719,11 @@ class BlockManager:
         for seq_id, tokens in drafts.items():
             seq = self._idle(seq_id)
             tokens = token_list(tokens, f"drafts[{seq_id!r}]")
-            pages, copy_page, _ = self._growth(seq, len(tokens))
+            pages, copy_page, copy_slot = self._growth(seq, len(tokens))
             num_pages += pages + copy_page
-            num_slots += seq.slot is not None
-            plan.append((seq, tokens, copy_page, self._recompute_position(seq, num_computed)))
+            num_slots += (seq.slot is not None) + copy_slot
+            plan.append((seq, tokens, copy_page, copy_slot,
+                         self._recompute_position(seq, num_computed)))
         return plan, num_pages, num_slots
 
     def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
@@ -1185,7 +1194,8 @@ class BlockManager:
 
     def _check_speculation(self, seq: Sequence, where: str, slot_refs) -> None:
         """An open transaction: resident, its start within the tokens, a
-        checkpoint slot exactly when hybrid, distinct from the working one."""
+        checkpoint slot exactly when hybrid, its own, distinct from the
+        working one."""
         spec = seq.speculation
         if seq.swapped or not 0 <= spec.start <= len(seq.tokens):
             raise IntegrityError(f"{where} speculates from {spec.start} (or while swapped out)")
@@ -1195,6 +1205,9 @@ class BlockManager:
             raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} beside slot {seq.slot}")
         if spec.checkpoint is not None:
             slot_refs[spec.checkpoint] += 1
+            # A restore makes the sequence compute into it: never shared.
+            if self._slots.refcount(spec.checkpoint) != 1:
+                raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} is shared")
         if seq.recompute_from is not None:
             raise IntegrityError(f"{where} holds {seq.recompute_from} beside its transaction")
         self._check_recompute_hold(seq, spec.recompute_from, spec.start, where)
