@@ -11,7 +11,8 @@ the 10 % target (throughput, TTFT p50/p90, TPOT p50).
         [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...] \\
         [--clock cpu]   # with OPENBLAS_NUM_THREADS=1 in the environment
 
-Real times are step times on a shared machine, by the wall clock or by
+The simulations get the model's layout (its window groups), as the replay's
+engine has. Real times are step times on a shared machine, by the wall clock or by
 this process's CPU time (`--clock cpu`, the same clock for calibration and
 replay); the load average before and after each replay is recorded.
 """
@@ -67,7 +68,7 @@ WORKLOADS = dict([
 
 def main() -> int:
     from scheduler.simulator.calibrate import CalibrationGrid, calibrate, machine_info
-    from scheduler.simulator.engine_models import ModelSpec, load_model
+    from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
     from scheduler.simulator.profile import read_cost, write_profile
     from scheduler.simulator.replay import run_replay
 
@@ -92,12 +93,15 @@ def main() -> int:
         write_profile(args.profile or "cost-profile.json", profile)
         cost = profile.cost
     names = args.only.split(",") if args.only else list(WORKLOADS)
+    layout = model_layout(model)  # the simulated store is the engine's
     results = {"machine": machine_info(), "model": description | {"config": None},
-               "clock": args.clock, "cost": cost.to_dict(), "workloads": {}}
+               "layout": layout.to_dict(), "clock": args.clock, "cost": cost.to_dict(),
+               "workloads": {}}
     for name in names:
         base = WORKLOADS[name]
         data = base.to_dict()
         data["block_manager"]["num_slots"] = args.num_slots
+        data["layout"] = layout.to_dict()
         config = SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
         load_before = os.getloadavg()
         start = time.perf_counter()

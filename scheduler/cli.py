@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cost", type=_costs, metavar="K=S,...",
                    help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
     r.add_argument("--profile", metavar="FILE",
-                   help="cost model from a `blockmgr calibrate` profile (--cost still overrides)")
+                   help="cost model from a `blockmgr calibrate` profile (--cost still overrides); "
+                        "its model's layout too, unless --layout, --sliding-window or --config gives one")
     r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
                    help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
     r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
@@ -370,6 +371,10 @@ def build_config(args):
     if args.layout is not None or args.sliding_window is not None:
         name = args.layout or ("sliding" if args.sliding_window is not None else "full")
         data["layout"] = layout_named(name, args.sliding_window).to_dict()
+    elif args.profile is not None and args.config is None:
+        from scheduler.simulator.profile import read_layout
+
+        data["layout"] = read_layout(args.profile).to_dict()  # the store the profile timed
     recurrent = ModelLayout.from_dict(data["layout"]).recurrent  # ValueError if malformed
     if (args.hybrid or recurrent) and args.num_slots is None and not bm.get("num_slots"):
         bm["num_slots"] = 2 * sc["max_num_seqs"]
