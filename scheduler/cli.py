@@ -233,7 +233,7 @@ def _add_workload_options(parser) -> None:
     w.add_argument("-n", "--num-requests", type=_positive_int, metavar="N", help="requests in total (default 2000)")
     w.add_argument("--seed", type=_nonneg_int, help="workload seed (default 0)")
     w.add_argument("--arrival", choices=("poisson", "closed"), help="open-loop Poisson or closed loop")
-    w.add_argument("--rate", type=_positive_float, help="Poisson: new sessions per simulated second (default 8)")
+    w.add_argument("--rate", type=_positive_float, help="Poisson: new sessions per simulated second (default 1)")
     w.add_argument("--concurrency", type=_positive_int, help="closed loop: clients (default 64)")
     w.add_argument("--system-len", type=_length, metavar="DIST", help="system prompt length, e.g. fixed:512")
     w.add_argument("--user-len", type=_length, metavar="DIST", help="user message length, e.g. lognormal:mean=120")

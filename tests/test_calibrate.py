@@ -80,6 +80,9 @@ def test_step_shape_counts_the_keys_each_layer_reads():
     assert shape.prefill_token_pairs == pytest.approx(30 * (keys(0) + 15) + 100 * (keys(200) + 50))
     assert keys(151) < 151 and keys(200) < 200  # the window does cut them
     assert shape.prefill_token_squares == 30 * 30 + 100 * 100
+    full = ModelLayout(full=2, recurrent=1)  # the simulator's fast path reads every key
+    assert full.reads_every_key and not layout.reads_every_key
+    assert step_shape(out, full.attended) == step_shape(out)
 
 
 def test_first_order_step_time_is_unchanged():

@@ -99,32 +99,29 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     It counts the context, a prefill chunk's keys before its start, and
     the longest decode row's keys.
     """
-    keys = attended or _all_keys
-    prefill = decode = context = chunks = sampled = drawn = squares = 0
-    pairs = longest = 0.0
-    for item in out.seqs:
+    prefill = decode = context = chunks = sampled = drawn = squares = last_end = 0
+    pairs = 0.0
+    for item in out.seqs:  # once per step per sequence: no call per row for full attention
+        start = item.start_position
         n = len(item.token_ids)
-        end = item.start_position + n
-        context += keys(end)
+        end = start + n
+        context += end if attended is None else attended(end)
         if item.sample and item.request is not None and item.request.sampling.temperature > 0:
             drawn += item.num_samples
         if n == 1:
             decode += 1
-            longest = max(longest, keys(end))
+            if end > last_end:
+                last_end = end
         else:
             prefill += n
             chunks += 1
             sampled += item.sample
-            pairs += n * (keys(item.start_position) + n / 2)
+            pairs += n * ((start if attended is None else attended(start)) + n / 2)
             squares += n * n
+    longest = last_end if attended is None or not decode else attended(last_end)  # monotone
     copies, slots, swaps = count_ops(out.ops)
     return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
                      copies, slots, swaps, squares)
-
-
-def _all_keys(end: int) -> int:
-    """Full attention: a query at end - 1 reads every key before it."""
-    return end
 
 
 def count_ops(ops) -> tuple[int, int, int]:
