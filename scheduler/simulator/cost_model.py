@@ -59,7 +59,7 @@ class StepShape:
 
     prefill_tokens: int = 0
     decode_rows: int = 0
-    context_tokens: int = 0
+    context_tokens: float = 0  # keys read: fractional when layers read different counts
     prefill_chunks: int = 0
     sampled_chunks: int = 0
     prefill_token_pairs: float = 0.0
