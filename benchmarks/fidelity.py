@@ -10,8 +10,14 @@ the 10 % target (throughput, TTFT p50/p90, TPOT p50).
         python benchmarks/fidelity.py --preset qwen3-0.6b --layers 4 \\
         [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...] \\
         [--clock cpu]   # with OPENBLAS_NUM_THREADS=1 in the environment
+    python benchmarks/fidelity.py --profile P --real earlier.json   # simulations only
 
-Real times are step times on a shared machine, by the wall clock or by
+`--real` takes the real engine's summaries from an earlier run's `--out`
+file instead of replaying, so a refitted profile (benchmarks/refit_profile.py)
+is judged against the same real runs.
+
+The simulations get the model's layout (its window groups), as the replay's
+engine has. Real times are step times on a shared machine, by the wall clock or by
 this process's CPU time (`--clock cpu`, the same clock for calibration and
 replay); the load average before and after each replay is recorded.
 """
@@ -65,10 +71,18 @@ WORKLOADS = dict([
 ])
 
 
+def workload_config(name: str, cost, layout, num_slots: int) -> SimulationConfig:
+    """Workload `name` priced by `cost` on the store of `layout` (the model's)."""
+    data = WORKLOADS[name].to_dict()
+    data["block_manager"]["num_slots"] = num_slots
+    data["layout"] = layout.to_dict()
+    return SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
+
+
 def main() -> int:
     from scheduler.simulator.calibrate import CalibrationGrid, calibrate, machine_info
-    from scheduler.simulator.engine_models import ModelSpec, load_model
-    from scheduler.simulator.profile import read_cost, write_profile
+    from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
+    from scheduler.simulator.profile import read_cost, read_layout, write_profile
     from scheduler.simulator.replay import run_replay
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,8 +95,12 @@ def main() -> int:
                         help="recurrent slots for every workload (hybrid models)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
+    parser.add_argument("--real", metavar="FILE",
+                        help="real summaries from an earlier --out file (no replay; needs --profile)")
     args = parser.parse_args()
 
+    if args.real:
+        return simulate_only(args, read_cost(args.profile), read_layout(args.profile))
     model, description = load_model(ModelSpec(preset=args.preset, layers=args.layers))
     if args.profile and Path(args.profile).is_file():
         cost = read_cost(args.profile)
@@ -92,13 +110,12 @@ def main() -> int:
         write_profile(args.profile or "cost-profile.json", profile)
         cost = profile.cost
     names = args.only.split(",") if args.only else list(WORKLOADS)
+    layout = model_layout(model)  # the simulated store is the engine's
     results = {"machine": machine_info(), "model": description | {"config": None},
-               "clock": args.clock, "cost": cost.to_dict(), "workloads": {}}
+               "layout": layout.to_dict(), "clock": args.clock, "cost": cost.to_dict(),
+               "workloads": {}}
     for name in names:
-        base = WORKLOADS[name]
-        data = base.to_dict()
-        data["block_manager"]["num_slots"] = args.num_slots
-        config = SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
+        config = workload_config(name, cost, layout, args.num_slots)
         load_before = os.getloadavg()
         start = time.perf_counter()
         real = run_replay(config, model, description, clock=args.clock).summary
@@ -114,6 +131,30 @@ def main() -> int:
         print(f"\n### {name} (replay {wall:.0f} s wall, load {load_before[0]:.1f} -> {load_after[0]:.1f})")
         print(format_comparison(rows, "real", "simulated"))
         Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+    print_targets(results)
+    return 0
+
+
+def simulate_only(args, cost, layout) -> int:
+    """The simulations of an earlier run's workloads with `cost`, against its real summaries."""
+    earlier = json.loads(Path(args.real).read_text())
+    names = args.only.split(",") if args.only else list(earlier["workloads"])
+    results = {**earlier, "layout": layout.to_dict(), "cost": cost.to_dict(), "real_from": args.real,
+               "workloads": {}}
+    for name in names:
+        entry = earlier["workloads"][name]
+        sim = run_simulation(workload_config(name, cost, layout, args.num_slots)).summary
+        rows = comparison_rows(entry["real"], sim)
+        results["workloads"][name] = {**entry, "rows": rows, "simulated": sim}
+        print(f"\n### {name} (real from {args.real})")
+        print(format_comparison(rows, "real", "simulated"))
+    Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+    print_targets(results)
+    return 0
+
+
+def print_targets(results: dict) -> None:
+    """The summary table: each targeted metric's relative error, and the verdict."""
     print("\n| workload | " + " | ".join(TARGETED) + " | within 10 % |")
     print("|---|" + "---|" * (len(TARGETED) + 1))
     for name, entry in results["workloads"].items():
@@ -121,7 +162,6 @@ def main() -> int:
         cells = [f"{diffs[m] * 100:+.1f} %" if diffs[m] is not None else "n/a" for m in TARGETED]
         ok = all(diffs[m] is not None and abs(diffs[m]) <= TARGET for m in TARGETED)
         print(f"| {name} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cost", type=_costs, metavar="K=S,...",
                    help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
     r.add_argument("--profile", metavar="FILE",
-                   help="cost model from a `blockmgr calibrate` profile (--cost still overrides)")
+                   help="cost model from a `blockmgr calibrate` profile (--cost still overrides); "
+                        "its model's layout too, unless --layout, --sliding-window or --config gives one")
     r.add_argument("--sweep", nargs="?", const="default", metavar="GRID",
                    help="run a grid, e.g. 'num_blocks=1024,4096;block_size=16,32' (default grid if no value)")
     r.add_argument("--jobs", type=_positive_int, help="sweep worker processes (default 2)")
@@ -236,7 +237,7 @@ def _add_workload_options(parser) -> None:
     w.add_argument("-n", "--num-requests", type=_positive_int, metavar="N", help="requests in total (default 2000)")
     w.add_argument("--seed", type=_nonneg_int, help="workload seed (default 0)")
     w.add_argument("--arrival", choices=("poisson", "closed"), help="open-loop Poisson or closed loop")
-    w.add_argument("--rate", type=_positive_float, help="Poisson: new sessions per simulated second (default 8)")
+    w.add_argument("--rate", type=_positive_float, help="Poisson: new sessions per simulated second (default 1)")
     w.add_argument("--concurrency", type=_positive_int, help="closed loop: clients (default 64)")
     w.add_argument("--system-len", type=_length, metavar="DIST", help="system prompt length, e.g. fixed:512")
     w.add_argument("--user-len", type=_length, metavar="DIST", help="user message length, e.g. lognormal:mean=120")
@@ -426,6 +427,10 @@ def build_config(args):
     if args.layout is not None or args.sliding_window is not None:
         name = args.layout or ("sliding" if args.sliding_window is not None else "full")
         data["layout"] = layout_named(name, args.sliding_window).to_dict()
+    elif args.profile is not None and args.config is None:
+        from scheduler.simulator.profile import read_layout
+
+        data["layout"] = read_layout(args.profile).to_dict()  # the store the profile timed
     recurrent = ModelLayout.from_dict(data["layout"]).recurrent  # ValueError if malformed
     if (args.hybrid or recurrent) and args.num_slots is None and not bm.get("num_slots"):
         bm["num_slots"] = 2 * sc["max_num_seqs"]

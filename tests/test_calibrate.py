@@ -16,6 +16,7 @@ from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from scheduler.simulator import CostModel, SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.cost_model import StepShape, step_shape
+from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.profile import (
     CostProfile,
     ProfileError,
@@ -23,6 +24,7 @@ from scheduler.simulator.profile import (
     fit_cost_model,
     nnls,
     read_cost,
+    read_layout,
     write_profile,
 )
 from scheduler.simulator.runner import Simulation
@@ -50,13 +52,37 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
         prefill_tokens=42, decode_rows=3, context_tokens=41 + 8 + 100 + 30 + 62,
         prefill_chunks=2, sampled_chunks=1, prefill_token_pairs=30 * 15 + 12 * (50 + 6),
         longest_decode_context=100, random_samples=1 + 4, page_copies=2, slot_copies=1, swaps=0,
+        prefill_token_squares=30 * 30 + 12 * 12,
     )
     cost = CostModel(**{f.name: float(i + 1) for i, f in enumerate(fields(CostModel))})
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
-               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5)
+               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044)
     assert cost.time_of(shape) == pytest.approx(by_hand)
     terms = shape.terms()  # what the fit multiplies: the same sum
     assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
+
+
+def test_step_shape_counts_the_keys_each_layer_reads():
+    """A layout with sliding layers: every context count is the mean over the
+    attention layers of the keys each reads, counted layer by layer here."""
+    window = 64
+    layers = [None, window, window, None, None]  # 3 full : 2 sliding, one recurrent below
+    layout = ModelLayout(full=3, sliding=2, recurrent=1, window=window)
+
+    def keys(end: int) -> float:  # a query at end - 1, per attention layer
+        return sum(end if w is None else min(end, w) for w in layers) / len(layers)
+
+    out = SchedulerOutput(step=0, seqs=[seq(1, 40, True), seq(1, 150, True),
+                                        seq(30, 0, False), seq(100, 200, True)])
+    shape = step_shape(out, layout.attended)
+    assert shape.context_tokens == pytest.approx(keys(41) + keys(151) + keys(30) + keys(300))
+    assert shape.longest_decode_context == pytest.approx(keys(151))
+    assert shape.prefill_token_pairs == pytest.approx(30 * (keys(0) + 15) + 100 * (keys(200) + 50))
+    assert keys(151) < 151 and keys(200) < 200  # the window does cut them
+    assert shape.prefill_token_squares == 30 * 30 + 100 * 100
+    full = ModelLayout(full=2, recurrent=1)  # the simulator's fast path reads every key
+    assert full.reads_every_key and not layout.reads_every_key
+    assert step_shape(out, full.attended) == step_shape(out)
 
 
 def test_first_order_step_time_is_unchanged():
@@ -127,7 +153,7 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
                       swap_per_page=0.0, prefill_chunk_overhead=0.015,
                       prefill_sample_overhead=0.12, prefill_attention_per_token_pair=1e-8,
                       decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
-                      random_sample_per_row=0.004)
+                      random_sample_per_row=0.004, prefill_chunk_token_square=3e-7)
     samples = simulated_samples(truth)
     assert len(samples) > 200
     fitted, fit = fit_cost_model(samples, {"copy_per_page": 3e-4})
@@ -176,6 +202,34 @@ def test_simulate_with_a_profile_uses_its_cost_and_cost_overrides_it(tmp_path, c
     assert "profile" in capsys.readouterr().err
 
 
+def test_simulate_with_a_profile_takes_its_layout_unless_one_is_given(tmp_path, capsys):
+    layout = ModelLayout(full=1, sliding=1, window=64)
+    path = tmp_path / "p.json"
+    write_profile(path, CostProfile(CostModel(), {}, {}, {}, {}, "now", layout=layout))
+    assert read_layout(path) == layout
+    out = tmp_path / "rep"
+    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out), "--profile", str(path)]
+
+    def used_layout() -> dict:
+        return json.loads((out / "report.json").read_text())["config"]["layout"]
+
+    assert main(args) == 0
+    assert used_layout() == layout.to_dict()
+    assert main(args + ["--layout", "full"]) == 0
+    assert used_layout() == ModelLayout().to_dict()
+    data = json.loads(path.read_text())
+    del data["layout"]  # a profile from before layouts counted every key
+    path.write_text(json.dumps(data))
+    assert read_layout(path) == ModelLayout()
+    data["layout"] = {"full": 1, "sliding": 1}  # no window
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="layout: a layout with sliding layers needs a window"):
+        read_layout(path)
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "needs a window" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ replay
 
 
@@ -195,20 +249,29 @@ def burst_trace(tmp_path, num: int = 12):
     return path
 
 
-def test_replay_makes_the_simulators_scheduling_decisions(tmp_path):
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-0.6b-sliding"])
+def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
     """With every request present from the start, timing cannot change a
-    decision: the engine replay and the simulation schedule the same steps,
-    hit the same prefixes, use the same pages and preempt alike."""
+    decision: the engine replay and the simulation of the replay's config
+    schedule the same steps, hit the same prefixes, use the same pages and
+    preempt alike. A sliding-window model's replay config carries the
+    model's layout, so the simulated store has the engine's window group
+    (which frees pages that leave the window: peak pages would differ)."""
+    from scheduler.simulator.engine_models import ModelSpec, load_model
     from scheduler.simulator.replay import run_replay
 
-    model, description = tiny_model()
+    shape = TINY_SHAPE | ({"sliding_window": 32} if preset.endswith("sliding") else {})
+    model, description = load_model(ModelSpec(preset=preset, layers=2, shape=shape))
     cfg = SimulationConfig(
         trace=str(burst_trace(tmp_path)), vocab_size=101, check_every=4, sample_every=2,
-        block_manager=BlockManagerConfig(num_blocks=24, block_size=16),
+        block_manager=BlockManagerConfig(num_blocks=20, block_size=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6),
     )
-    real = run_replay(cfg, model, description).summary
-    sim = run_simulation(cfg).summary
+    replayed = run_replay(cfg, model, description)
+    expected = ModelLayout(full=1, sliding=1, window=32) if "sliding_window" in shape else ModelLayout()
+    assert replayed.config.layout == expected
+    real = replayed.summary
+    sim = run_simulation(replayed.config).summary
     assert real["requests"]["finished"] == sim["requests"]["finished"] == 12
     assert real["requests"]["output_tokens"] == sim["requests"]["output_tokens"] == sum(
         3 + i % 4 for i in range(12))

@@ -94,29 +94,33 @@ QUICK_GRID = CalibrationGrid(
 
 class _Recorder:
     """The step listener: (label, shape, seconds) of every engine step, and
-    the clock the engines read."""
+    the clock the engines read. Shapes count the keys the model's attention
+    layers read (`attended`, its `ModelLayout`'s), as the simulator does."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], attended: Callable[[int], float]) -> None:
         self.clock = clock
+        self.attended = attended
         self.label = "warmup"
         self.samples: list[StepSample] = []
 
     def __call__(self, out, seconds: float) -> None:
         if self.label != "warmup":
-            self.samples.append(StepSample(self.label, step_shape(out), seconds))
+            self.samples.append(StepSample(self.label, step_shape(out, self.attended), seconds))
 
 
 def calibrate(model: Any, description: dict, grid: CalibrationGrid,
               progress: Progress | None = None, clock: str = "wall") -> CostProfile:
     """Measure `model` over `grid` with `clock` (see `CLOCKS`) and fit a
-    profile. Minutes of CPU time."""
-    from scheduler.simulator.engine_models import vocab_size
+    profile for the model's layout (`engine_models.model_layout`). Minutes
+    of CPU time."""
+    from scheduler.simulator.engine_models import model_layout, vocab_size
 
     tick = progress or (lambda label: None)
     source = TokenSource(min(vocab_size(description), 32000))
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
-    recorder = _Recorder(CLOCKS[clock])
+    layout = model_layout(model)
+    recorder = _Recorder(CLOCKS[clock], layout.attended)
     for repeat in range(grid.repeats):
         for chunk in grid.prefill_chunks:
             _measure_prefill(model, grid, chunk, source, recorder, repeat)
@@ -131,6 +135,7 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
         fit=fit,
         machine=machine_info(),
         model=description,
+        layout=layout,
         grid={**grid.to_dict(), "clock": clock, "copy_per_page_measured_s": copy_seconds,
               "not_measured": ["copy_per_slot"]},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -12,11 +12,16 @@ by `CostModel.time_of(StepShape)`:
     + prefill_sample_overhead * prefill chunks that sample (a second
                                 forward of one token, the LM head)
     + prefill_attention_per_token_pair * sum over prefill chunks of
-                                new tokens x (start + new tokens / 2)
+                                new tokens x (keys before the chunk + new
+                                tokens / 2)
     + decode_batch_overhead * (1 if any decode row)
     + decode_padded_context_token * decode rows x longest decode context
     + random_sample_per_row * tokens drawn at temperature > 0 (softmax and a
                               categorical draw over the vocabulary, per row)
+    + prefill_chunk_token_square * sum over prefill chunks of new tokens^2
+                              (a long chunk costs more per token: its whole
+                              score block is computed under the causal mask,
+                              and its activations outgrow the CPU caches)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
 
@@ -25,7 +30,9 @@ scheduled for more (the engine's own split: all one-token rows run in one
 batched forward, each longer chunk alone). All figures are seconds. The
 defaults describe a ~7B model on one accelerator roughly (a few thousand
 prefill tokens/s, ~30 ms per decode step at small batch); the terms after
-the first four default to 0. `blockmgr calibrate` fits all of them to the
+the first four default to 0. Context counts are what the model's attention
+layers read (`attended`: a sliding layer at most its window), so a profile
+prices the layout it was calibrated on. `blockmgr calibrate` fits all of them to the
 real engine on one machine (see calibrate.py). Cost: O(1) per step, plus
 O(scheduled sequences + ops) for `step_shape`.
 """
@@ -52,15 +59,16 @@ class StepShape:
 
     prefill_tokens: int = 0
     decode_rows: int = 0
-    context_tokens: int = 0
+    context_tokens: float = 0  # keys read: fractional when layers read different counts
     prefill_chunks: int = 0
     sampled_chunks: int = 0
     prefill_token_pairs: float = 0.0
-    longest_decode_context: int = 0
+    longest_decode_context: float = 0.0
     random_samples: int = 0
     page_copies: int = 0
     slot_copies: int = 0
     swaps: int = 0
+    prefill_token_squares: int = 0
 
     def terms(self) -> tuple[float, ...]:
         """The multiplier of each `CostModel` field, in field order."""
@@ -78,6 +86,7 @@ class StepShape:
             1.0 if self.decode_rows else 0.0,
             float(self.decode_rows * self.longest_decode_context),
             float(self.random_samples),
+            float(self.prefill_token_squares),
         )
 
 
@@ -87,26 +96,32 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     `attended(end)`: the keys a query at position end - 1 reads, averaged
     over the model's attention layers (`ModelLayout.attended`: a sliding
     window reads at most W); None: every key before it (full attention).
+    It counts the context, a prefill chunk's keys before its start, and
+    the longest decode row's keys.
     """
-    prefill = decode = context = chunks = sampled = longest = drawn = 0
+    prefill = decode = context = chunks = sampled = drawn = squares = last_end = 0
     pairs = 0.0
-    for item in out.seqs:
+    for item in out.seqs:  # once per step per sequence: no call per row for full attention
+        start = item.start_position
         n = len(item.token_ids)
-        end = item.start_position + n
+        end = start + n
         context += end if attended is None else attended(end)
         if item.sample and item.request is not None and item.request.sampling.temperature > 0:
             drawn += item.num_samples
         if n == 1:
             decode += 1
-            longest = max(longest, end)
+            if end > last_end:
+                last_end = end
         else:
             prefill += n
             chunks += 1
             sampled += item.sample
-            pairs += n * (item.start_position + n / 2)
+            pairs += n * ((start if attended is None else attended(start)) + n / 2)
+            squares += n * n
+    longest = last_end if attended is None or not decode else attended(last_end)  # monotone
     copies, slots, swaps = count_ops(out.ops)
     return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
-                     copies, slots, swaps)
+                     copies, slots, swaps, squares)
 
 
 def count_ops(ops) -> tuple[int, int, int]:
@@ -143,6 +158,7 @@ class CostModel:
     decode_batch_overhead: float = 0.0
     decode_padded_context_token: float = 0.0
     random_sample_per_row: float = 0.0
+    prefill_chunk_token_square: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -174,6 +190,7 @@ class CostModel:
             + (self.decode_batch_overhead if s.decode_rows else 0.0)
             + self.decode_padded_context_token * s.decode_rows * s.longest_decode_context
             + self.random_sample_per_row * s.random_samples
+            + self.prefill_chunk_token_square * s.prefill_token_squares
         )
 
     def step_time(

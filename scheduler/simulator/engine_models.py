@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from scheduler.simulator.layout import ModelLayout
 
 #: Published configs (the fields mlx-lm's ModelArgs need).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -130,3 +133,25 @@ def vocab_size(description: dict) -> int:
     if "vocab_size" not in config:
         raise ModelSpecError("the model config names no vocab_size")
     return int(config["vocab_size"])
+
+
+def model_layout(model: Any) -> ModelLayout:
+    """The `ModelLayout` of `model`'s caches (`cache.layer_specs`): its full,
+    sliding and recurrent layer counts, divided by their greatest common
+    divisor (one repeating block), and its sliding window. The engine's
+    store for `model` has exactly the layout's groups. Raises
+    `ModelSpecError` for a model whose sliding layers use several windows
+    (a layout has one). Cost: one `make_cache()` call."""
+    from cache import LayerKind, layer_specs
+
+    specs = layer_specs(model)
+    counts = {kind: sum(1 for s in specs if s.kind is kind) for kind in LayerKind}
+    windows = sorted({s.window for s in specs if s.kind is LayerKind.SLIDING})
+    if len(windows) > 1:
+        raise ModelSpecError(f"the model's sliding layers use several windows {windows}; "
+                             "a simulated layout has one")
+    block = math.gcd(*counts.values())
+    return ModelLayout(full=counts[LayerKind.ATTENTION] // block,
+                       sliding=counts[LayerKind.SLIDING] // block,
+                       recurrent=counts[LayerKind.RECURRENT] // block,
+                       window=windows[0] if windows else None)

@@ -63,6 +63,12 @@ class ModelLayout:
             return (None, self.window)
         return (None,)
 
+    @property
+    def reads_every_key(self) -> bool:
+        """Whether every attention layer reads every key (`attended(end)` is
+        `end`): full attention and no sliding layer."""
+        return self.full > 0 and not self.sliding
+
     def attended(self, end: int) -> float:
         """Keys one query at position end - 1 reads, averaged over the
         attention layers (recurrent layers read none)."""

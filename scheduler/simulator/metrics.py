@@ -113,7 +113,7 @@ class MetricsRecorder:
     """Accumulates series; `summary()` reduces them."""
 
     def __init__(self) -> None:
-        self.steps = {name: array("d") for name in STEP_FIELDS}
+        self._steps = array("d")  # STEP_FIELDS values of every step, step after step
         self.memory = {name: array("d") for name in MEMORY_FIELDS}
         self.requests = {name: array("d") for name in REQUEST_FIELDS}
         self.workloads: list[str] = []
@@ -125,9 +125,9 @@ class MetricsRecorder:
     # ------------------------------------------------------------ recording
 
     def on_step(self, values: tuple) -> None:
-        """One value per `STEP_FIELDS` entry, in that order. O(1)."""
-        for series, value in zip(self.steps.values(), values):
-            series.append(value)
+        """One value per `STEP_FIELDS` entry, in that order. O(1): one flat
+        array, not a series per field (this runs once per simulated step)."""
+        self._steps.extend(values)
 
     def on_scheduler_step(self, now: float, dt: float, out, bm, sched, num_slots: int,
                           num_done: int, bookkeeping: float) -> None:
@@ -182,8 +182,9 @@ class MetricsRecorder:
     # ------------------------------------------------------------- reducing
 
     def step_arrays(self) -> dict[str, np.ndarray]:
-        return {name: np.frombuffer(series, dtype=np.float64) if len(series) else np.zeros(0)
-                for name, series in self.steps.items()}
+        table = np.frombuffer(self._steps, dtype=np.float64) if len(self._steps) else np.zeros(0)
+        table = table.reshape(-1, len(STEP_FIELDS))
+        return {name: table[:, i].copy() for i, name in enumerate(STEP_FIELDS)}
 
     def memory_arrays(self) -> dict[str, np.ndarray]:
         return {name: np.frombuffer(series, dtype=np.float64) if len(series) else np.zeros(0)

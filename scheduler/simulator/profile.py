@@ -7,11 +7,14 @@ fits and where it was measured, as a JSON file.
              "points": [{"label", "steps", "measured_s", "predicted_s",
                          "rel_error"}, ...]},
      "machine": {...}, "mlx_version": "...", "blas": {...}, "model": {...},
-     "grid": {...}, "created": "ISO time",
+     "layout": {ModelLayout}, "grid": {...}, "created": "ISO time",
      "step_fields": [CostModel field names],
      "steps": [[label, seconds, [the multiplier of each field]], ...]}
 
 `blockmgr calibrate` writes one; `blockmgr simulate --profile FILE` reads it.
+The layout is the calibrated model's: the context terms count the keys its
+attention layers read, so the profile prices simulations of that layout (a
+profile without one predates layouts and counted every key: "full").
 Reading never imports MLX. Fitting (`fit_cost_model`) is a non-negative
 least-squares fit of the per-step times on `StepShape.terms()`, each step's error divided by
 its grid point's mean step time: short decode steps weigh as much as long
@@ -31,6 +34,7 @@ import numpy as np
 
 from scheduler.simulator.cost_model import CostModel, StepShape
 from scheduler.simulator.json_file import read_json
+from scheduler.simulator.layout import ModelLayout
 
 _TERM_NAMES = tuple(f.name for f in fields(CostModel))
 PROFILE_TYPE = "blockmgr-cost-profile"
@@ -134,6 +138,7 @@ class CostProfile:
     grid: dict
     created: str
     samples: tuple[StepSample, ...] = ()
+    layout: ModelLayout = ModelLayout()
 
     def to_dict(self) -> dict:
         return {
@@ -145,6 +150,7 @@ class CostProfile:
             "mlx_version": self.machine.get("mlx_version"),
             "blas": self.machine.get("blas"),
             "model": self.model,
+            "layout": self.layout.to_dict(),
             "grid": self.grid,
             "created": self.created,
             "step_fields": list(_TERM_NAMES),
@@ -156,13 +162,29 @@ def write_profile(path: str | Path, profile: CostProfile) -> None:
     Path(path).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
 
 
-def read_cost(path: str | Path) -> CostModel:
-    """The `CostModel` of a profile file. Raises `ProfileError`."""
+def _read_profile(path: str | Path) -> dict:
+    """A profile file's JSON, its type and version checked. Raises `ProfileError`."""
     data = read_json(path, "profile", ProfileError)
     if not isinstance(data, dict) or data.get("type") != PROFILE_TYPE:
         raise ProfileError(f"{path} is not a cost profile (no \"type\": \"{PROFILE_TYPE}\")")
     if data.get("version") != PROFILE_VERSION:
         raise ProfileError(f"{path}: profile version {data.get('version')!r} is not {PROFILE_VERSION}")
+    return data
+
+
+def read_layout(path: str | Path) -> ModelLayout:
+    """The layout a profile was calibrated on ("full" when it names none).
+    Raises `ProfileError`."""
+    data = _read_profile(path)
+    try:
+        return ModelLayout.from_dict(data.get("layout", {}))
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"{path}: layout: {exc}") from None
+
+
+def read_cost(path: str | Path) -> CostModel:
+    """The `CostModel` of a profile file. Raises `ProfileError`."""
+    data = _read_profile(path)
     cost = data.get("cost")
     known = {f.name for f in fields(CostModel)}
     if not isinstance(cost, dict) or set(cost) - known:

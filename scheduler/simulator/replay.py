@@ -15,7 +15,9 @@ as the workload's do), so a follow-up turn whose prompt quotes the previous
 answer finds the workload's answer text, not the model's, in the trie (a
 smaller hit than in the simulator, for multiturn and agent workloads only).
 Open-loop arrivals only: a closed-loop workload raises `ReplayError`.
-Imports MLX.
+The engine's store has the model's layer groups, so the replay's config
+takes the model's layout (`engine_models.model_layout`): its report.json
+simulates the store the engine ran. Imports MLX.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Replay:
                  progress: ProgressFn | None = None, clock: str = "wall") -> None:
         from scheduler.engine import Engine
         from scheduler.simulator.calibrate import CLOCKS
-        from scheduler.simulator.engine_models import vocab_size
+        from scheduler.simulator.engine_models import model_layout, vocab_size
 
         if clock not in CLOCKS:
             raise ReplayError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
@@ -83,6 +85,10 @@ class Replay:
         if config.vocab_size > vocab_size(description):
             raise ReplayError(f"the workload's vocab_size {config.vocab_size} exceeds the "
                               f"model's {vocab_size(description)}")
+        try:
+            config = replace(config, layout=model_layout(model))
+        except ValueError as exc:  # the model's layout does not fit the pool's slots
+            raise ReplayError(f"the model's layout: {exc}") from None
         self.config = config
         self.description = description
         self.clock_name = clock

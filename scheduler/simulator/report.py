@@ -236,6 +236,7 @@ COMPARED = (
     ("TTFT p99, s", ("latency", "ttft_s", "p99")),
     ("TPOT p50, s", ("latency", "tpot_s", "p50")),
     ("TPOT p90, s", ("latency", "tpot_s", "p90")),
+    ("mean step time, s", ("steps", "mean_step_time_s")),  # the cost model alone, no queueing
     ("prefix hit rate", ("prefix_cache", "hit_rate")),
     ("peak pages used", ("memory", "pages_used_peak")),
     ("preemptions", ("preemptions", "total")),

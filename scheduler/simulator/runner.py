@@ -83,6 +83,8 @@ class Simulation:
         self.now = 0.0
         self.bm = GroupedStore(config.layout.store_config(config.block_manager))
         self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
+        layout = config.layout
+        self._attended = None if layout.reads_every_key else layout.attended  # None: the fast path
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
         self._sessions = iter(sessions) if sessions is not None else sessions_of(config)
@@ -206,7 +208,7 @@ class Simulation:
         else:
             self._idle_steps = 0
         sampled = self._sample(out)
-        dt = self.config.cost.time_of(step_shape(out, self.config.layout.attended))
+        dt = self.config.cost.time_of(step_shape(out, self._attended))
         self.now += dt
         t2 = perf()
         results = sched.update(out, sampled)

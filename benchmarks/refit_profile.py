@@ -1,0 +1,78 @@
+"""Refit a cost profile's recorded steps with the current cost-model terms.
+
+A profile keeps every measured step as its term multipliers (`steps`,
+named by `step_fields`), so it can be refitted when the cost model gains a
+term, without measuring again. A term the profile predates is rebuilt from
+the recorded ones where that is exact: `prefill_chunk_token_square` (n^2 per
+chunk) is the step's prefill tokens squared, since every calibration step
+runs at most one prefill chunk. The layout is the profile's (none: full).
+
+    python benchmarks/refit_profile.py old-profile.json new-profile.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler.simulator.cost_model import CostModel, StepShape  # noqa: E402
+from scheduler.simulator.profile import (  # noqa: E402
+    CostProfile,
+    StepSample,
+    fit_cost_model,
+    read_layout,
+    write_profile,
+)
+
+#: CostModel field -> the StepShape field its multiplier is (None: computed).
+_SHAPE_OF = {
+    "step_overhead": None, "prefill_per_token": "prefill_tokens", "decode_per_token": "decode_rows",
+    "attention_per_context_token": "context_tokens", "copy_per_page": "page_copies",
+    "copy_per_slot": "slot_copies", "swap_per_page": "swaps", "prefill_chunk_overhead": "prefill_chunks",
+    "prefill_sample_overhead": "sampled_chunks", "prefill_attention_per_token_pair": "prefill_token_pairs",
+    "decode_batch_overhead": None, "decode_padded_context_token": None,
+    "random_sample_per_row": "random_samples", "prefill_chunk_token_square": "prefill_token_squares",
+}
+
+
+def shape_of(names: list[str], terms: list[float], label: str) -> StepShape:
+    """The `StepShape` whose `terms()` extend the recorded `terms`."""
+    t = dict(zip(names, terms))
+    values = {shape: t[name] for name, shape in _SHAPE_OF.items() if shape and name in t}
+    rows = t["decode_per_token"]
+    values["longest_decode_context"] = t["decode_padded_context_token"] / rows if rows else 0.0
+    if "prefill_chunk_token_square" not in t:
+        if t["prefill_chunk_overhead"] > 1:
+            raise ValueError(f"step {label!r} has several prefill chunks: n^2 is not recorded")
+        values["prefill_token_squares"] = t["prefill_per_token"] ** 2
+    ints = {f.name for f in fields(StepShape) if f.type == "int"}
+    shape = StepShape(**{k: int(v) if k in ints else v for k, v in values.items()})
+    if list(shape.terms())[:len(terms)] != list(terms):
+        raise ValueError(f"step {label!r}: cannot rebuild its shape from {terms}")
+    return shape
+
+
+def main() -> int:
+    source, target = sys.argv[1:3]
+    data = json.loads(Path(source).read_text())
+    names = data.get("step_fields") or [f.name for f in fields(CostModel)][:len(data["steps"][0][2])]
+    samples = [StepSample(label, shape_of(names, terms, label), seconds)
+               for label, seconds, terms in data["steps"]]
+    copy = data["grid"]["copy_per_page_measured_s"]
+    cost, fit = fit_cost_model(samples, {"copy_per_page": copy, "swap_per_page": copy})
+    profile = CostProfile(cost, fit, data["machine"], data["model"], {**data["grid"], "refitted_from": source},
+                          data["created"], tuple(samples), read_layout(source))
+    write_profile(target, profile)
+    print(f"{len(samples)} steps, per-step error median {fit['median_abs_rel_error'] * 100:.1f} %, "
+          f"mean {fit['mean_abs_rel_error'] * 100:.1f} %")
+    for point in fit["points"]:
+        print(f"  {point['label']:<28} {point['rel_error'] * 100:+.1f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
