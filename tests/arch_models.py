@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -209,9 +211,17 @@ def _module_source(name: str) -> str:
         return ""
 
 
+#: Packages a module imports only to check they are installed (nothing of
+#: them is used by the model code): an empty stand-in lets it build.
+PROBED_PACKAGES = {"olmo": "hf_olmo"}
+
+
 def module(name: str) -> ModuleType:
     """The mlx-lm module `name` (raises what its import raises; some modules
     exit the interpreter when an optional package is missing)."""
+    probed = PROBED_PACKAGES.get(name)
+    if probed is not None and probed not in sys.modules and importlib.util.find_spec(probed) is None:
+        sys.modules.setdefault(probed, ModuleType(probed))
     try:
         return importlib.import_module(f"mlx_lm.models.{name}")
     except SystemExit as e:

@@ -21,7 +21,9 @@ _METAL = "mlx-lm's {} runs {} as a Metal kernel, which the CPU backend lacks"
 UNBUILDABLE: dict[str, str] = {
     "bitnet": _METAL.format("bitnet", "its BitLinear layers"),
     "muse_spark": _METAL.format("muse_spark", "its fused qk-norm + RoPE"),
-    "olmo": "mlx-lm's olmo needs the ai2-olmo package (its module exits on import without it)",
+    "olmo": "mlx-lm's olmo adds the mask create_attention_mask returns for a prompt (the string "
+            "'causal') to its scores, so every forward of more than one token raises, on mlx-lm's "
+            "own caches too",
     "prism_hadamard_qwen35": "mlx-lm builds prism_hadamard_qwen35 only from a 2-bit Hadamard-pack "
                              "checkpoint (its ModelArgs refuse any other config)",
     "phi3small": "mlx-lm's phi3small block-sparse attention (layer 0 always has it) kills "
