@@ -597,7 +597,8 @@ class Scheduler:
         waiting = self._waiting
         running = self._running
         partial = self._count_partial_prefills()
-        num_seqs = sum(_width(s) for s in running)  # an unforked prompt counts n
+        num_seqs = len(running) + sum(  # an unforked prompt counts n
+            s.request.sampling.n - 1 for s in running if s.index is None)
         while budget > 0 and len(waiting):
             seq = waiting.peek()
             width = _width(seq)
