@@ -431,6 +431,9 @@ class BlockManager:
             new_tokens = token_list(new_tokens, "new_tokens")
             if not new_tokens:
                 return NO_OPS
+        elif self._fits_last_page(seq):  # the common decode step: nothing to plan
+            seq.tokens.append(new_tokens[0])
+            return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
         grows = num_pages or copy_page or copy_slot
         if grows:
@@ -450,6 +453,21 @@ class BlockManager:
         if grows and self._events:
             self._deliver_events()
         return ops
+
+    def _fits_last_page(self, seq: Sequence) -> bool:
+        """Would one more token go into the sequence's own last page with no
+        page, copy or window release (`_growth(seq, 1)` all zero, no window)?
+        O(1)."""
+        num_tokens = len(seq.tokens)
+        table = seq.block_table
+        return (
+            self._window is None
+            and seq.slot is None
+            and seq.recompute_from is None
+            and num_tokens % self._block_size != 0
+            and num_tokens // self._block_size + 1 == len(table)
+            and self._pages.refcount(table[-1]) == 1
+        )
 
     def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
         """(new pages, copy the last page?, copy the slot?) to add tokens."""

@@ -576,13 +576,18 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = self._chunk(seq, budget)
-            while not self._reserve(seq, seq.num_computed + num_new, ops):
+            token = _decode_token(seq)  # the common row: a shorter path, same effect
+            num_new = 1 if token is not None else self._chunk(seq, budget)
+            while not (self._reserve(seq, seq.num_computed + num_new, ops) if token is None
+                       else self._reserve_decode(seq, token, ops)):
                 victim = running.pop()
                 self._preempt(victim, out, stats, ops)
                 if victim is seq:
                     return budget
-            self._emit(seq, num_new, out)
+            if token is None:
+                self._emit(seq, num_new, out)
+            else:
+                self._emit_decode(seq, token, out)
             budget -= num_new
             i += 1
         return budget
@@ -592,7 +597,8 @@ class Scheduler:
         waiting = self._waiting
         running = self._running
         partial = self._count_partial_prefills()
-        num_seqs = sum(_width(s) for s in running)  # an unforked prompt counts n
+        num_seqs = len(running) + sum(  # an unforked prompt counts n
+            s.request.sampling.n - 1 for s in running if s.index is None)
         while budget > 0 and len(waiting):
             seq = waiting.peek()
             width = _width(seq)
@@ -700,14 +706,38 @@ class Scheduler:
         changed) when it has no room."""
         if end <= seq.num_reserved:
             return True
+        return self._store_tokens(seq, seq.tokens(seq.num_reserved, end), end, ops)
+
+    def _reserve_decode(self, seq: _Seq, token: int, ops: list) -> bool:
+        """`_reserve(seq, num_computed + 1, ops)` of a decode row
+        (`_decode_token` gave `token`), without slicing the sequence's tokens."""
+        end = seq.num_computed + 1
+        if seq.num_reserved != seq.num_computed:
+            return self._reserve(seq, end, ops)
+        return self._store_tokens(seq, [token], end, ops)
+
+    def _store_tokens(self, seq: _Seq, tokens: list[int], end: int, ops: list) -> bool:
+        """Append `tokens` (`seq`'s tokens from `num_reserved` to `end`) to the
+        store. False (nothing changed) when it has no room."""
         try:
-            plan = self.kv.append(seq.seq_id, seq.tokens(seq.num_reserved, end))
+            plan = self.kv.append(seq.seq_id, tokens)
         except (OutOfBlocks, OutOfSlots):
             return False
         if plan:
             ops.extend(plan)
         seq.num_reserved = end
         return True
+
+    def _emit_decode(self, seq: _Seq, token: int, out: SchedulerOutput) -> None:
+        """`_emit(seq, 1, out)` of a decode row: one token, sampled."""
+        seq.in_flight = True
+        req = seq.request
+        out.seqs.append(
+            ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
+                         False, True, 1, seq.index, req)
+        )
+        out.num_batched_tokens += 1
+        out.num_decode_tokens += 1
 
     def _emit(self, seq: _Seq, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
@@ -786,12 +816,13 @@ class Scheduler:
         finished: set[int] = set()
         for item, seq, tokens in plan:
             seq.in_flight = False
-            seq.request.metrics.num_computed_tokens += item.num_tokens
+            num_tokens = len(item.token_ids)
+            seq.request.metrics.num_computed_tokens += num_tokens
             if type(tokens) is AcceptedTokens:
                 if self._add_accepted(seq, tokens, now, results):
                     finished.add(id(seq))
                 continue
-            seq.num_computed += item.num_tokens
+            seq.num_computed += num_tokens
             if item.is_prefill:
                 self._checkpoint(seq)
             if tokens is None:
@@ -905,7 +936,11 @@ class Scheduler:
             out = results[req.request_id] = RequestOutput(
                 req.request_id, {}, False, req.status, list(req.finish_reasons)
             )
-        out.new_tokens.setdefault(index, []).append(token)
+        new_tokens = out.new_tokens.get(index)
+        if new_tokens is None:
+            out.new_tokens[index] = [token]
+        else:
+            new_tokens.append(token)
         reason = self._stop_reason(req, index, token)
         if reason is None:
             return False
@@ -992,6 +1027,19 @@ class Scheduler:
 
 def _width(seq: _Seq) -> int:
     return seq.request.sampling.n if seq.index is None else 1
+
+
+def _decode_token(seq: _Seq) -> int | None:
+    """The one token a decode row computes (its last sampled token: every
+    other token is computed), or None when `seq` is not at a decode row."""
+    index = seq.index
+    if index is None:
+        return None
+    req = seq.request
+    outputs = req.outputs[index]
+    if not outputs or seq.num_computed != len(req.prompt_tokens) + len(outputs) - 1:
+        return None
+    return outputs[-1]
 
 
 def _seq_key(seq: _Seq) -> tuple:

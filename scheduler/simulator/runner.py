@@ -32,6 +32,7 @@ from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.cost_model import step_shape
+from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.prefix_bound import PrefixBound
@@ -100,6 +101,7 @@ class Simulation:
         self._num_done = 0
         self._steps = 0
         self._idle_steps = 0
+        self._attended = _attended_of(config.layout)
 
     def _clock(self) -> float:
         return self.now
@@ -305,6 +307,15 @@ class Simulation:
                 "leaks": check_no_leaks(bm, self.scheduler),
             }
         return SimulationResult(cfg, summary, self.metrics, self._num_added)
+
+
+def _attended_of(layout: ModelLayout) -> Callable[[int], float] | None:
+    """`layout.attended` for `step_shape`, or None (every key before the
+    query, summed without a call per row) when every attention layer is full:
+    then `attended(end) == end` exactly, so the step times are the same."""
+    if layout.full and not layout.sliding:
+        return None
+    return layout.attended
 
 
 def check_no_leaks(store: GroupedStore, sched: Scheduler) -> str:

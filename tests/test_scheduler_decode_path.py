@@ -1,0 +1,91 @@
+"""The decode-row paths (the scheduler's `_decode_token` rows, the block
+manager's `_fits_last_page` append) against the generic paths they skip.
+
+Each simulation runs twice: as is, and with both shortcuts turned off (every
+row through `_chunk` / `_reserve` / `_emit`, every append through
+`_growth`). Every step's series and every request's record must be equal.
+The configurations force page pressure (preemption by recompute and by
+swap), forks (n > 1 samples), hybrid slots and sliding windows, so the
+shortcuts meet every case they must decline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import scheduler.scheduler as scheduler_module
+from blockmgr import BlockManagerConfig
+from blockmgr.manager import BlockManager
+from scheduler.scheduler import SchedulerConfig
+from scheduler.simulator import SimulationConfig, WorkloadConfig, run_simulation
+from scheduler.simulator.layout import layout_named
+
+CASES = {
+    "all-recompute": dict(mix={"chat": 1.0, "parallel": 1.0, "agent": 1.0}, num_blocks=160),
+    "swap": dict(mix={"multiturn": 1.0, "parallel": 1.0}, num_blocks=160, preemption="swap",
+                 num_host_blocks=400),
+    "hybrid": dict(mix={"chat": 1.0, "parallel": 1.0}, num_blocks=300, num_slots=24,
+                   layout="qwen3_next"),
+    "sliding": dict(mix={"multiturn": 1.0}, num_blocks=300, layout="gemma3"),
+}
+
+
+def _config(mix, num_blocks, preemption="recompute", num_host_blocks=0, num_slots=0,
+            layout="full") -> SimulationConfig:
+    return SimulationConfig(
+        workload=WorkloadConfig(mix=mix, num_requests=80, rate=6.0, seed=11, max_context=1024),
+        block_manager=BlockManagerConfig(num_blocks=num_blocks, block_size=16,
+                                         num_slots=num_slots, num_host_blocks=num_host_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=384, max_num_seqs=16,
+                                  preemption=preemption),
+        layout=layout_named(layout, 64 if layout == "gemma3" else None),
+        check_every=4,
+    )
+
+
+def _recorded(config: SimulationConfig) -> tuple[dict, dict, dict]:
+    result = run_simulation(config)
+    metrics = result.metrics
+    summary = {k: v for k, v in result.summary.items() if k != "bookkeeping"}
+    steps = {k: v for k, v in metrics.step_arrays().items() if k != "bookkeeping"}
+    return summary, steps, metrics.request_arrays()
+
+
+def _same_series(a: dict, b: dict) -> bool:
+    """Equal keys and arrays (NaN equal to NaN: a TPOT of one token)."""
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
+    config = _config(**CASES[name])
+    taken = {"rows": 0, "appends": 0}
+    decode_token, fits_last_page = scheduler_module._decode_token, BlockManager._fits_last_page
+
+    def counted_decode_token(seq):
+        token = decode_token(seq)
+        taken["rows"] += token is not None
+        return token
+
+    def counted_fits(self, seq):
+        fits = fits_last_page(self, seq)
+        taken["appends"] += fits
+        return fits
+
+    monkeypatch.setattr(scheduler_module, "_decode_token", counted_decode_token)
+    monkeypatch.setattr(BlockManager, "_fits_last_page", counted_fits)
+    fast = _recorded(config)
+    assert taken["rows"] > 1000  # the shortcut was taken ...
+    if config.layout.recurrent == 0:
+        assert taken["appends"] > 500  # ... and in the block manager too (no slots)
+
+    monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
+    monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
+    generic = _recorded(config)
+
+    assert fast[0]["preemptions"]["total"] > 0 or name in ("hybrid", "sliding")
+    assert fast[0]["checks"]["leaks"] == "ok"
+    assert fast[0] == generic[0]
+    assert _same_series(fast[1], generic[1])
+    assert _same_series(fast[2], generic[2])
