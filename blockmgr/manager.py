@@ -701,7 +701,8 @@ class BlockManager:
         for seq, tokens, copy_page, copy_slot, recompute_from in plan:
             ops.extend(self._make_writable(seq, copy_page, False))
             checkpoint = source = seq.slot
-            if copy_slot:
+            # Asked again: a sibling earlier in this call may have moved off it.
+            if copy_slot and self._slots.refcount(source) > 1:
                 # Shared (a fork's sibling holds it too): a restore makes the
                 # sequence compute into its checkpoint, so it gets its own.
                 # Both copies read `source`, which the sibling keeps alive.

@@ -434,3 +434,35 @@ def test_check_integrity_catches_a_borrowed_page_that_is_not_the_cached_one():
     seq.block_table[1] = own  # not the page the trie holds there
     with pytest.raises(IntegrityError):
         bm.check_integrity()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_forked_siblings_restored_from_speculation_each_compute_into_their_own_slot(together):
+    """A fork shares its slot; both siblings speculate (in one call or two),
+    keep one draft of two, get their checkpoints back and compute the kept
+    draft again (no append in between): neither may write the other's state."""
+    bm = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4, num_slots=8))
+    shadow = ShadowStorage(bm)
+    shadow.apply(bm.allocate("a", [1, 2, 3, 4, 5]).ops)
+    shadow.computed["a"] = 0
+    shadow.compute("a")
+    shadow.apply(bm.fork("a", "b"))
+    shadow.computed["b"] = 5
+    assert bm.slot("a") == bm.slot("b")
+    drafts = {"a": [7, 8], "b": [9, 4]}
+    if together:
+        shadow.apply(bm.begin_speculation(drafts))
+    else:
+        for seq_id, tokens in drafts.items():
+            shadow.apply(bm.begin_speculation({seq_id: tokens}))
+    bm.check_integrity()
+    for seq_id in drafts:
+        shadow.compute(seq_id)  # the verification forward
+    assert bm.commit_speculation({"a": 1, "b": 1}) == {"a", "b"}
+    bm.check_integrity()
+    for seq_id in drafts:
+        shadow.computed[seq_id] = 5  # back at the checkpoint: the kept draft is pending
+        shadow.compute(seq_id)  # asserts the slot holds exactly this sequence's state
+    shadow.check_all()
+    assert bm.slot("a") != bm.slot("b")
+    bm.check_integrity()
