@@ -26,6 +26,7 @@ of every layer: design/errors.md.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 
 from blockmgr.config import BlockManagerConfig
@@ -698,11 +699,13 @@ class BlockManager:
         plan, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
         self._reserve(num_pages, num_slots)
         ops: list[MemoryOp] = []
-        for seq, tokens, copy_page, copy_slot, recompute_from in plan:
+        for seq, tokens, recompute_from in plan:
+            # Asked now, not when planning: a sibling earlier in this call
+            # may have moved off a page or slot they shared.
+            _, copy_page, copy_slot = self._growth(seq, len(tokens))
             ops.extend(self._make_writable(seq, copy_page, False))
             checkpoint = source = seq.slot
-            # Asked again: a sibling earlier in this call may have moved off it.
-            if copy_slot and self._slots.refcount(source) > 1:
+            if copy_slot:
                 # Shared (a fork's sibling holds it too): a restore makes the
                 # sequence compute into its checkpoint, so it gets its own.
                 # Both copies read `source`, which the sibling keeps alive.
@@ -723,8 +726,8 @@ class BlockManager:
 
     def _plan_speculation(self, drafts, num_computed) -> tuple[list[tuple], int, int]:
         """Check `begin_speculation`'s arguments whole: (sequence, draft list,
-        copy its last page?, copy its shared slot?, recompute position) per entry, pages and slots
-        to reserve. Pure."""
+        recompute position) per entry, pages and slots to reserve (copies of
+        shared last pages and slots counted exactly: see `_num_copies`). Pure."""
         if not isinstance(drafts, Mapping):
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
         if num_computed is None:
@@ -735,14 +738,22 @@ class BlockManager:
             raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
         plan = []
         num_pages = num_slots = 0
+        shared_pages: Counter = Counter()  # shared last page -> members of this call on it
+        shared_slots: Counter = Counter()
         for seq_id, tokens in drafts.items():
             seq = self._idle(seq_id)
             tokens = token_list(tokens, f"drafts[{seq_id!r}]")
             pages, copy_page, copy_slot = self._growth(seq, len(tokens))
-            num_pages += pages + copy_page
-            num_slots += (seq.slot is not None) + copy_slot
-            plan.append((seq, tokens, copy_page, copy_slot,
-                         self._recompute_position(seq, num_computed)))
+            num_pages += pages
+            num_slots += seq.slot is not None
+            if copy_page:
+                shared_pages[seq.block_table[-1]] += 1
+            if copy_slot:
+                shared_slots[seq.slot] += 1
+            plan.append((seq, tokens, self._recompute_position(seq, num_computed)))
+        num_pages += _num_copies(shared_pages, self._pages.refcount)
+        if shared_slots:  # only a hybrid manager has slots
+            num_slots += _num_copies(shared_slots, self._slots.refcount)
         return plan, num_pages, num_slots
 
     def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
@@ -1312,3 +1323,10 @@ class BlockManager:
 
 #: The match of a manager without a prefix cache (never mutated: empty pages).
 _NO_MATCH = PrefixMatch()
+
+
+def _num_copies(members: Counter, refcount) -> int:
+    """Copies that give each of `members[i]` sequences holding id `i` its
+    own, in turn: all of them when someone outside the call holds `i` too,
+    else all but the last (it is then the sole owner)."""
+    return sum(m if refcount(i) > m else m - 1 for i, m in members.items())

@@ -466,3 +466,21 @@ def test_forked_siblings_restored_from_speculation_each_compute_into_their_own_s
     shadow.check_all()
     assert bm.slot("a") != bm.slot("b")
     bm.check_integrity()
+
+
+def test_forked_siblings_speculating_together_reserve_exactly_the_copies_they_make():
+    """Two siblings sharing a slot and a partial last page, in one call: the
+    first copies each, the second is then the sole owner. Exactly enough
+    free slots (2 working + 1 checkpoint copy) and pages (1 copy) suffice."""
+    bm = BlockManager(BlockManagerConfig(num_blocks=3, block_size=4, num_slots=4,
+                                         enable_prefix_cache=False))
+    bm.allocate("a", [1, 2, 3, 4, 5])  # pages 2 of 3, slot 1 of 4
+    bm.fork("a", "b")
+    assert (bm.num_free_blocks, bm.num_free_slots) == (1, 3)
+    drafts = {"a": [7], "b": [8]}  # both fit the shared last page
+    assert bm.can_speculate(drafts)
+    ops = bm.begin_speculation(drafts)
+    assert sum(isinstance(op, CopyBlock) for op in ops) == 1
+    assert sum(isinstance(op, CopySlot) for op in ops) == 3
+    assert (bm.num_free_blocks, bm.num_free_slots) == (0, 0)
+    bm.check_integrity()
