@@ -833,7 +833,7 @@ class BlockManager:
             keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
             seq.slot = keep
             self._slots.release(drop)
-        if end < len(seq.tokens) and spec.recompute_from is not None:
+        if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
             seq.recompute_from = spec.recompute_from  # computed again: hold its window
         self._drop_tail(seq, end)
         # No window release here: the manager does not know which tokens are
