@@ -119,7 +119,7 @@ def reference_logits(model, seq: list[int]) -> np.ndarray:
     return np.array(model(mx.array([seq]), cache=model.make_cache())[0])
 
 
-@pytest.fixture(params=["lfm2", "qwen3_next"])
+@pytest.fixture(params=["lfm2", "qwen3_next", "recurrent_gemma"])
 def hybrid(request):
     return request.param
 
