@@ -17,6 +17,9 @@ gives out with the views it feeds (`.cache`):
   tokens since it (ids known) are *replayed*: the next call computes them
   in front of its own input, in the same forward, and returns only the
   logits of its own input (the shape the bare model returns);
+* consecutive rejections grow the replay (the checkpoint stays before it):
+  a replay longer than the call's input + 1 runs first as a forward of its
+  own (its logits never evaluated), which moves the checkpoint past it;
 * a forward that raises leaves the storage as before the call: the step
   is rolled back and the transaction aborted (opened by this call) or
   shortened back (extended by it).
@@ -51,6 +54,7 @@ class SpeculativeStorage(Protocol):
     def shorten_speculation(self, kept: Mapping[Hashable, int]) -> None: ...
     def commit_step(self, batch: BatchState) -> None: ...
     def rollback_step(self, batch: BatchState) -> None: ...
+    def eval_state(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,19 +112,35 @@ class SpeculativeModel:
         is short; a raising model leaves the storage as before."""
         self._check_cache(cache)
         feed = self.plan(inputs)
+        if max(feed.num_replayed) > inputs.shape[1] + 1:
+            # Consecutive rejections grow the replay (the checkpoint stays
+            # before it): past the input's width + 1 it runs alone, once.
+            replayed = [r[:k] for r, k in zip(feed.rows, feed.num_replayed)]
+            self._forward(replayed, inputs.dtype, kwargs)
+            self._storage.eval_state()  # the writes only: its logits are never evaluated
+            feed = self.plan(inputs)
         self._reserve(feed)
-        width = max(len(r) for r in feed.rows)
-        x = mx.array([list(r) + [0] * (width - len(r)) for r in feed.rows], dtype=inputs.dtype)
-        self._batch.feed([len(r) for r in feed.rows])
+        try:
+            logits = self._forward(feed.rows, inputs.dtype, kwargs)
+        except BaseException:
+            self._undo(feed)
+            raise
+        return _own_positions(logits, feed.num_replayed, inputs.shape[1])
+
+    def _forward(self, rows: Sequence[Sequence[int]], dtype, kwargs) -> mx.array:
+        """One forward of the (right-padded) rows, whose ids are reserved;
+        committed when it returns, rolled back when it raises."""
+        width = max(len(r) for r in rows)
+        x = mx.array([list(r) + [0] * (width - len(r)) for r in rows], dtype=dtype)
+        self._batch.feed([len(r) for r in rows])
         try:
             logits = self.model(x, cache=self.cache, **kwargs)
         except BaseException:
             self._batch.feed(None)
             self._storage.rollback_step(self._batch)
-            self._undo(feed)
             raise
         self._storage.commit_step(self._batch)
-        return _own_positions(logits, feed.num_replayed, inputs.shape[1])
+        return logits
 
     def plan(self, inputs: mx.array) -> Feed:
         """The call's `Feed`, checked whole; changes nothing. Cost: reads

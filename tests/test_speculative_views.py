@@ -260,3 +260,18 @@ def test_a_raising_target_inside_mlx_lms_loop_leaves_it_whole(hybrid):
         storage.check_integrity()
         storage.free("a")
         assert_all_released(storage)
+
+
+def test_consecutive_rejections_keep_the_replay_bounded(hybrid):
+    model, pc, spec, prompt = prefilled(hybrid)
+    seq = list(prompt)
+    for round_ in range(8):  # every draft rejected: the bonus token is kept each round
+        bonus = 40 + round_
+        assert pc.num_replay("a") <= 4 + 2  # past 4 + 1, this call runs it alone first
+        got = np.array(spec(mx.array([[bonus, 1, 2, 3]]), cache=spec.cache)[0])
+        want = reference_logits(model, seq + [bonus, 1, 2, 3])[-4:]
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+        assert spec.cache[0].trim(3) == 3
+        seq.append(bonus)
+    assert pc.num_computed("a") >= len(prompt) + 8 - 5  # the replay ran alone on the way
+    pc.check_integrity()
