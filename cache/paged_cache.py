@@ -248,7 +248,7 @@ class PagedCache:
         """The store's `debug_state()` and each sequence's computed state, as
         plain values: equal before and after a refused call. O(state)."""
         seqs = tuple(
-            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint)
+            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint, st.replay_end)
             for seq_id, st in self._seqs.items()
         )
         return self.store.debug_state(), seqs

@@ -275,3 +275,27 @@ def test_consecutive_rejections_keep_the_replay_bounded(hybrid):
         seq.append(bonus)
     assert pc.num_computed("a") >= len(prompt) + 8 - 5  # the replay ran alone on the way
     pc.check_integrity()
+
+
+def test_a_batch_whose_rows_replay_different_lengths(hybrid):
+    model = built(hybrid)
+    pc = paged(model)
+    prompts = {"a": prompt_of(hybrid, 9), "b": [(5 * i + 1) % vocab(hybrid) for i in range(9)]}
+    for seq_id, prompt in prompts.items():
+        pc.allocate(seq_id, prompt)
+        alone = pc.speculative_model(model, [seq_id])
+        alone(mx.array([prompt]), cache=alone.cache)
+    alone(mx.array([[5, 6, 7]]), cache=alone.cache)
+    assert alone.cache[0].trim(2) == 2  # b: one token to replay
+    both = pc.speculative_model(model, ["a", "b"])
+    assert pc.num_replay("a") == 0 and pc.num_replay("b") == 1
+    both(mx.array([[1, 2, 3], [11, 12, 13]]), cache=both.cache)
+    assert both.cache[0].trim(1) == 1
+    assert pc.num_replay("a") == 2 and pc.num_replay("b") == 3
+    got = np.array(both(mx.array([[4, 5, 6], [20, 21, 22]]), cache=both.cache))
+    assert got.shape == (2, 3, vocab(hybrid))
+    want_a = reference_logits(model, prompts["a"] + [1, 2, 4, 5, 6])[-3:]
+    want_b = reference_logits(model, prompts["b"] + [5, 11, 12, 20, 21, 22])[-3:]
+    np.testing.assert_allclose(got[0], want_a, atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[1], want_b, atol=TOL, rtol=0)
+    pc.check_integrity()
