@@ -776,8 +776,8 @@ class PagedCache:
         seq_ids = batch.seq_ids
         if batch.speculative and any(self._state(s).checkpoint is not None for s in seq_ids):
             return self._trim_speculation(seq_ids, n)
-        if not self.can_trim(batch) or (batch.speculative and self.is_hybrid):
-            return 0
+        if self.is_hybrid:
+            return 0  # recurrent state cannot be cut outside a speculation
         n = min([n] + self.computed_counts(seq_ids))
         for s in seq_ids:
             self.truncate(s, self._state(s).computed - n)
@@ -787,7 +787,10 @@ class PagedCache:
         n = check_count("n", n)
         kept = {}
         for s in seq_ids:
-            tail = self.store.num_tokens(s) - self.store.speculation_start(s)
+            start = self.store.speculation_start(s)
+            if start is None:
+                raise InvalidArgument(f"cannot trim {s!r}: it has no speculation open")
+            tail = self.store.num_tokens(s) - start
             if n > tail:
                 raise InvalidArgument(
                     f"cannot trim {n} tokens of {s!r}: its speculation holds {tail}")

@@ -102,6 +102,27 @@ def test_greedy_speculative_loop_on_views_equals_generate_step(name, kind):
         assert_all_released(storage)
 
 
+@pytest.mark.parametrize("kind", ["self", "disagrees"])
+def test_attention_models_run_on_plain_views_too(kind):
+    """No wrapper needed without recurrent state: `trim` truncates."""
+    target, draft = built("llama"), draft_model("llama", kind)
+    prompt = prompt_of("llama")
+    pc, dc = paged(target), paged(draft)
+    pc.allocate("a", prompt)
+    dc.allocate("a", prompt)
+    steps = speculative_generate_step(
+        mx.array(prompt), target, draft, prompt_cache=pc.views(["a"]) + dc.views(["a"]),
+        num_draft_tokens=NUM_DRAFT, max_tokens=MAX_TOKENS, prefill_step_size=8)
+    got = [(int(t), bool(f)) for t, _, f in steps]
+    mlx_lm = speculative_generate_step(mx.array(prompt), target, draft,
+                                       num_draft_tokens=NUM_DRAFT, max_tokens=MAX_TOKENS)
+    assert got == [(int(t), bool(f)) for t, _, f in mlx_lm]
+    assert [t for t, _ in got] == mlx_lm_greedy(target, prompt)
+    for storage in (pc, dc):
+        storage.free("a")
+        assert_all_released(storage)
+
+
 def test_known_ids_reach_the_prefix_cache():
     target = built("lfm2")
     prompt = prompt_of("lfm2")
