@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import InvalidArgument, OutOfBlocks
 from cache import PagedCache
 from tests.test_speculative import NOISE, noisy_copy
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
@@ -319,4 +319,22 @@ def test_a_batch_whose_rows_replay_different_lengths(hybrid):
     want_b = reference_logits(model, prompts["b"] + [5, 11, 12, 20, 21, 22])[-3:]
     np.testing.assert_allclose(got[0], want_a, atol=TOL, rtol=0)
     np.testing.assert_allclose(got[1], want_b, atol=TOL, rtol=0)
+    pc.check_integrity()
+
+
+def test_no_room_for_the_drafts_changes_nothing(hybrid):
+    model = built(hybrid)
+    pc = PagedCache.for_model(model, num_blocks=3, block_size=8, num_slots=2,
+                              enable_prefix_cache=False)
+    prompt = prompt_of(hybrid, 11)
+    pc.allocate("a", prompt)
+    spec = pc.speculative_model(model, ["a"])
+    spec(mx.array([prompt[:10]]), cache=spec.cache)
+    before = pc.debug_state()
+    with pytest.raises(OutOfBlocks):
+        spec(mx.array([[prompt[10]] + list(range(1, 16))]), cache=spec.cache)  # 4 pages
+    assert pc.debug_state() == before
+    got = np.array(spec(mx.array([[prompt[10], 1, 2]]), cache=spec.cache)[0])
+    np.testing.assert_allclose(got, reference_logits(model, prompt + [1, 2])[-3:], atol=TOL,
+                               rtol=0)
     pc.check_integrity()
