@@ -22,7 +22,8 @@ gives out with the views it feeds (`.cache`):
   own (its logits never evaluated), which moves the checkpoint past it;
 * a forward that raises leaves the storage as before the call: the step
   is rolled back and the transaction aborted (opened by this call) or
-  shortened back (extended by it).
+  shortened back (extended by it); a replay that ran alone first stays
+  computed.
 
 Cost per call: one synchronisation to read the input ids (mlx-lm's draft
 loop otherwise overlaps its one-token forwards), the store calls (O(tokens)),
@@ -109,7 +110,8 @@ class SpeculativeModel:
         input and their logits are dropped. Raises `InvalidArgument`
         (nothing changed) for another cache or ids that differ from the
         reserved ones, the store's errors (`OutOfBlocks`, ...) when memory
-        is short; a raising model leaves the storage as before."""
+        is short; a raising model leaves the storage as before (a replay
+        that ran alone first stays computed: a state as valid as before)."""
         self._check_cache(cache)
         feed = self.plan(inputs)
         if max(feed.num_replayed) > inputs.shape[1] + 1:
