@@ -44,7 +44,7 @@ _SINGLE_GROUP_CALLS = (
     "can_allocate", "allocate", "cached_prefix_length", "can_append", "append", "fork",
     "can_truncate", "truncate", "cache_prefix", "free", "can_swap_out", "swap_out",
     "can_swap_in", "swap_in", "can_speculate", "begin_speculation", "commit_speculation",
-    "abort_speculation",
+    "abort_speculation", "shorten_speculation",
 )
 
 
@@ -355,6 +355,14 @@ class GroupedStore:
         if isinstance(seq_ids, (str, bytes)):
             raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
         self.commit_speculation(dict.fromkeys(seq_ids, 0))
+
+    def shorten_speculation(self, kept: Mapping[Hashable, int]) -> None:
+        """Drop speculative tokens past `start + kept` in every group, the
+        transactions staying open (see `BlockManager.shorten_speculation`).
+        Group 0 checks the argument first: the others cannot fail."""
+        self._first.shorten_speculation(kept)
+        for m in self._others:
+            m.shorten_speculation(kept)
 
     def speculation_start(self, seq_id: Hashable) -> int | None:
         return self._first.speculation_start(seq_id)

@@ -795,6 +795,16 @@ class BlockManager:
             raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
         self.commit_speculation(dict.fromkeys(seq_ids, 0))
 
+    def shorten_speculation(self, kept: Mapping[Hashable, int]) -> None:
+        """Drop the speculative tokens of each sequence in `kept` (seq_id ->
+        speculative tokens kept) past `start + kept`, releasing their pages;
+        the transactions stay open and the slots are untouched (the caller
+        undoes an `append` whose forward never wrote anything). All or
+        nothing: raises `InvalidArgument` like the commit, changing nothing.
+        O(sequences + released pages)."""
+        for seq, num in self._plan_commit(kept):
+            self._drop_tail(seq, seq.speculation.start + num)
+
     def speculation_start(self, seq_id: Hashable) -> int | None:
         """The token count at `begin_speculation` (None: no transaction open)."""
         spec = self._get(seq_id).speculation
@@ -823,15 +833,20 @@ class BlockManager:
             keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
             seq.slot = keep
             self._slots.release(drop)
-        keep_pages = -(-end // self._block_size)
-        self._pages.release_all(seq.block_table[keep_pages:])
-        del seq.block_table[keep_pages:]
-        if end < len(seq.tokens) and spec.recompute_from is not None:
+        if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
             seq.recompute_from = spec.recompute_from  # computed again: hold its window
-        del seq.tokens[end:]
+        self._drop_tail(seq, end)
         # No window release here: the manager does not know which tokens are
         # computed; the next append releases from its first token to compute.
         return restored
+
+    def _drop_tail(self, seq: Sequence, end: int) -> None:
+        """Keep the sequence's first `end` tokens (inside its speculative
+        tail) and release the pages past them."""
+        keep_pages = -(-end // self._block_size)
+        self._pages.release_all(seq.block_table[keep_pages:])
+        del seq.block_table[keep_pages:]
+        del seq.tokens[end:]
 
     # ----------------------------------------------------------- cache/free
 

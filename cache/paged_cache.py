@@ -33,11 +33,13 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
+from blockmgr.validation import check_count
 from cache import attention_hook
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
+from cache.speculative_model import SpeculativeModel
 from cache.step_plan import StepPlan, plan_step
 from cache.views import (
     AttentionView,
@@ -99,6 +101,7 @@ class _SeqState:
     in_flight: int = 0  # tokens of a started step that has not finished yet
     batch: BatchState | None = None  # the views running that step
     checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
+    replay_end: int | None = None  # a trim restored a checkpoint: tokens up to here computed again
 
 
 def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
@@ -245,7 +248,7 @@ class PagedCache:
         """The store's `debug_state()` and each sequence's computed state, as
         plain values: equal before and after a refused call. O(state)."""
         seqs = tuple(
-            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint)
+            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint, st.replay_end)
             for seq_id, st in self._seqs.items()
         )
         return self.store.debug_state(), seqs
@@ -285,6 +288,12 @@ class PagedCache:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.store.num_tokens(seq_id)
+
+    def tokens(self, seq_id: Hashable) -> list[int]:
+        """The sequence's token ids (placeholders where a forward fed ids the
+        storage was not told)."""
+        self._state(seq_id)
+        return self.store.tokens(seq_id)
 
     def num_computed(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` whose K/V a finished forward pass wrote."""
@@ -474,6 +483,35 @@ class PagedCache:
         if isinstance(seq_ids, (str, bytes)):
             raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
         return self.commit_speculation(dict.fromkeys(seq_ids, 0))
+
+    def shorten_speculation(self, kept: Mapping[Hashable, int]) -> None:
+        """Drop speculative tokens past `start + kept[seq_id]` that no
+        forward computed, the transactions staying open (the store's
+        `shorten_speculation`): undoes an `append` whose forward failed."""
+        for s in kept:
+            state = self._state(s)
+            if state.checkpoint is None or state.in_flight:
+                raise InvalidArgument(f"{s!r}: no speculation open, or a step in flight")
+        self.store.shorten_speculation(kept)
+        for s in kept:
+            state = self._seqs[s]
+            num_tokens = self.store.num_tokens(s)
+            state.computed = min(state.computed, num_tokens)
+            state.known = min(state.known, num_tokens)
+
+    def speculation_start(self, seq_id: Hashable) -> int | None:
+        """The token count at `begin_speculation` (None: no transaction open)."""
+        self._state(seq_id)
+        return self.store.speculation_start(seq_id)
+
+    def speculative_model(self, model: Any, seq_ids: Sequence[Hashable]) -> SpeculativeModel:
+        """`model` wrapped for mlx-lm's `speculative_generate_step` over the
+        sequences `seq_ids` of this storage (see `cache.speculative_model`):
+        its `cache` (the views to give mlx-lm) can be trimmed back to the
+        start of the open speculation, hybrid models included."""
+        views, batch = self._views(seq_ids, None, auto_commit=False)
+        batch.speculative = True
+        return SpeculativeModel(model, self, views, batch)
 
     # --- swap (preemption to host memory) ------------------------------------------
 
@@ -720,13 +758,56 @@ class PagedCache:
             rows.append([0] * (width - len(ids)) + ids)
         return mx.array(rows, dtype=mx.int64).reshape(len(rows), width)
 
-    def trim_batch(self, seq_ids: Sequence, n: int) -> int:
+    def can_trim(self, batch: BatchState) -> bool:
+        """mlx-lm's `is_trimmable` for the batch's views: attention-only
+        storage (`truncate`), or views a `SpeculativeModel` feeds (a trim
+        within its open speculation; recurrent state cannot be cut otherwise)."""
+        return batch.speculative or not self.is_hybrid
+
+    def trim_batch(self, batch: BatchState, n: int) -> int:
         """Drop the last `n` computed tokens of every sequence (mlx-lm's
-        `trim`); returns how many were dropped."""
+        `trim`); returns how many were dropped. For views a
+        `SpeculativeModel` feeds: within the open speculation, a commit
+        keeping all but the last `n` (a hybrid sequence gets its checkpoint
+        back, and the tokens since it are computed again before the next
+        input); without one, a hybrid batch drops nothing (0, as mlx-lm's
+        caches for state they cannot trim). Raises `InvalidArgument`
+        (nothing changed) for a trim past a speculation's start."""
+        seq_ids = batch.seq_ids
+        if batch.speculative and any(self._state(s).checkpoint is not None for s in seq_ids):
+            return self._trim_speculation(seq_ids, n)
+        if self.is_hybrid:
+            return 0  # recurrent state cannot be cut outside a speculation
         n = min([n] + self.computed_counts(seq_ids))
         for s in seq_ids:
             self.truncate(s, self._state(s).computed - n)
         return n
+
+    def _trim_speculation(self, seq_ids: Sequence, n: int) -> int:
+        n = check_count("n", n)
+        kept = {}
+        for s in seq_ids:
+            start = self.store.speculation_start(s)
+            if start is None:
+                raise InvalidArgument(f"cannot trim {s!r}: it has no speculation open")
+            tail = self.store.num_tokens(s) - start
+            if n > tail:
+                raise InvalidArgument(
+                    f"cannot trim {n} tokens of {s!r}: its speculation holds {tail}")
+            kept[s] = tail - n
+        for s, count in self.commit_speculation(kept).items():
+            if count < self.store.num_tokens(s):
+                self._seqs[s].replay_end = self.store.num_tokens(s)
+        return n
+
+    def num_replay(self, seq_id: Hashable) -> int:
+        """Tokens a trim's restored checkpoint made pending again, which a
+        `SpeculativeModel` computes before its next input (the caller does
+        not feed them again)."""
+        state = self._state(seq_id)
+        if state.replay_end is None:
+            return 0
+        return max(0, min(state.replay_end, self.store.num_tokens(seq_id)) - state.computed)
 
     def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
         """Bytes of the pages the sequences hold in `layer` (shared counted once)."""

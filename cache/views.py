@@ -40,7 +40,8 @@ class StepSource(Protocol):
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
     def computed_counts(self, seq_ids: Sequence) -> list[int]: ...
     def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array: ...
-    def trim_batch(self, seq_ids: Sequence, n: int) -> int: ...
+    def can_trim(self, batch: BatchState) -> bool: ...
+    def trim_batch(self, batch: BatchState, n: int) -> int: ...
     def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int: ...
 
 
@@ -48,7 +49,7 @@ class BatchState:
     """Step bookkeeping shared by the views of one `views()` call."""
 
     __slots__ = ("owner", "seq_ids", "auto_commit", "steps", "trims", "last_trim", "plans",
-                 "recurrent", "masked", "_num_new")
+                 "recurrent", "masked", "speculative", "_num_new")
 
     def __init__(
         self, owner: StepSource, seq_ids: Sequence, num_new=None, auto_commit: bool = True
@@ -65,13 +66,24 @@ class BatchState:
         self.plans: dict[int, StepPlan] = {}
         self.recurrent: Mapping[int, Any] = {}  # backend views of the current step
         self.masked = False  # the model builds masks: they start the steps
-        self._num_new = num_new  # explicit chunk lengths for the first step only
+        # Fed by a `SpeculativeModel` only: every step's widths come from it.
+        self.speculative = False
+        self._num_new = num_new  # explicit chunk lengths for the next step only
+
+    def feed(self, num_new: Sequence[int] | None) -> None:
+        """The real input tokens of each row in the next step (None: the
+        pending ones); `SpeculativeModel` says it before every forward."""
+        self._num_new = None if num_new is None else list(num_new)
 
     def plan(self, calls: int, group: int, n: int | None) -> StepPlan:
         """The plan of the view's next step, starting the step if it is the
         first. `n` (input width) None: the step covers the pending tokens
         (for models that never tell their caches how many tokens they feed)."""
         if calls == self.steps:
+            if self.speculative and self._num_new is None:
+                raise InvalidArgument(
+                    f"{list(self.seq_ids)!r}: these views are fed by a SpeculativeModel; "
+                    "call the model through it (it records the input ids)")
             if self.steps:
                 self.owner.commit_step(self)  # the model is past the last step
             self.plans = self.owner.begin_step(self, n, self._num_new)
@@ -79,6 +91,14 @@ class BatchState:
             self._num_new = None
             self.steps += 1
         return self.plans[group]
+
+    def trim(self, num_view_trims: int, n: int) -> int:
+        """mlx-lm trims every layer's cache: the first view's call (its
+        `num_view_trims`-th) trims the batch, the others get its result."""
+        if num_view_trims == self.trims:
+            self.last_trim = self.owner.trim_batch(self, n)
+            self.trims += 1
+        return self.last_trim
 
 
 class AttentionView:
@@ -253,16 +273,15 @@ class AttentionView:
         return () if pool is None else pool.arrays()
 
     def is_trimmable(self) -> bool:
-        return True
+        """Attention-only storage, or views a `SpeculativeModel` feeds."""
+        return self._batch.owner.can_trim(self._batch)
 
     def trim(self, n: int) -> int:
-        """Drop the last n tokens of every sequence (once per batch, not per layer)."""
-        batch = self._batch
-        if self._trims == batch.trims:
-            batch.last_trim = batch.owner.trim_batch(batch.seq_ids, n)
-            batch.trims += 1
+        """Drop the last n tokens of every sequence (once per batch, not per
+        layer; see `PagedCache.trim_batch`)."""
+        trimmed = self._batch.trim(self._trims, n)
         self._trims += 1
-        return batch.last_trim
+        return trimmed
 
     def size(self) -> int:
         offs = self._batch.owner.computed_counts(self._batch.seq_ids)
@@ -324,13 +343,14 @@ class RecurrentLayerView(ArraysCache):
     view's.
     """
 
-    __slots__ = ("_batch", "_layer", "_seen", "_written")
+    __slots__ = ("_batch", "_layer", "_seen", "_written", "_trims")
 
     def __init__(self, batch: BatchState, layer: int) -> None:
         self._batch = batch
         self._layer = layer
         self._seen = 0  # last step this layer took part in
         self._written: set[int] = set()  # arrays this layer wrote in step `_seen`
+        self._trims = 0
 
     def __bool__(self) -> bool:  # mlx-lm tests `if cache` to use the state at all
         return True
@@ -397,10 +417,17 @@ class RecurrentLayerView(ArraysCache):
         return not any(self._batch.owner.computed_counts(self._batch.seq_ids))
 
     def is_trimmable(self) -> bool:
-        return False  # recurrent state cannot be cut; see PagedCache.truncate
+        """Only views a `SpeculativeModel` feeds: recurrent state cannot be
+        cut, a trim restores a checkpoint (see `PagedCache.trim_batch`)."""
+        return self._batch.owner.can_trim(self._batch)
 
     def trim(self, n: int) -> int:
-        return 0
+        """As `AttentionView.trim` (one trim per batch); 0 when not trimmable."""
+        if not self.is_trimmable():
+            return 0
+        trimmed = self._batch.trim(self._trims, n)
+        self._trims += 1
+        return trimmed
 
     @property
     def nbytes(self) -> int:
