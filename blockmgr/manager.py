@@ -1259,7 +1259,10 @@ class BlockManager:
 
     def _more_fit(self, needs: list[int]) -> bool:
         """Are `needs[i]` pages free in further page group i (no eviction)?"""
-        return all(need <= more.pages.num_free for need, more in zip(needs, self._more))
+        for need, more in zip(needs, self._more):
+            if need > more.pages.num_free:
+                return False
+        return True
 
     def _more_shortfall_group(self, needs: list[int]) -> PageGroup | None:
         """The first further page group whose need eviction cannot meet. Pure."""

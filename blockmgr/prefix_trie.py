@@ -318,6 +318,14 @@ class PrefixTrie:
         `path` (each asked again with the shorter limit until all agree), and
         group 0's pages when it alone decided (else None). Pure."""
         groups = self._windowed_groups
+        if num_tokens == 0:
+            return 0, None
+        if path[-1].start < num_tokens:
+            for group in groups:
+                if not self._window_present(path, num_tokens, group):
+                    break
+            else:
+                return num_tokens, None  # the common case: every window is there
         if len(groups) == 1:
             usable, pages = self._window_usable(path, num_tokens, groups[0])
             return usable, pages if groups[0] == 0 else None
@@ -491,28 +499,33 @@ class PrefixTrie:
         if lock.end > num_tokens:
             lock = path[-2] if len(path) > 1 else None
         num_locked_pages = lock.end // block_size if lock is not None else 0
-        num_released = self._release_pages(pages, num_tokens, self._window)
-        match = PrefixMatch(
-            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
+        num_released = 0
+        if self._window is not None:
+            num_released = self._release_pages(pages, num_tokens, self._window)
+        if not self._num_more:
+            return PrefixMatch(
+                num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
+            )
+        num_pages = len(pages)
+        more_pages = []
+        more_released = []
+        groups = self._groups
+        for group in range(1, len(groups)):
+            group_pages = self._pages_along(path, group)
+            del group_pages[num_pages:]
+            more_pages.append(group_pages)
+            window = groups[group].window
+            more_released.append(
+                0 if window is None else self._release_pages(group_pages, num_tokens, window)
+            )
+        return PrefixMatch(
+            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released,
+            more_pages, more_released,
         )
-        if self._num_more:
-            num_pages = len(pages)
-            match.more_pages = more_pages = []
-            match.more_released = more_released = []
-            for group in range(1, self._num_more + 1):
-                group_pages = self._pages_along(path, group)
-                del group_pages[num_pages:]
-                more_pages.append(group_pages)
-                more_released.append(
-                    self._release_pages(group_pages, num_tokens, self._groups[group].window)
-                )
-        return match
 
-    def _release_pages(self, pages: list, num_tokens: int, window: int | None) -> int:
+    def _release_pages(self, pages: list, num_tokens: int, window: int) -> int:
         """Pages before the window of the token at `num_tokens` stay
         released: set them None in `pages`; return how many."""
-        if window is None:
-            return 0
         num_released = max(0, num_tokens - window + 1) // self._block_size
         pages[:num_released] = [None] * num_released
         return num_released
@@ -611,14 +624,7 @@ class PrefixTrie:
         """
         self.version += 1
         windowed = self._windowed
-        if windowed:
-            tables = [pages] if more_pages is None else [pages, *more_pages]
-            tables = [
-                self._window_pages(table, len(tokens), group.window)
-                for table, group in zip(tables, self._groups)
-            ]
-        else:
-            tables = [pages]
+        tables = [pages] if more_pages is None else [pages, *more_pages]
         if start is not None:
             node, pos = start, start.end
             path = self._path_to(start)
@@ -661,20 +667,17 @@ class PrefixTrie:
         self.touch(path)
         return (node if node.parent is not None else None), took_slot
 
-    def _window_pages(
-        self, pages: list[int | None], num_tokens: int, window: int | None
+    def _kept_pages(
+        self, table: list[int | None], first: int, end: int, num_tokens: int, window: int | None
     ) -> list[int | None]:
-        """`pages` with `None` outside the window before `num_tokens` (the
-        pages a hit there needs): `pages` itself when the window reaches back
-        to the start or there is none (callers only read it). O(pages)."""
-        if window is None:
-            return pages
-        first = max(0, num_tokens - window + 1) // self._block_size
-        if first == 0:
-            return pages
-        kept = pages[: -(-num_tokens // self._block_size)]
-        kept[:first] = [None] * min(first, len(kept))
-        return kept
+        """`table[first:end]`, with `None` for the pages outside the window
+        before `num_tokens` (a hit there needs only those). O(end - first)."""
+        blocks = table[first:end]
+        if window is not None:
+            num_dropped = max(0, num_tokens - window + 1) // self._block_size - first
+            if num_dropped > 0:
+                blocks[:num_dropped] = [None] * min(num_dropped, len(blocks))
+        return blocks
 
     def _fill_holes(
         self, path: list[TrieNode], pages: list[int | None], num_tokens: int, group: int
@@ -706,17 +709,27 @@ class PrefixTrie:
         tables: list[list[int | None]],
         packed: bytes,
     ) -> TrieNode:
-        """`tables`: the inserting sequence's pages, one table per group."""
+        """`tables`: the inserting sequence's pages, one table per group; a
+        windowed group's node keeps those of the window before the end."""
         block_size = self._block_size
-        first, end = pos // block_size, -(-len(tokens) // block_size)
-        blocks = tables[0][first:end]
+        num_tokens = len(tokens)
+        first, end = pos // block_size, -(-num_tokens // block_size)
+        if self._window is None:
+            blocks = tables[0][first:end]
+        else:
+            blocks = self._kept_pages(tables[0], first, end, num_tokens, self._window)
         self._hold_pages(blocks)
         child = self._new_node(
             parent.namespace, tokens[pos:], pos, parent, blocks, _packed_run(tokens, packed, pos)
         )
         if self._num_more:
-            child.more = [table[first:end] for table in tables[1:]]
-            for group, group_blocks in enumerate(child.more, 1):
+            groups = self._groups
+            child.more = more = []
+            for group in range(1, len(groups)):
+                group_blocks = self._kept_pages(
+                    tables[group], first, end, num_tokens, groups[group].window
+                )
+                more.append(group_blocks)
                 self._hold_pages(group_blocks, group)
         children = parent.children
         children[tokens[pos]] = child
