@@ -278,13 +278,13 @@ class BlockManager:
         *,
         packed: bytes | None = None,
     ) -> PrefixMatch:
-        """The longest cached prefix of `tokens` this manager can serve, at
-        most `limit` tokens (default and cap: len - 1). Changes nothing.
+        """The longest cached prefix of `tokens` this manager can serve (in
+        every page group), at most `limit` tokens (default and cap:
+        len - 1). Changes nothing.
 
         A hit is not downward closed (a recurrent snapshot or a sliding
-        window's pages exist only at some points), so a caller combining
-        managers asks each again with the shorter limit (see
-        `GroupedStore.allocate`). Pass the result to `allocate(match=...)`
+        window's pages exist only at some points): the longest hit within
+        `limit` may be well below it. Pass the result to `allocate(match=...)`
         before any other call on this manager. `packed`: what
         `validation.packed_prompt` returned for `tokens` (then `tokens` is
         its checked list, not checked or packed again). O(matched tokens +
@@ -482,9 +482,9 @@ class BlockManager:
             new_tokens = token_list(new_tokens, "new_tokens")
             if not new_tokens:
                 return NO_OPS
-        elif (num_computed is None or not self._more or num_computed == len(seq.tokens)) and (
-            self._fits_last_page(seq)
-        ):  # the common decode step: nothing to plan (a further group: no hold to move)
+        elif self._fits_last_page(seq) and (
+            num_computed is None or seq.more_tables is None or num_computed == len(seq.tokens)
+        ):  # the common decode step: nothing to plan (further groups: no hold to move)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
@@ -541,14 +541,15 @@ class BlockManager:
             and num_tokens % self._block_size != 0
             and num_tokens // self._block_size + 1 == len(table)
             and self._pages.refcount(table[-1]) == 1
-            and (
-                not self._more
-                or all(
-                    group.fits_next_token(seq, index, num_tokens)
-                    for index, group in enumerate(self._more)
-                )
-            )
+            and (seq.more_tables is None or self._more_fit_next_token(seq, num_tokens))
         )
+
+    def _more_fit_next_token(self, seq: Sequence, num_tokens: int) -> bool:
+        """`_fits_last_page` in every further page group. O(groups)."""
+        for index, group in enumerate(self._more):
+            if not group.fits_next_token(seq, index, num_tokens):
+                return False
+        return True
 
     def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
         """(new pages, copy the last page?, copy the slot?) to add tokens."""
