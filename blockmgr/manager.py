@@ -43,7 +43,6 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.page_group import PageGroup
 from blockmgr.ops import (
     NO_OPS,
     CopyBlock,
@@ -55,6 +54,7 @@ from blockmgr.ops import (
     SwapOutSlot,
     ZeroSlot,
 )
+from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import (
     TOKEN_BYTES,
@@ -371,13 +371,7 @@ class BlockManager:
         table += self._pages.take(-(-num_tokens // self._block_size) - len(table))
         slot = self._new_sequence_slot(match.slot, ops) if self._slots is not None else None
         node = match.node  # ends inside the matched prefix: an anchor
-        more_tables = more_released = None
-        if self._more:
-            more_tables = [
-                more.new_table(match, index, num_tokens, ops) for index, more in enumerate(self._more)
-            ]
-            more_released = list(match.more_released or [0] * len(self._more))
-        self._seqs[seq_id] = Sequence(
+        self._seqs[seq_id] = seq = Sequence(
             seq_id,
             namespace,
             tokens,
@@ -388,9 +382,12 @@ class BlockManager:
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
             packed=packed,
-            more_tables=more_tables,
-            more_released=more_released,
         )
+        if self._more:
+            seq.more_tables = [
+                more.new_table(match, index, num_tokens, ops) for index, more in enumerate(self._more)
+            ]
+            seq.more_released = list(match.more_released or [0] * len(self._more))
         self._count_query(num_tokens, num_cached)
         if self._events:
             self._deliver_events()
@@ -1022,8 +1019,9 @@ class BlockManager:
         table = seq.block_table
         first_owned = seq.first_owned
         self._pages.release_all(table[first_owned:] if first_owned else table)
-        for index, group in enumerate(self._more):
-            group.release(seq, index)
+        if self._more:
+            for index, group in enumerate(self._more):
+                group.release(seq, index)
         if seq.slot is not None:
             self._slots.release(seq.slot)
         if self._events:

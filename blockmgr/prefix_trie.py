@@ -624,7 +624,7 @@ class PrefixTrie:
         """
         self.version += 1
         windowed = self._windowed
-        tables = [pages] if more_pages is None else [pages, *more_pages]
+        tables = (pages,) if more_pages is None else (pages, *more_pages)
         if start is not None:
             node, pos = start, start.end
             path = self._path_to(start)
