@@ -3,19 +3,20 @@
 Run: python benchmarks/grouped_pieces.py [--layout gemma3] [--rounds 7]
 
 Case d1 of `blockmgr_table.py` (a 512-token request with a 496-token hit)
-on a `GroupedStore` costs the prompt check and packing once, then each
-group's `find_prefix`, `can_allocate`, `allocate` and `free`. This prints
-the CPU time (`time.process_time`, best of `--rounds` fresh states) of:
+on a `GroupedStore`, whose group-0 `BlockManager` keeps every group (one
+trie walk, lock, record and insert; further page groups add their page
+takes, references and window checks), next to a plain `BlockManager` (d1).
+This prints the CPU time (`time.process_time`, best of `--rounds` fresh
+states) of, for both:
 
-* the shared check and packing of the prompt (`validation.packed_prompt`);
-* each group's `find_prefix` and `can_allocate` (pure: repeated on one state);
-* each group's find + allocate + free, the group driven alone (on a store
-  of its own, so the other groups' drifting apart does not matter), and
-  its allocate and its free apart (all allocated, then all freed: as many
-  sequences locking the cached prefix as calls);
-* the whole request on the store, and on a plain `BlockManager` (d1).
+* `find_prefix` (the walk, the window checks, the match's page lists) and
+  `can_allocate` given that match (pure: repeated on one state);
+* `allocate` given its match and `free`, apart (all allocated, then all
+  freed: as many sequences locking the cached prefix as calls);
+* the whole request (`allocate` + `free`, one request at a time);
 
-The whole request minus the pieces is the store's own overhead.
+and the shared check and packing of the prompt. The store's column minus
+the plain one is what the further groups add to each piece.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from blockmgr_table import LAYOUTS, PREFIX_HIT, PROMPT, manager, pages_for, tokens, unique_prompts
 
+from blockmgr import BlockManager
 from blockmgr.validation import packed_prompt
 
 NUM_CALLS = 2000
@@ -73,26 +75,18 @@ def lifecycle(store, queries) -> None:
         free("r")
 
 
-def group_alone(layout: str, group: int, packed_queries):
-    """find + allocate + free of every query in one group of a fresh store."""
-    m = warm_store(layout).managers[group]
-
-    def run() -> None:
-        for query, packed in packed_queries:
-            match = m.find_prefix(query, None, len(query) - 1, packed=packed)
-            m.allocate("r", query, None, match=match, packed=packed)
-            m.free("r")
-
-    return run
+def group_zero(store) -> BlockManager:
+    """The manager keeping every group (the plain manager itself)."""
+    return store if isinstance(store, BlockManager) else store.managers[0]
 
 
-def group_phases(layout: str, group: int, packed_queries) -> tuple[float, float]:
-    """CPU us per `allocate` (given its match) and per `free` in one group of
-    a fresh store: all queries allocated in a row (each with its own id),
+def phases(store, packed_queries) -> tuple[float, float]:
+    """CPU us per `allocate` (given its match) and per `free` on `store`'s
+    group-0 manager: all queries allocated in a row (each with its own id),
     then all freed."""
-    m = warm_store(layout).managers[group]
+    m = group_zero(store)
     # Found up front: allocating leaves the cached path as it is (a match
-    # becomes its sequence's page table, so each needs its own).
+    # becomes its sequence's page tables, so each needs its own).
     matches = [
         m.find_prefix(query, None, len(query) - 1, packed=packed)
         for query, packed in packed_queries
@@ -109,30 +103,30 @@ def group_phases(layout: str, group: int, packed_queries) -> tuple[float, float]
     return cpu_us(allocate_all, NUM_CALLS), cpu_us(free_all, NUM_CALLS)
 
 
+#: The two stores compared: the layout's `GroupedStore` and d1's plain manager.
+STORES = ("GroupedStore", "BlockManager (d1)")
+
+
 def measure(layout: str) -> dict[str, float]:
     times: dict[str, float] = {}
     queries = prompts()
     query, packed = packed_prompt(queries[0], "tokens")
-    store = warm_store(layout)
-    times["check + pack the prompt (once)"] = cpu_us(
+    times["check + pack the prompt (once, shared)"] = cpu_us(
         repeat(packed_prompt, queries[1], "tokens"), NUM_CALLS
     )
-    for g, m in enumerate(store.managers):
+    for key, store_layout in zip(STORES, (layout, None)):
+        m = group_zero(warm_store(store_layout))
         match = m.find_prefix(query, None, PREFIX_HIT, packed=packed)
-        times[f"group {g}: find_prefix"] = cpu_us(
+        times[f"find_prefix, {key}"] = cpu_us(
             repeat(m.find_prefix, query, None, PREFIX_HIT, packed=packed), NUM_CALLS)
-        times[f"group {g}: can_allocate"] = cpu_us(
+        times[f"can_allocate, {key}"] = cpu_us(
             repeat(m.can_allocate, query, None, match=match, packed=packed), NUM_CALLS)
-    for g in range(len(store.managers)):
-        packed_queries = [packed_prompt(q, "tokens") for q in queries]
-        times[f"group {g}: find + allocate + free"] = cpu_us(
-            group_alone(layout, g, packed_queries), NUM_CALLS)
-        allocate_us, free_us = group_phases(
-            layout, g, [packed_prompt(q, "tokens") for q in queries])
-        times[f"group {g}: allocate (given its match)"] = allocate_us
-        times[f"group {g}: free"] = free_us
-    for key, store in (("GroupedStore", warm_store(layout)), ("BlockManager (d1)", warm_store(None))):
+        allocate_us, free_us = phases(
+            warm_store(store_layout), [packed_prompt(q, "tokens") for q in queries])
+        times[f"allocate (given its match), {key}"] = allocate_us
+        times[f"free, {key}"] = free_us
         fresh_queries = prompts()
+        store = warm_store(store_layout)
         times[f"whole request, {key}"] = cpu_us(
             lambda: lifecycle(store, fresh_queries), NUM_CALLS)  # noqa: B023 (run at once)
     return times
@@ -149,18 +143,16 @@ def main() -> None:
             best[key] = min(best.get(key, us), us)
     print(f"layout {args.layout} {LAYOUTS[args.layout]}, CPU us per request, "
           f"best of {args.rounds}")
-    for key, us in best.items():
-        print(f"| {key} | {us:.2f} |")
-    num_groups = len(LAYOUTS[args.layout])
-    # What the store's allocate + free calls: the packing, every group's
-    # find + allocate + free, and can_allocate of groups 1.. (group 0's
-    # allocate checks itself).
-    pieces = best["check + pack the prompt (once)"] + sum(
-        best[f"group {g}: find + allocate + free"] for g in range(num_groups)
-    ) + sum(best[f"group {g}: can_allocate"] for g in range(1, num_groups))
-    whole = best["whole request, GroupedStore"]
-    print(f"store overhead (whole - pieces): {whole - pieces:.2f} us; "
-          f"store / d1: {whole / best['whole request, BlockManager (d1)']:.2f}x")
+    print("| piece | GroupedStore | BlockManager (d1) | difference |")
+    print("|---|---|---|---|")
+    print(f"| check + pack the prompt (once, shared) | "
+          f"{best['check + pack the prompt (once, shared)']:.2f} | | |")
+    for piece in ("find_prefix", "can_allocate", "allocate (given its match)", "free",
+                  "whole request"):
+        grouped, plain = (best[f"{piece}, {key}"] for key in STORES)
+        print(f"| {piece} | {grouped:.2f} | {plain:.2f} | {grouped - plain:+.2f} |")
+    grouped, plain = (best[f"whole request, {key}"] for key in STORES)
+    print(f"whole request, store / d1: {grouped / plain:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,59 +1,57 @@
 """`GroupedStore`: the bookkeeping of every layer group of one model.
 
 Real models mix layer kinds: full attention, sliding-window attention (one
-group per distinct window) and recurrent layers (slots). Each group keeps its
-own pages and prefix trie in a `BlockManager` (group 0 also keeps the
-recurrent slots); the store drives them as one:
+group per distinct window) and recurrent layers (slots). Each group has its
+own page pool; one `BlockManager` keeps them all (group 0 as its own pages
+and the recurrent slots, the others as further page groups,
+`blockmgr.page_group`), with one prefix trie whose nodes hold a page list
+per group and one record per sequence with a page table per group:
 
 * every call has `BlockManager`'s meaning, and succeeds in every group or
-  raises and changes nothing in any: the checks of all groups run before
-  the first group changes;
-* `allocate` first finds the hit every group can serve (a fixed point over
-  the groups' hit lengths: a recurrent snapshot or a sliding window's pages
-  exist only at some points, so each group is asked again with the shorter
-  limit until all agree), then allocates every group with it;
+  raises and changes nothing in any: the manager checks every group's pool
+  before it changes one;
+* `allocate`'s hit is the longest every group can serve (a sliding group
+  needs its window's pages before the hit, a hybrid group a snapshot at
+  it), found in one walk of the trie;
 * page ops carry their group (`CopyBlock.group`, ...), slot ops need none.
 
-With a single group the store is that group's manager: the calls are bound
-straight to it (no cost over a plain `BlockManager`).
+The sequence calls are bound straight to the manager (no cost over a plain
+`BlockManager` with one group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable
+from dataclasses import replace
 
 from blockmgr.config import GroupedStoreConfig
-from blockmgr.errors import (
-    DuplicateSequence,
-    IntegrityError,
-    InvalidArgument,
-    OutOfHostMemory,
-    WrongArgumentType,
-)
+from blockmgr.errors import InvalidArgument
 from blockmgr.manager import BlockManager
 from blockmgr.ops import MemoryOp
-from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
-from blockmgr.sequence import Allocation
+from blockmgr.page_group import PageGroupView
+from blockmgr.prefix_trie import PrefixCacheListener
 from blockmgr.stats import PrefixCacheStats
-from blockmgr.validation import check_hashable, packed_prompt, token_list
 
 Plan = tuple[MemoryOp, ...]
 
-#: The calls a single-group store binds straight to its manager.
-_SINGLE_GROUP_CALLS = (
+#: The calls the store binds straight to its manager.
+_MANAGER_CALLS = (
     "can_allocate", "allocate", "cached_prefix_length", "can_append", "append", "fork",
     "can_truncate", "truncate", "cache_prefix", "free", "can_swap_out", "swap_out",
     "can_swap_in", "swap_in", "can_speculate", "begin_speculation", "commit_speculation",
-    "abort_speculation", "shorten_speculation",
+    "abort_speculation", "shorten_speculation", "speculation_start", "recompute_from", "reset_prefix_cache",
+    "take_listener_errors", "cached_paths",
 )
 
 
 class GroupedStore:
     """Pages, slots and prefix tries of all layer groups of one model.
 
-    Not thread-safe. Each call costs the sum of its groups' `BlockManager`
-    calls (plus, for `allocate`, one more `find_prefix` per group each time
-    a group lowers the common hit).
+    Not thread-safe. One `BlockManager` keeps every group: group 0 as its
+    own, the others as further page groups (`blockmgr.page_group`) in the
+    same trie nodes and sequence records, so each call walks, locks and
+    records once; a further group adds its page takes, references and
+    window checks (`design/grouped_store.md`, "Costs").
     """
 
     def __init__(
@@ -63,23 +61,26 @@ class GroupedStore:
         if not isinstance(config, GroupedStoreConfig):
             raise InvalidArgument(f"config must be a GroupedStoreConfig, got {config!r}")
         self.config = config
-        self._managers = tuple(
-            BlockManager(config.group_config(g), listener if g == 0 else None, group=g)
-            for g in range(config.num_groups)
+        self._first = BlockManager(
+            config.group_config(0),
+            listener,
+            group=0,
+            more_groups=tuple(config.group_config(g) for g in range(1, config.num_groups)),
         )
-        self._first = self._managers[0]
-        self._others = self._managers[1:]
-        if len(self._managers) == 1:
-            # One group: every call is its manager's (bound here, not wrapped).
-            for name in _SINGLE_GROUP_CALLS:
-                setattr(self, name, getattr(self._first, name))
+        self._managers = (
+            self._first,
+            *(PageGroupView(self._first, group) for group in self._first.page_groups),
+        )
+        # Every sequence call is the manager's (bound here, not wrapped).
+        for name in _MANAGER_CALLS:
+            setattr(self, name, getattr(self._first, name))
 
     # ------------------------------------------------------------- queries
 
     @property
     def managers(self) -> tuple[BlockManager, ...]:
-        """One `BlockManager` per group, group 0 first (read them; do not call
-        their sequence methods: the groups would drift apart)."""
+        """Group 0's `BlockManager` (it keeps every group: its sequence calls
+        are the store's), then a read-only `PageGroupView` per further group."""
         return self._managers
 
     @property
@@ -123,7 +124,7 @@ class GroupedStore:
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> list[int | None]:
         """A copy of the sequence's page table in `group`."""
-        return self._manager(group).block_table(seq_id)
+        return self._first.block_table(seq_id, self._group_index(group))
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._first.num_tokens(seq_id)
@@ -151,7 +152,7 @@ class GroupedStore:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Pages held by the prefix tries of all groups."""
+        """Pages held by the prefix trie in all groups."""
         return sum(m.num_cached_blocks for m in self._managers)
 
     @property
@@ -161,354 +162,43 @@ class GroupedStore:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        """Queries and hits (the same in every group) and the tries' sizes, summed."""
+        """Queries, hits and the trie's nodes, with the pages (held, evicted)
+        of every group summed."""
         per_group = [m.stats for m in self._managers]
-        first = per_group[0]
-        return PrefixCacheStats(
-            num_queries=first.num_queries,
-            num_hits=first.num_hits,
-            num_query_tokens=first.num_query_tokens,
-            num_hit_tokens=first.num_hit_tokens,
+        return replace(
+            per_group[0],
             num_evicted_pages=sum(s.num_evicted_pages for s in per_group),
-            num_evicted_nodes=sum(s.num_evicted_nodes for s in per_group),
-            num_trie_nodes=sum(s.num_trie_nodes for s in per_group),
             num_trie_pages=sum(s.num_trie_pages for s in per_group),
-            num_trie_slots=first.num_trie_slots,
         )
-
-    # --------------------------------------------------------------- allocate
-
-    def cached_prefix_length(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
-        """How many tokens `allocate` would reuse right now (every group). Pure."""
-        tokens, packed = _checked(tokens, namespace)
-        return self._common_hit(tokens, namespace, packed)[0].num_tokens
 
     @property
     def cache_version(self) -> int:
-        """`BlockManager.cache_version` over every group (their sum). O(groups)."""
-        return sum(m.cache_version for m in self._managers)
-
-    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
-        """Group 0's `BlockManager.cached_paths`: a hit every group can serve
-        is a prefix of one of them (group 0 serves it too). Pure."""
-        return self._first.cached_paths()
-
-    def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
-        """Would `allocate(..., tokens, namespace)` succeed now? Changes nothing."""
-        tokens, packed = _checked(tokens, namespace)
-        matches = self._common_hit(tokens, namespace, packed)
-        return all(
-            m.can_allocate(tokens, namespace, match=match, packed=packed)
-            for m, match in zip(self._managers, matches)
-        )
-
-    def allocate(
-        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
-    ) -> Allocation:
-        """Reserve pages (and a slot) in every group for a new prompt.
-
-        Reuses the longest prefix every group can serve (`num_cached_tokens`);
-        `branch_point` is the furthest point where a group could serve more
-        after a `cache_prefix` there. Raises like `BlockManager.allocate`,
-        changing no group. O(groups x (prompt pages + matched tokens)).
-        """
-        _check_new_id(self._first, seq_id)
-        tokens, packed = _checked(tokens, namespace)
-        groups = tuple(zip(self._managers, self._common_hit(tokens, namespace, packed)))
-        (first_manager, first_match), *others = groups
-        for m, match in others:
-            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
-                self._raise_allocate_error(seq_id, tokens, namespace, packed, groups)
-        # Group 0 checks itself (raising, nothing changed, when it lacks room);
-        # the others were checked, and no group's allocate touches another's
-        # pools or trie. Each keeps its own token list: group 0 the checked one.
-        first = first_manager.allocate(seq_id, tokens, namespace, match=first_match, packed=packed)
-        for m, match in others:
-            more = m.allocate(seq_id, tokens[:], namespace, match=match, packed=packed)
-            _merge_allocation(first, more)
-        return first
-
-    @staticmethod
-    def _raise_allocate_error(
-        seq_id: Hashable, tokens: list, namespace: Hashable, packed: bytes, groups: tuple
-    ) -> None:
-        """Raise the error of the first group (in group order) that cannot
-        allocate, changing nothing."""
-        for m, match in groups:
-            if not m.can_allocate(tokens, namespace, match=match, packed=packed):
-                m.allocate(seq_id, tokens, namespace, match=match, packed=packed)  # raises
-                raise IntegrityError("allocate succeeded where can_allocate said no")
-        raise IntegrityError("can_allocate changed its answer within one call")
-
-    def _common_hit(self, tokens: list, namespace: Hashable, packed: bytes) -> list[PrefixMatch]:
-        """Each group's match at the longest hit all groups can serve.
-
-        A group asked with a limit returns its longest servable hit within it;
-        the limit only falls, and the loop ends once every group in a row
-        agreed with it. Pure; `tokens` and `packed` come from `_checked`.
-        """
-        managers = self._managers
-        limit = len(tokens)
-        matches: list[PrefixMatch] = [None] * len(managers)  # type: ignore[list-item]
-        num_agreeing, g = 0, 0
-        while num_agreeing < len(managers):
-            match = managers[g].find_prefix(tokens, namespace, limit, packed=packed)
-            matches[g] = match
-            if match.num_tokens < limit:
-                limit = match.num_tokens
-                num_agreeing = 1
-            else:
-                num_agreeing += 1
-            g = (g + 1) % len(managers)
-        return matches
-
-    # ----------------------------------------------------------------- append
-
-    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
-        """Would `append` of `num_tokens` tokens succeed in every group? Pure."""
-        return all(m.can_append(seq_id, num_tokens) for m in self._managers)
-
-    def append(
-        self, seq_id: Hashable, new_tokens: Iterable[int], num_computed: int | None = None
-    ) -> Plan:
-        """Reserve pages in every group for tokens about to be computed
-        (`num_computed`: see `BlockManager.append`).
-
-        Raises `OutOfBlocks` / `OutOfSlots` (nothing changed) when any group
-        lacks room after eviction. O(groups) per token, amortised.
-        """
-        if type(new_tokens) is not list:
-            new_tokens = token_list(new_tokens, "new_tokens")
-        others = self._others
-        num_tokens = len(new_tokens)
-        for m in others:
-            if not m.can_append(seq_id, num_tokens):
-                m.append(seq_id, new_tokens, num_computed)  # raises its precise error, changes nothing
-                raise IntegrityError("append succeeded where can_append said no")
-        ops = self._first.append(seq_id, new_tokens, num_computed)  # checks itself: nothing changed yet
-        for m in others:
-            more = m.append(seq_id, new_tokens, num_computed)
-            if more:
-                ops = (*ops, *more)
-        return ops
-
-    # -------------------------------------------------------- fork / truncate
-
-    def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> Plan:
-        """`new_seq_id` shares `seq_id`'s pages in every group (and its slot)."""
-        ops = list(self._first.fork(seq_id, new_seq_id))  # validates both ids
-        for m in self._managers[1:]:
-            ops.extend(m.fork(seq_id, new_seq_id))  # cannot fail once group 0 forked
-        return tuple(ops)
-
-    def can_truncate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """Would `truncate` succeed in every group? Bad arguments still raise."""
-        return all(m.can_truncate(seq_id, num_tokens) for m in self._managers)
-
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
-        """Roll the sequence back in every group (see `BlockManager.truncate`)."""
-        for m in self._managers:
-            if not m.can_truncate(seq_id, num_tokens):
-                m.truncate(seq_id, num_tokens)  # raises its precise error, changes nothing
-                raise IntegrityError("truncate succeeded where can_truncate said no")
-        return tuple(op for m in self._managers for op in m.truncate(seq_id, num_tokens))
-
-    # ------------------------------------------------------------ speculation
-
-    def can_speculate(
-        self,
-        drafts: Mapping[Hashable, Iterable[int]],
-        num_computed: Mapping[Hashable, int] | None = None,
-    ) -> bool:
-        """Would `begin_speculation(drafts, num_computed)` succeed in every
-        group? Pure."""
-        drafts, num_computed = self._checked_drafts(drafts, num_computed)
-        return all(m.can_speculate(drafts, num_computed) for m in self._managers)
-
-    def begin_speculation(
-        self,
-        drafts: Mapping[Hashable, Iterable[int]],
-        num_computed: Mapping[Hashable, int] | None = None,
-    ) -> Plan:
-        """Open speculation transactions in every group (see
-        `BlockManager.begin_speculation`); all or nothing. A hybrid store
-        gives every group group 0's recompute positions, so that a sliding
-        group keeps the pages a restored checkpoint's recompute attends to."""
-        drafts, num_computed = self._checked_drafts(drafts, num_computed)
-        for m in self._managers:
-            if not m.can_speculate(drafts, num_computed):
-                m.begin_speculation(drafts, num_computed)  # raises its precise error, changes nothing
-                raise IntegrityError("begin_speculation succeeded where can_speculate said no")
-        return tuple(op for m in self._managers for op in m.begin_speculation(drafts, num_computed))
-
-    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
-        """Keep each sequence's accepted drafts in every group; returns the
-        sequences whose recurrent checkpoint came back (group 0 keeps the
-        slots). Group 0 checks the argument first: the others cannot fail."""
-        restored = self._first.commit_speculation(accepted)
-        for m in self._managers[1:]:
-            m.commit_speculation(accepted)
-        return restored
-
-    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> None:
-        """Close the transactions of `seq_ids` keeping no draft, in every group."""
-        if isinstance(seq_ids, (str, bytes)):
-            raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
-        self.commit_speculation(dict.fromkeys(seq_ids, 0))
-
-    def shorten_speculation(self, kept: Mapping[Hashable, int]) -> None:
-        """Drop speculative tokens past `start + kept` in every group, the
-        transactions staying open (see `BlockManager.shorten_speculation`).
-        Group 0 checks the argument first: the others cannot fail."""
-        self._first.shorten_speculation(kept)
-        for m in self._others:
-            m.shorten_speculation(kept)
-
-    def speculation_start(self, seq_id: Hashable) -> int | None:
-        return self._first.speculation_start(seq_id)
-
-    def recompute_from(self, seq_id: Hashable) -> int | None:
-        return self._first.recompute_from(seq_id)
-
-    def _checked_drafts(self, drafts, num_computed) -> tuple[dict, Mapping | None]:
-        """The drafts as lists, checked once for every group, and the
-        recompute positions every group gets: a hybrid store's default is
-        group 0's (its hold, else all tokens), for the sliding groups too."""
-        if not isinstance(drafts, Mapping):
-            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
-        drafts = {seq_id: token_list(t, f"drafts[{seq_id!r}]") for seq_id, t in drafts.items()}
-        if not self.is_hybrid or (num_computed is not None and not isinstance(num_computed, Mapping)):
-            return drafts, num_computed  # the managers check it
-        given = {} if num_computed is None else num_computed
-        positions = {}
-        for seq_id in drafts:
-            if seq_id in given:
-                positions[seq_id] = given[seq_id]
-            else:
-                hold = self._first.recompute_from(seq_id)  # raises for an unknown id
-                positions[seq_id] = self._first.num_tokens(seq_id) if hold is None else hold
-        if not given.keys() <= drafts.keys():
-            return drafts, given  # the managers raise the precise error
-        return drafts, positions
-
-    # ------------------------------------------------------------- cache/free
-
-    def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
-        """Snapshot the computed prefix into every group's trie.
-
-        Only group 0 can fail (`OutOfSlots` for the snapshot's slot), so it
-        goes first; the other groups only take page references.
-        """
-        ops = list(self._first.cache_prefix(seq_id, num_tokens))
-        for m in self._managers[1:]:
-            ops.extend(m.cache_prefix(seq_id, num_tokens))
-        return tuple(ops)
-
-    def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan:
-        """End the sequence in every group; its computed tokens enter the tries.
-        Never fails for a live id (group 0 checks the arguments first)."""
-        ops = self._first.free(seq_id, num_computed)
-        for m in self._others:
-            more = m.free(seq_id, num_computed)
-            if more:
-                ops += more
-        return ops
-
-    def take_listener_errors(self) -> list[tuple[str, BaseException]]:
-        """What the listener (on group 0) raised since the last call; see
-        `BlockManager.take_listener_errors`."""
-        return self._first.take_listener_errors()
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix no live sequence uses, in every group."""
-        for m in self._managers:
-            m.reset_prefix_cache()
-
-    # ------------------------------------------------------------------ swap
-
-    def can_swap_out(self, seq_id: Hashable) -> bool:
-        return all(m.can_swap_out(seq_id) for m in self._managers)
-
-    def swap_out(self, seq_id: Hashable) -> Plan:
-        """Move the sequence to host memory in every group; raises
-        `OutOfHostMemory` (nothing changed) when any group lacks room."""
-        if not self.can_swap_out(seq_id):
-            raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
-        return tuple(op for m in self._managers for op in m.swap_out(seq_id))
-
-    def can_swap_in(self, seq_id: Hashable) -> bool:
-        return all(m.can_swap_in(seq_id) for m in self._managers)
-
-    def swap_in(self, seq_id: Hashable) -> Plan:
-        """Bring the sequence back to device memory in every group."""
-        for m in self._managers:
-            if not m.can_swap_in(seq_id):
-                m.swap_in(seq_id)  # raises its precise error, changes nothing
-                raise IntegrityError("swap_in succeeded where can_swap_in said no")
-        return tuple(op for m in self._managers for op in m.swap_in(seq_id))
+        """`BlockManager.cache_version` of the one trie of every group. O(1)."""
+        return self._first.cache_version
 
     # -------------------------------------------------------------- checking
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` if any invariant is broken. O(state size).
 
-        Each group's own invariants hold, and every group holds the same
-        sequences with the same tokens, namespace and swap state.
+        The manager's invariants (`design/blockmgr.md`) over every group: each
+        sequence's page table per group covers its tokens, released pages
+        first; page references (sequences and the trie's nodes, per group)
+        match the pools; every trie node holds one page list per group,
+        holes first (`design/grouped_store.md`).
         """
-        for m in self._managers:
-            m.check_integrity()
-        first = self._first
-        ids = set(first.sequence_ids())
-        for g, m in enumerate(self._managers[1:], 1):
-            if set(m.sequence_ids()) != ids:
-                raise IntegrityError(f"group {g} holds other sequences than group 0")
-            for seq_id in ids:
-                if m.tokens(seq_id) != first.tokens(seq_id):
-                    raise IntegrityError(f"group {g} holds other tokens for {seq_id!r}")
-                if m.namespace(seq_id) != first.namespace(seq_id):
-                    raise IntegrityError(f"group {g} holds {seq_id!r} in another namespace")
-                if m.is_swapped(seq_id) != first.is_swapped(seq_id):
-                    raise IntegrityError(f"group {g} disagrees whether {seq_id!r} is swapped")
-                if m.speculation_start(seq_id) != first.speculation_start(seq_id):
-                    raise IntegrityError(f"group {g} disagrees on {seq_id!r}'s speculation")
+        self._first.check_integrity()
 
     def debug_state(self) -> tuple:
-        """Every group's `debug_state()`: equal before and after a failed call."""
-        return tuple(m.debug_state() for m in self._managers)
+        """The manager's `debug_state()` (every group): equal before and after
+        a failed call."""
+        return self._first.debug_state()
 
     # ------------------------------------------------------------- internals
 
-    def _manager(self, group: int) -> BlockManager:
+    def _group_index(self, group: int) -> int:
         if isinstance(group, bool) or not isinstance(group, int) or not (
             0 <= group < len(self._managers)
         ):
             raise InvalidArgument(f"no layer group {group!r} (have {len(self._managers)})")
-        return self._managers[group]
-
-
-def _merge_allocation(first: Allocation, more: Allocation) -> None:
-    """Fold another group's allocation into group 0's: its ops follow, and
-    the branch point is the furthest any group reports."""
-    if more.ops:
-        first.ops += more.ops
-    branch_point = more.branch_point
-    if branch_point is not None and (
-        first.branch_point is None or branch_point > first.branch_point
-    ):
-        first.branch_point = branch_point
-
-
-def _check_new_id(manager: BlockManager, seq_id: Hashable) -> None:
-    try:
-        exists = seq_id in manager
-    except TypeError:
-        raise InvalidArgument(f"sequence id must be hashable, got {seq_id!r}") from None
-    if exists:
-        raise DuplicateSequence(f"sequence {seq_id!r} is already live")
-
-
-def _checked(tokens: Iterable[int], namespace: Hashable) -> tuple[list[int], bytes]:
-    """The prompt checked once for every group: its ids as a list and packed
-    (what each group's trie compares), and the namespace hashable."""
-    check_hashable("namespace", namespace)
-    return packed_prompt(tokens, "tokens")
+        return group

@@ -54,6 +54,7 @@ from blockmgr.ops import (
     SwapOutSlot,
     ZeroSlot,
 )
+from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import (
     TOKEN_BYTES,
@@ -91,12 +92,19 @@ class BlockManager:
         listener: PrefixCacheListener | None = None,
         *,
         group: int = 0,
+        more_groups: tuple[BlockManagerConfig, ...] = (),
     ) -> None:
         """`group`: the layer group this manager keeps (stamped on its page
-        ops, see `blockmgr.ops`); 0 when it is a model's only manager."""
+        ops, see `blockmgr.ops`); 0 when it is a model's only manager.
+        `more_groups`: the configs of further page groups (groups `group + 1`
+        on) kept in the same trie and sequence records (`blockmgr.page_group`;
+        their block size and prefix cache setting are this config's)."""
         if not isinstance(config, BlockManagerConfig):
             raise InvalidArgument(f"config must be a BlockManagerConfig, got {config!r}")
         self.config = config
+        self._more = tuple(
+            PageGroup.build(index, more) for index, more in enumerate(more_groups, group + 1)
+        )
         self._group = group
         self._block_size = config.block_size
         self._window = config.sliding_window
@@ -105,7 +113,10 @@ class BlockManager:
         self._host_pages = RefCountedPool(config.num_host_blocks)
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._trie = (
-            PrefixTrie(config.block_size, self._pages, self._slots, listener, config.sliding_window)
+            PrefixTrie(
+                config.block_size, self._pages, self._slots, listener, config.sliding_window,
+                tuple((more.pages, more.window) for more in self._more),
+            )
             if config.enable_prefix_cache
             else None
         )
@@ -153,9 +164,29 @@ class BlockManager:
     def sequence_ids(self) -> list[Hashable]:
         return list(self._seqs)
 
-    def block_table(self, seq_id: Hashable) -> list[int | None]:
-        """A copy of the sequence's page table (None: released by the window)."""
-        return list(self._get(seq_id).block_table)
+    def block_table(self, seq_id: Hashable, group: int | None = None) -> list[int | None]:
+        """A copy of the sequence's page table (None: released by the window)
+        in page group `group` (None: this manager's own group)."""
+        seq = self._get(seq_id)
+        if group is None or group == self._group:
+            return list(seq.block_table)
+        return list(seq.more_tables[group - self._group - 1])
+
+    @property
+    def page_groups(self) -> tuple[PageGroup, ...]:
+        """The further page groups kept with this one (read their pools)."""
+        return self._more
+
+    def num_cached_blocks_in(self, group: int) -> int:
+        """Distinct pages of page group `group` held by the prefix trie."""
+        if self._trie is None:
+            return 0
+        return self._trie.num_pages_held_in(group - self._group)
+
+    def num_evicted_pages_in(self, group: int) -> int:
+        if self._trie is None:
+            return 0
+        return self._trie.num_evicted_pages_in(group - self._group)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return len(self._get(seq_id).tokens)
@@ -247,13 +278,13 @@ class BlockManager:
         *,
         packed: bytes | None = None,
     ) -> PrefixMatch:
-        """The longest cached prefix of `tokens` this manager can serve, at
-        most `limit` tokens (default and cap: len - 1). Changes nothing.
+        """The longest cached prefix of `tokens` this manager can serve (in
+        every page group), at most `limit` tokens (default and cap:
+        len - 1). Changes nothing.
 
         A hit is not downward closed (a recurrent snapshot or a sliding
-        window's pages exist only at some points), so a caller combining
-        managers asks each again with the shorter limit (see
-        `GroupedStore.allocate`). Pass the result to `allocate(match=...)`
+        window's pages exist only at some points): the longest hit within
+        `limit` may be well below it. Pass the result to `allocate(match=...)`
         before any other call on this manager. `packed`: what
         `validation.packed_prompt` returned for `tokens` (then `tokens` is
         its checked list, not checked or packed again). O(matched tokens +
@@ -278,11 +309,12 @@ class BlockManager:
         if match is None:
             match = self._match(namespace, tokens, packed)
         num_pages = self._num_new_pages(len(tokens), match.num_tokens) + self._watermark()
+        more = self._more_needs(num_pages - self._watermark()) if self._more else None
         if num_pages <= self._pages.num_free and (
             self._slots is None or self._slots.num_free
-        ):
+        ) and (more is None or self._more_fit(more)):
             return True  # the common case: no eviction, so nothing to protect
-        return self._with_match_held(match, self._can_reserve, num_pages, 1)
+        return self._with_match_held(match, self._can_reserve, num_pages, 1, more)
 
     def _checked_prompt(
         self, tokens: Iterable[int], namespace: Hashable, packed: bytes | None
@@ -325,7 +357,10 @@ class BlockManager:
         num_pages = self._num_new_pages(num_tokens, num_cached)
         self._hold_match(match)
         try:
-            self._reserve(num_pages + self._num_watermark_blocks, 1)
+            self._reserve(
+                num_pages + self._num_watermark_blocks, 1,
+                self._more_needs(num_pages) if self._more else None,
+            )
         except (OutOfBlocks, OutOfSlots):
             self._release_match(match)
             raise
@@ -336,7 +371,7 @@ class BlockManager:
         table += self._pages.take(-(-num_tokens // self._block_size) - len(table))
         slot = self._new_sequence_slot(match.slot, ops) if self._slots is not None else None
         node = match.node  # ends inside the matched prefix: an anchor
-        self._seqs[seq_id] = Sequence(
+        self._seqs[seq_id] = seq = Sequence(
             seq_id,
             namespace,
             tokens,
@@ -348,6 +383,11 @@ class BlockManager:
             num_borrowed=match.num_locked_pages,
             packed=packed,
         )
+        if self._more:
+            seq.more_tables = [
+                more.new_table(match, index, num_tokens, ops) for index, more in enumerate(self._more)
+            ]
+            seq.more_released = list(match.more_released or [0] * len(self._more))
         self._count_query(num_tokens, num_cached)
         if self._events:
             self._deliver_events()
@@ -364,12 +404,18 @@ class BlockManager:
         first_owned = max(match.num_locked_pages, match.num_released)
         if len(pages) > first_owned:
             self._pages.incref_all(pages[first_owned:])
+        if match.more_pages is not None:
+            for index, more in enumerate(self._more):
+                more.hold_match(match, index)
 
     def _release_match(self, match: PrefixMatch) -> None:
         """Undo `_hold_match` (the trie still holds the pages: none is freed)."""
         if match.node is not None:
             self._trie.unlock(match.node)
         self._pages.release_all(match.pages[max(match.num_locked_pages, match.num_released) :])
+        if match.more_pages is not None:
+            for index, more in enumerate(self._more):
+                more.release_match(match, index)
 
     def _own_matched_pages(self, match: PrefixMatch, ops: list[MemoryOp]) -> list[int]:
         """The sequence's first pages: the held matched ones, the last copied
@@ -404,9 +450,10 @@ class BlockManager:
         seq = self._resident(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
         num_pages, copy_page, copy_slot = self._growth(seq, num_tokens)
-        if not (num_pages or copy_page or copy_slot):
+        more = self._more_growth(seq, num_pages) if self._more else None
+        if not (num_pages or copy_page or copy_slot or (more and any(more))):
             return True  # the common decode step: room in the last page
-        return self._can_reserve(num_pages + copy_page, copy_slot)
+        return self._can_reserve(num_pages + copy_page, copy_slot, more)
 
     def append(
         self, seq_id: Hashable, new_tokens: Iterable[int], num_computed: int | None = None
@@ -432,16 +479,21 @@ class BlockManager:
             new_tokens = token_list(new_tokens, "new_tokens")
             if not new_tokens:
                 return NO_OPS
-        elif self._fits_last_page(seq):  # the common decode step: nothing to plan
+        elif self._fits_last_page(seq) and (
+            num_computed is None or seq.more_tables is None or num_computed == len(seq.tokens)
+        ):  # the common decode step: nothing to plan (further groups: no hold to move)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
-        grows = num_pages or copy_page or copy_slot
+        more = self._more_growth(seq, num_pages) if self._more else None
+        grows = num_pages or copy_page or copy_slot or (more and any(more))
         if grows:
-            self._reserve(num_pages + copy_page, copy_slot)  # may evict: events
+            self._reserve(num_pages + copy_page, copy_slot, more)  # may evict: events
         ops = self._make_writable(seq, copy_page, copy_slot)
         if num_pages:
             seq.block_table.extend(self._pages.take(num_pages))
+        if more is not None:
+            ops = self._grow_more(seq, more, num_pages, ops)
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
         window = self._window
@@ -451,14 +503,32 @@ class BlockManager:
         if (window is not None and seq.speculation is None
                 and (release_from - window + 1) // self._block_size > seq.num_released):
             self._release_out_of_window(seq, release_from)  # a page fell out; speculating: at the commit
+        if more is not None and seq.speculation is None:
+            for index, group in enumerate(self._more):
+                group.release_out_of_window(seq, index, release_from)
         if grows and self._events:
             self._deliver_events()
         return ops
 
+    def _more_growth(self, seq: Sequence, num_pages: int) -> list[int]:
+        """Pages each further page group needs to add tokens needing
+        `num_pages` new pages: those plus a copy of a shared last page."""
+        return [
+            num_pages + group.copies_last_page(seq, index) for index, group in enumerate(self._more)
+        ]
+
+    def _grow_more(self, seq: Sequence, needs: list[int], num_pages: int, ops: Plan) -> Plan:
+        """Copy shared last pages and add `num_pages` pages in every further
+        page group (reserved: `needs` from `_more_growth`); `ops` plus the copies."""
+        more_ops: list[MemoryOp] = []
+        for index, (group, need) in enumerate(zip(self._more, needs)):
+            group.grow(seq, index, need > num_pages, num_pages, more_ops)
+        return (*ops, *more_ops) if more_ops else ops
+
     def _fits_last_page(self, seq: Sequence) -> bool:
         """Would one more token go into the sequence's own last page with no
-        page, copy or window release (`_growth(seq, 1)` all zero, no window)?
-        O(1)."""
+        page, copy or window release (`_growth(seq, 1)` all zero, no window
+        on group 0) in every page group? O(groups)."""
         num_tokens = len(seq.tokens)
         table = seq.block_table
         return (
@@ -468,7 +538,15 @@ class BlockManager:
             and num_tokens % self._block_size != 0
             and num_tokens // self._block_size + 1 == len(table)
             and self._pages.refcount(table[-1]) == 1
+            and (seq.more_tables is None or self._more_fit_next_token(seq, num_tokens))
         )
+
+    def _more_fit_next_token(self, seq: Sequence, num_tokens: int) -> bool:
+        """`_fits_last_page` in every further page group. O(groups)."""
+        for index, group in enumerate(self._more):
+            if not group.fits_next_token(seq, index, num_tokens):
+                return False
+        return True
 
     def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[int, bool, bool]:
         """(new pages, copy the last page?, copy the slot?) to add tokens."""
@@ -531,6 +609,8 @@ class BlockManager:
         self._check_new_id(new_seq_id)
         table = list(seq.block_table)
         self._pages.incref_all(table[seq.first_owned :])
+        for index, group in enumerate(self._more):
+            group.share(seq, index)
         if seq.slot is not None:
             self._slots.incref(seq.slot)
         if seq.locked_node is not None:
@@ -547,6 +627,8 @@ class BlockManager:
             num_borrowed=seq.num_borrowed,  # the same lock holds them
             packed=seq.packed,
             recompute_from=seq.recompute_from,
+            more_tables=None if seq.more_tables is None else [t[:] for t in seq.more_tables],
+            more_released=None if seq.more_released is None else seq.more_released[:],
         )
         return NO_OPS
 
@@ -594,6 +676,8 @@ class BlockManager:
         # A borrowed page the new end falls inside will be written: own it.
         num_borrowed = min(seq.num_borrowed, num_tokens // self._block_size)
         self._pages.incref_all(table[max(num_borrowed, seq.num_released) : seq.num_borrowed])
+        for index, group in enumerate(self._more):
+            group.truncate(seq, index, keep, num_borrowed)
         seq.num_borrowed = num_borrowed
         del seq.tokens[num_tokens:]
         if len(seq.packed) > num_tokens * TOKEN_BYTES:
@@ -620,7 +704,12 @@ class BlockManager:
         return num_tokens
 
     def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
-        """Are the pages the token at `num_tokens` would attend to still held?"""
+        """Are the pages the token at `num_tokens` would attend to still held
+        (in every page group)?"""
+        if self._more and not all(
+            group.window_keeps(seq, index, num_tokens) for index, group in enumerate(self._more)
+        ):
+            return False
         if self._window is None or seq.num_released == 0:
             return True
         first_needed = max(0, num_tokens - self._window + 1) // self._block_size
@@ -660,8 +749,8 @@ class BlockManager:
     ) -> bool:
         """Would `begin_speculation(drafts, num_computed)` succeed now?
         Changes nothing; bad arguments raise as there."""
-        _, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
-        return self._can_reserve(num_pages, num_slots)
+        _, num_pages, num_slots, more = self._plan_speculation(drafts, num_computed)
+        return self._can_reserve(num_pages, num_slots, more)
 
     def recompute_from(self, seq_id: Hashable) -> int | None:
         """The position a restored checkpoint is computed again from, while
@@ -696,14 +785,18 @@ class BlockManager:
         `OutOfBlocks` / `OutOfSlots` (nothing changed) when memory is short
         after eviction. O(sequences + draft pages).
         """
-        plan, num_pages, num_slots = self._plan_speculation(drafts, num_computed)
-        self._reserve(num_pages, num_slots)
+        plan, num_pages, num_slots, more = self._plan_speculation(drafts, num_computed)
+        self._reserve(num_pages, num_slots, more)
         ops: list[MemoryOp] = []
         for seq, tokens, recompute_from in plan:
             # Asked now, not when planning: a sibling earlier in this call
             # may have moved off a page or slot they shared.
             _, copy_page, copy_slot = self._growth(seq, len(tokens))
             ops.extend(self._make_writable(seq, copy_page, False))
+            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
+            for index, group in enumerate(self._more):
+                group.grow(seq, index, group.copies_last_page(seq, index),
+                           num_new_pages - len(seq.block_table), ops)
             checkpoint = source = seq.slot
             if copy_slot:
                 # Shared (a fork's sibling holds it too): a restore makes the
@@ -724,7 +817,9 @@ class BlockManager:
             self._deliver_events()
         return tuple(ops)
 
-    def _plan_speculation(self, drafts, num_computed) -> tuple[list[tuple], int, int]:
+    def _plan_speculation(
+        self, drafts, num_computed
+    ) -> tuple[list[tuple], int, int, list[int] | None]:
         """Check `begin_speculation`'s arguments whole: (sequence, draft list,
         recompute position) per entry, pages and slots to reserve (copies of
         shared last pages and slots counted exactly: see `_num_copies`). Pure."""
@@ -740,6 +835,7 @@ class BlockManager:
         num_pages = num_slots = 0
         shared_pages: Counter = Counter()  # shared last page -> members of this call on it
         shared_slots: Counter = Counter()
+        more_shared = [Counter() for _ in self._more]  # the same per further group
         for seq_id, tokens in drafts.items():
             seq = self._idle(seq_id)
             tokens = token_list(tokens, f"drafts[{seq_id!r}]")
@@ -750,11 +846,20 @@ class BlockManager:
                 shared_pages[seq.block_table[-1]] += 1
             if copy_slot:
                 shared_slots[seq.slot] += 1
+            for index, group in enumerate(self._more):
+                if group.copies_last_page(seq, index):
+                    more_shared[index][seq.more_tables[index][-1]] += 1
             plan.append((seq, tokens, self._recompute_position(seq, num_computed)))
+        more = None
+        if self._more:
+            more = [
+                num_pages + _num_copies(shared, group.pages.refcount)
+                for group, shared in zip(self._more, more_shared)
+            ]
         num_pages += _num_copies(shared_pages, self._pages.refcount)
         if shared_slots:  # only a hybrid manager has slots
             num_slots += _num_copies(shared_slots, self._slots.refcount)
-        return plan, num_pages, num_slots
+        return plan, num_pages, num_slots, more
 
     def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
         """Where a partial commit of `seq` recomputes from (checked: its
@@ -846,6 +951,8 @@ class BlockManager:
         keep_pages = -(-end // self._block_size)
         self._pages.release_all(seq.block_table[keep_pages:])
         del seq.block_table[keep_pages:]
+        for index, group in enumerate(self._more):
+            group.keep_pages(seq, index, keep_pages)
         del seq.tokens[end:]
 
     # ----------------------------------------------------------- cache/free
@@ -869,7 +976,8 @@ class BlockManager:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
         node, took_slot = trie.insert(
-            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot, packed=seq.packed
+            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot, packed=seq.packed,
+            more_pages=seq.more_tables,
         )
         ops = NO_OPS
         if snapshot is not None:
@@ -917,12 +1025,18 @@ class BlockManager:
         if trie is not None and num_computed:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
             start = node if seq.anchored and node.end <= num_computed else None
-            trie.insert(seq.namespace, tokens, seq.block_table, seq.slot, start, seq.packed)
+            trie.insert(
+                seq.namespace, tokens, seq.block_table, seq.slot, start, seq.packed,
+                seq.more_tables,
+            )
         if node is not None:
             trie.unlock(node)
         table = seq.block_table
         first_owned = seq.first_owned
         self._pages.release_all(table[first_owned:] if first_owned else table)
+        if self._more:
+            for index, group in enumerate(self._more):
+                group.release(seq, index)
         if seq.slot is not None:
             self._slots.release(seq.slot)
         if self._events:
@@ -933,6 +1047,8 @@ class BlockManager:
         """Take the sequence's own references to its borrowed pages (before
         its lock moves or goes). O(borrowed pages)."""
         self._pages.incref_all(seq.block_table[seq.num_released : seq.num_borrowed])
+        for index, group in enumerate(self._more):
+            group.own_borrowed(seq, index)
         seq.num_borrowed = 0
 
     # ------------------------------------------------------------------ swap
@@ -945,7 +1061,14 @@ class BlockManager:
         seq = self._idle(seq_id)
         num_pages = len(seq.block_table) - seq.num_released
         num_slots = 1 if seq.slot is not None else 0
-        return self._host_pages.can_take(num_pages) and self._host_slots.can_take(num_slots)
+        return (
+            self._host_pages.can_take(num_pages)
+            and self._host_slots.can_take(num_slots)
+            and all(
+                group.host_pages.can_take(group.num_held_pages(seq, index))
+                for index, group in enumerate(self._more)
+            )
+        )
 
     def swap_out(self, seq_id: Hashable) -> Plan:
         """Copy the sequence's pages (and slot) to host memory and release them.
@@ -961,6 +1084,8 @@ class BlockManager:
         ops = self._move_storage(
             seq, (self._pages, self._host_pages, SwapOut), (self._slots, self._host_slots, SwapOutSlot)
         )
+        for index, group in enumerate(self._more):
+            group.move(seq, index, True, ops)
         if seq.locked_node is not None:
             self._trie.unlock(seq.locked_node)
             seq.locked_node = None
@@ -972,7 +1097,13 @@ class BlockManager:
         """Are there device pages (and a slot) to swap it back in? Changes nothing."""
         seq = self._swapped(seq_id)
         num_pages = len(seq.block_table) - seq.num_released
-        return self._can_reserve(num_pages, 1 if seq.slot is not None else 0)
+        return self._can_reserve(num_pages, 1 if seq.slot is not None else 0, self._swap_in_needs(seq))
+
+    def _swap_in_needs(self, seq: Sequence) -> list[int] | None:
+        """The pages a swap-in takes in each further page group."""
+        if not self._more:
+            return None
+        return [group.num_held_pages(seq, index) for index, group in enumerate(self._more)]
 
     def swap_in(self, seq_id: Hashable) -> Plan:
         """Bring a swapped-out sequence back to fresh device pages (and slot).
@@ -982,10 +1113,12 @@ class BlockManager:
         """
         seq = self._swapped(seq_id)
         num_pages = len(seq.block_table) - seq.num_released
-        self._reserve(num_pages, 1 if seq.slot is not None else 0)
+        self._reserve(num_pages, 1 if seq.slot is not None else 0, self._swap_in_needs(seq))
         ops = self._move_storage(
             seq, (self._host_pages, self._pages, SwapIn), (self._host_slots, self._slots, SwapInSlot)
         )
+        for index, group in enumerate(self._more):
+            group.move(seq, index, False, ops)
         seq.swapped = False
         if self._events:
             self._deliver_events()
@@ -1014,6 +1147,8 @@ class BlockManager:
 
     def _release_host_copy(self, seq: Sequence) -> None:
         self._host_pages.release_all(seq.block_table[seq.num_released :])
+        for index, group in enumerate(self._more):
+            group.release_host_copy(seq, index)
         if seq.slot is not None:
             self._host_slots.release(seq.slot)
 
@@ -1123,9 +1258,34 @@ class BlockManager:
         finally:
             self._release_match(match)
 
-    def _can_reserve(self, num_pages: int, num_slots: int) -> bool:
-        """Are `num_pages` pages and `num_slots` slots free or reclaimable? Pure."""
-        return self._pages_shortfall_ok(num_pages) and self._slots_shortfall_ok(num_slots)
+    def _can_reserve(self, num_pages: int, num_slots: int, more: list[int] | None = None) -> bool:
+        """Are `num_pages` pages and `num_slots` slots free or reclaimable
+        (and `more[i]` pages of further page group i)? Pure."""
+        return (
+            self._pages_shortfall_ok(num_pages)
+            and self._slots_shortfall_ok(num_slots)
+            and (more is None or self._more_shortfall_group(more) is None)
+        )
+
+    def _more_needs(self, num_pages: int) -> list[int]:
+        """`num_pages` new pages in every further page group, past its watermark."""
+        return [num_pages + more.num_watermark_blocks for more in self._more]
+
+    def _more_fit(self, needs: list[int]) -> bool:
+        """Are `needs[i]` pages free in further page group i (no eviction)?"""
+        for need, more in zip(needs, self._more):
+            if need > more.pages.num_free:
+                return False
+        return True
+
+    def _more_shortfall_group(self, needs: list[int]) -> PageGroup | None:
+        """The first further page group whose need eviction cannot meet. Pure."""
+        trie = self._trie
+        for index, (need, more) in enumerate(zip(needs, self._more), 1):
+            short = need - more.pages.num_free
+            if short > 0 and (trie is None or not trie.can_free_pages(short, index)):
+                return more
+        return None
 
     def _pages_shortfall_ok(self, num_pages: int) -> bool:
         short = num_pages - self._pages.num_free
@@ -1137,13 +1297,14 @@ class BlockManager:
         short = num_slots - self._slots.num_free
         return short <= 0 or (self._trie is not None and self._trie.can_free_slots(short))
 
-    def _reserve(self, num_pages: int, num_slots: int) -> None:
-        """Make `num_pages` pages and `num_slots` slots free, evicting LRU cache
-        entries if needed; raise (changing nothing) when that cannot work."""
+    def _reserve(self, num_pages: int, num_slots: int, more: list[int] | None = None) -> None:
+        """Make `num_pages` pages and `num_slots` slots free (and `more[i]`
+        pages of further page group i), evicting LRU cache entries if
+        needed; raise (changing nothing) when that cannot work."""
         slots = self._slots
         if num_pages <= self._pages.num_free and (
             slots is None or num_slots <= slots.num_free
-        ):
+        ) and (more is None or self._more_fit(more)):
             return  # the common case: nothing to evict
         if not self._pages_shortfall_ok(num_pages):
             raise OutOfBlocks(
@@ -1155,15 +1316,24 @@ class BlockManager:
                 f"need {num_slots} slots: {self.num_free_slots} free of "
                 f"{self.config.num_slots}, not enough reclaimable from the prefix cache"
             )
+        short_group = None if more is None else self._more_shortfall_group(more)
+        if short_group is not None:
+            raise OutOfBlocks(
+                f"need {more[short_group.group - self._group - 1]} pages of group "
+                f"{short_group.group}: {short_group.pages.num_free} free of "
+                f"{short_group.pages.num_items}, not enough reclaimable from the prefix cache"
+            )
         trie = self._trie
         if trie is not None:
             if num_pages > self._pages.num_free:
                 trie.evict_pages(num_pages)
             if self._slots is not None and num_slots > self._slots.num_free:
                 trie.evict_slots(num_slots)
+            for index, need in enumerate(more or (), 1):
+                trie.evict_pages(need, index)
         if num_pages > self._pages.num_free or (
             self._slots is not None and num_slots > self._slots.num_free
-        ):
+        ) or (more is not None and not self._more_fit(more)):
             raise IntegrityError("eviction freed less than its plan promised")
 
     # -------------------------------------------------------------- checking
@@ -1179,15 +1349,28 @@ class BlockManager:
         slot_refs = [0] * self._slots.num_items if self._slots is not None else None
         host_page_refs = [0] * self._host_pages.num_items
         host_slot_refs = [0] * self._host_slots.num_items
+        more_refs = [[0] * group.pages.num_items for group in self._more]
+        more_host_refs = [[0] * group.host_pages.num_items for group in self._more]
         locks: dict[int, int] = {}
         for seq in self._seqs.values():
+            where = f"sequence {seq.seq_id!r}"
+            if (seq.more_tables is None) != (not self._more) or (
+                self._more and not (len(seq.more_tables) == len(seq.more_released) == len(self._more))
+            ):
+                raise IntegrityError(f"{where} has page tables of other groups than the manager's")
+            for index, group in enumerate(self._more):
+                refs = more_host_refs if seq.swapped else more_refs
+                group.check_sequence(seq, index, refs[index], where)
             if seq.swapped:
                 self._check_sequence(seq, host_page_refs, host_slot_refs, locks)
             else:
                 self._check_sequence(seq, page_refs, slot_refs, locks)
         if self._trie is not None:
-            self._trie.add_references(page_refs, slot_refs)
+            self._trie.add_references(page_refs, slot_refs, more_refs)
             self._trie.check_integrity(locks)
+        for group, refs, host_refs in zip(self._more, more_refs, more_host_refs):
+            group.pages.check_integrity(refs, f"page of group {group.group}")
+            group.host_pages.check_integrity(host_refs, f"host page of group {group.group}")
         self._pages.check_integrity(page_refs, "page")
         self._host_pages.check_integrity(host_page_refs, "host page")
         self._host_slots.check_integrity(host_slot_refs, "host slot")
@@ -1280,10 +1463,20 @@ class BlockManager:
         while node.parent is not None:
             first = node.start // block_size
             held.update(enumerate(node.blocks, first))
+            for group, blocks in enumerate(node.more or (), 1):
+                held.update(((group, index), page) for index, page in enumerate(blocks, first))
             node = node.parent
         for index in range(seq.num_released, num_borrowed):
             if (index, seq.block_table[index]) not in held:
                 raise IntegrityError(f"{where}: borrowed page {index} is not on its locked path")
+        for group, (table, released) in enumerate(
+            zip(seq.more_tables or (), seq.more_released or ()), 1
+        ):
+            for index in range(released, num_borrowed):
+                if ((group, index), table[index]) not in held:
+                    raise IntegrityError(
+                        f"{where}: borrowed page {index} of group {group} is not on its locked path"
+                    )
 
     @staticmethod
     def _path_tokens(node) -> list[int]:
@@ -1313,6 +1506,8 @@ class BlockManager:
                     seq.speculation.recompute_from,
                 ),
                 seq.recompute_from,
+                None if seq.more_tables is None else tuple(map(tuple, seq.more_tables)),
+                None if seq.more_released is None else tuple(seq.more_released),
             )
             for seq_id, seq in self._seqs.items()
         )
@@ -1325,6 +1520,11 @@ class BlockManager:
             tuple(self._host_pages.refcounts()),
             tuple(self._host_slots.free_items()),
             tuple(self._host_slots.refcounts()),
+            tuple(
+                (tuple(g.pages.free_items()), tuple(g.pages.refcounts()),
+                 tuple(g.host_pages.free_items()), tuple(g.host_pages.refcounts()))
+                for g in self._more
+            ),
         )
         counters = (
             self._num_queries,

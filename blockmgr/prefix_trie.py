@@ -81,6 +81,9 @@ class TrieNode:
     end: int
     parent: TrieNode | None
     blocks: list[int | None]  # None: a page no hit needs (sliding window only; holes come first)
+    #: The other page groups' pages of the same indices (`PrefixTrie`'s
+    #: `more_groups`), one list per group, as `blocks`; None without such groups.
+    more: list[list[int | None]] | None = None
     children: dict[int, TrieNode] = field(default_factory=dict)
     slot: int | None = None
     lock_count: int = 0
@@ -109,6 +112,8 @@ class PrefixMatch:
     branch_point: in hybrid mode, where the prompt leaves the trie when that
         is beyond `num_tokens` (a checkpoint there makes siblings hit).
     path: the nodes used, root side first (to touch for LRU).
+    more_pages / more_released: `pages` and `num_released` of the trie's
+        other page groups, one entry per group (None without such groups).
     num_locked_pages: the first pages, up to `node.end // block_size`, lie
         wholly inside the path to `node`: a node of that path holds each of
         them, so locking `node` keeps them alive without another reference.
@@ -125,6 +130,8 @@ class PrefixMatch:
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
     num_released: int = 0
+    more_pages: list[list[int | None]] | None = None
+    more_released: list[int] | None = None
 
 
 #: Bytes per token in `TrieNode.packed` and in a packed query.
@@ -187,8 +194,30 @@ def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
     return lo
 
 
+@dataclass(slots=True, eq=False)
+class _PageGroup:
+    """One page group of the trie: its pool, window and reference counts.
+
+    trie_refs[page]: how many nodes hold `page`; num_pages_held: pages with
+    one or more; num_evicted_pages: pages an eviction freed.
+    """
+
+    pool: RefCountedPool
+    window: int | None
+    trie_refs: list[int]
+    num_pages_held: int = 0
+    num_evicted_pages: int = 0
+
+
 class PrefixTrie:
-    """The prefix cache of one `BlockManager` (see the module docstring)."""
+    """The prefix cache of one `BlockManager` (see the module docstring).
+
+    `more_groups` ((pool, window) per group) are further page groups of the
+    same layers' model sharing this trie's nodes: each node holds one page
+    list per group (`TrieNode.more`), a hit must be servable in every group
+    (the window pages of each sliding group present), and evicting a node
+    drops the pages of every group (`design/grouped_store.md`).
+    """
 
     def __init__(
         self,
@@ -197,10 +226,23 @@ class PrefixTrie:
         slots: RefCountedPool | None,
         listener: PrefixCacheListener | None = None,
         window: int | None = None,
+        more_groups: tuple[tuple[RefCountedPool, int | None], ...] = (),
     ) -> None:
         """`window`: the sliding window of the layer group (None: full attention)."""
         self._block_size = block_size
         self._window = window
+        self._groups = tuple(
+            _PageGroup(pool, group_window, [0] * pool.num_items)
+            for pool, group_window in ((pages, window), *more_groups)
+        )
+        self._num_more = len(more_groups)
+        #: Groups with a window, by index: where a hit needs its window's pages.
+        self._windowed_groups = tuple(
+            g for g, group in enumerate(self._groups) if group.window is not None
+        )
+        # A node end is a hit point whose window pages must stay: split at
+        # every insert end, never merge (see `_try_merge`).
+        self._windowed = bool(self._windowed_groups)
         self._pages = pages
         self._slots = slots
         self._hybrid = slots is not None
@@ -214,10 +256,8 @@ class PrefixTrie:
         # Unlocked non-root leaves, and unlocked nodes holding a slot, by LRU.
         self._leaf_lru: SortedList = SortedList()
         self._slot_lru: SortedList = SortedList()
-        self._page_trie_refs = [0] * pages.num_items
-        self.num_pages_held = 0
+        self._page_trie_refs = self._groups[0].trie_refs
         self.num_slots_held = 0
-        self.num_evicted_pages = 0
         self.num_evicted_nodes = 0
         #: Grows at every insert, eviction and dropped snapshot: unchanged,
         #: no hit changed (a router's view need not be recomputed).
@@ -228,6 +268,22 @@ class PrefixTrie:
     @property
     def num_nodes(self) -> int:
         return len(self._nodes)
+
+    @property
+    def num_pages_held(self) -> int:
+        """Distinct pages of group 0 the nodes hold."""
+        return self._groups[0].num_pages_held
+
+    @property
+    def num_evicted_pages(self) -> int:
+        return self._groups[0].num_evicted_pages
+
+    def num_pages_held_in(self, group: int) -> int:
+        """Distinct pages of page group `group` the nodes hold."""
+        return self._groups[group].num_pages_held
+
+    def num_evicted_pages_in(self, group: int) -> int:
+        return self._groups[group].num_evicted_pages
 
     def match(
         self, namespace: Hashable, tokens: list[int], limit: int, packed: bytes | None = None
@@ -246,8 +302,8 @@ class PrefixTrie:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
         pages = None
-        if self._window is not None:
-            num_usable, pages = self._window_usable(path, num_usable)
+        if self._windowed:
+            num_usable, pages = self._windows_usable(path, num_usable)
             branch_point = num_matched if num_usable < num_matched < len(tokens) else None
         else:
             branch_point = None
@@ -255,8 +311,36 @@ class PrefixTrie:
             path.pop()
         return self._make_match(path, num_usable, None, branch_point, pages)
 
-    def _window_usable(
+    def _windows_usable(
         self, path: list[TrieNode], num_tokens: int
+    ) -> tuple[int, list[int | None] | None]:
+        """The longest hit <= `num_tokens` every windowed group serves along
+        `path` (each asked again with the shorter limit until all agree), and
+        group 0's pages when it alone decided (else None). Pure."""
+        groups = self._windowed_groups
+        if num_tokens == 0:
+            return 0, None
+        if path[-1].start < num_tokens:
+            for group in groups:
+                if not self._window_present(path, num_tokens, group):
+                    break
+            else:
+                return num_tokens, None  # the common case: every window is there
+        if len(groups) == 1:
+            usable, pages = self._window_usable(path, num_tokens, groups[0])
+            return usable, pages if groups[0] == 0 else None
+        num_agreeing, i = 0, 0
+        while num_agreeing < len(groups):
+            usable = self._window_usable(path, num_tokens, groups[i])[0]
+            if usable < num_tokens:
+                num_tokens, num_agreeing = usable, 1
+            else:
+                num_agreeing += 1
+            i = (i + 1) % len(groups)
+        return num_tokens, None
+
+    def _window_usable(
+        self, path: list[TrieNode], num_tokens: int, group: int = 0
     ) -> tuple[int, list[int | None] | None]:
         """The longest hit <= `num_tokens` whose window pages are all present
         along `path` (sliding window), and the pages along the part of `path`
@@ -269,14 +353,14 @@ class PrefixTrie:
         """
         while path and path[-1].start >= num_tokens:
             path = path[:-1]
-        if num_tokens == 0 or self._window_present(path, num_tokens):
+        if num_tokens == 0 or self._window_present(path, num_tokens, group):
             return num_tokens, None
-        block_size, window = self._block_size, self._window
+        block_size, window = self._block_size, self._groups[group].window
         p = num_tokens
         while p > 0:
             while path and path[-1].start >= p:
                 path = path[:-1]
-            pages = self._pages_along(path)
+            pages = self._pages_along(path, group)
             first = max(0, p - window + 1) // block_size
             last = (p - 1) // block_size
             hole = _last_none(pages, first, last)
@@ -285,7 +369,7 @@ class PrefixTrie:
             p = hole * block_size
         return 0, []
 
-    def _window_present(self, path: list[TrieNode], p: int) -> bool:
+    def _window_present(self, path: list[TrieNode], p: int, group: int = 0) -> bool:
         """Are the pages of the window before `p` all present along `path`
         (whose last node holds position p - 1)? O(depth).
 
@@ -294,12 +378,13 @@ class PrefixTrie:
         exactly when its first index there is one.
         """
         block_size = self._block_size
-        first = max(0, p - self._window + 1) // block_size
+        first = max(0, p - self._groups[group].window + 1) // block_size
         end = (p - 1) // block_size + 1  # indices below `end` are still unchecked
         for node in reversed(path):
             first_index = node.start // block_size
             low = max(first, first_index)
-            if low < end and node.blocks[low - first_index] is None:
+            blocks = node.blocks if group == 0 else node.more[group - 1]
+            if low < end and blocks[low - first_index] is None:
                 return False
             if first_index <= first:
                 return True
@@ -373,9 +458,9 @@ class PrefixTrie:
                 break
             if node.slot is not None:
                 snapshot_depth = depth
-        while self._window is not None and snapshot_depth is not None:
+        while self._windowed and snapshot_depth is not None:
             end = path[snapshot_depth].end
-            if self._window_usable(path[: snapshot_depth + 1], end)[0] == end:
+            if self._windows_usable(path[: snapshot_depth + 1], end)[0] == end:
                 break
             snapshot_depth = self._shallower_snapshot(path, snapshot_depth)
         num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
@@ -416,17 +501,43 @@ class PrefixTrie:
         num_locked_pages = lock.end // block_size if lock is not None else 0
         num_released = 0
         if self._window is not None:
-            # Pages before the window of the first new token stay released.
-            num_released = max(0, num_tokens - self._window + 1) // block_size
-            pages[:num_released] = [None] * num_released
+            num_released = self._release_pages(pages, num_tokens, self._window)
+        if not self._num_more:
+            return PrefixMatch(
+                num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
+            )
+        num_pages = len(pages)
+        more_pages = []
+        more_released = []
+        groups = self._groups
+        for group in range(1, len(groups)):
+            group_pages = self._pages_along(path, group)
+            del group_pages[num_pages:]
+            more_pages.append(group_pages)
+            window = groups[group].window
+            more_released.append(
+                0 if window is None else self._release_pages(group_pages, num_tokens, window)
+            )
         return PrefixMatch(
-            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
+            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released,
+            more_pages, more_released,
         )
 
-    def _pages_along(self, path: list[TrieNode]) -> list[int]:
+    def _release_pages(self, pages: list, num_tokens: int, window: int) -> int:
+        """Pages before the window of the token at `num_tokens` stay
+        released: set them None in `pages`; return how many."""
+        num_released = max(0, num_tokens - window + 1) // self._block_size
+        pages[:num_released] = [None] * num_released
+        return num_released
+
+    def _pages_along(self, path: list[TrieNode], group: int = 0) -> list[int]:
         """One page per index; at a straddled index the deeper node's page."""
         pages: list[int] = []
         block_size = self._block_size
+        if group:
+            for node in path:
+                pages[node.start // block_size :] = node.more[group - 1]
+            return pages
         for node in path:
             pages[node.start // block_size :] = node.blocks
         return pages
@@ -491,6 +602,7 @@ class PrefixTrie:
         slot: int | None = None,
         start: TrieNode | None = None,
         packed: bytes = b"",
+        more_pages: list[list[int | None]] | None = None,
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -507,12 +619,12 @@ class PrefixTrie:
         Sliding window: only the pages of the window before `len(tokens)` are
         kept (`None` entries of `pages`, released pages, are skipped), and
         they also fill the holes of the nodes the insert walks through, so
-        the new end is a hit point.
+        the new end is a hit point. `more_pages`: the other page groups'
+        tables, one per group (required with such groups).
         """
         self.version += 1
-        windowed = self._window is not None
-        if windowed:
-            pages = self._window_pages(pages, len(tokens))
+        windowed = self._windowed
+        tables = (pages,) if more_pages is None else (pages, *more_pages)
         if start is not None:
             node, pos = start, start.end
             path = self._path_to(start)
@@ -527,7 +639,7 @@ class PrefixTrie:
         while pos < num_tokens:
             child = node.children.get(tokens[pos])
             if child is None:
-                node = self._add_child(node, tokens, pos, pages, packed)
+                node = self._add_child(node, tokens, pos, tables, packed)
                 path.append(node)
                 pos = num_tokens
                 if len(node.parent.children) == 1:
@@ -545,7 +657,8 @@ class PrefixTrie:
             path.append(node)
             pos += num_common
         if windowed:
-            self._fill_holes(path, pages, num_tokens)
+            for group in self._windowed_groups:
+                self._fill_holes(path, tables[group], num_tokens, group)
         took_slot = slot is not None and node.slot is None and node.parent is not None
         if took_slot:
             self._slots.incref(slot)
@@ -554,28 +667,31 @@ class PrefixTrie:
         self.touch(path)
         return (node if node.parent is not None else None), took_slot
 
-    def _window_pages(self, pages: list[int | None], num_tokens: int) -> list[int | None]:
-        """`pages` with `None` outside the window before `num_tokens` (the
-        pages a hit there needs): `pages` itself when the window reaches back
-        to the start (callers only read it). O(pages)."""
-        first = max(0, num_tokens - self._window + 1) // self._block_size
-        if first == 0:
-            return pages
-        kept = pages[: -(-num_tokens // self._block_size)]
-        kept[:first] = [None] * min(first, len(kept))
-        return kept
+    def _kept_pages(
+        self, table: list[int | None], first: int, end: int, num_tokens: int, window: int | None
+    ) -> list[int | None]:
+        """`table[first:end]`, with `None` for the pages outside the window
+        before `num_tokens` (a hit there needs only those). O(end - first)."""
+        blocks = table[first:end]
+        if window is not None:
+            num_dropped = max(0, num_tokens - window + 1) // self._block_size - first
+            if num_dropped > 0:
+                blocks[:num_dropped] = [None] * min(num_dropped, len(blocks))
+        return blocks
 
-    def _fill_holes(self, path: list[TrieNode], pages: list[int | None], num_tokens: int) -> None:
+    def _fill_holes(
+        self, path: list[TrieNode], pages: list[int | None], num_tokens: int, group: int
+    ) -> None:
         """Give the nodes of `path` (all ending at or before `num_tokens`, so
-        the sequence's pages hold their positions) the pages of the window
-        before `num_tokens` they lack. O(window pages + depth)."""
+        the sequence's pages hold their positions) the pages of group
+        `group`'s window before `num_tokens` they lack. O(window pages + depth)."""
         block_size = self._block_size
-        first = max(0, num_tokens - self._window + 1) // block_size
+        first = max(0, num_tokens - self._groups[group].window + 1) // block_size
         for node in reversed(path):
             if node.end <= first * block_size:
                 return  # wholly before the window
             first_index = node.start // block_size
-            blocks = node.blocks
+            blocks = node.blocks if group == 0 else node.more[group - 1]
             low = max(0, first - first_index)
             if low >= len(blocks) or blocks[low] is not None:
                 continue  # no hole from `low` on (holes come first): the common case
@@ -583,22 +699,38 @@ class PrefixTrie:
                 index = first_index + i
                 if blocks[i] is None and index < len(pages) and pages[index] is not None:
                     blocks[i] = pages[index]
-                    self._hold_pages([blocks[i]])
+                    self._hold_pages([blocks[i]], group)
 
     def _add_child(
         self,
         parent: TrieNode,
         tokens: list[int],
         pos: int,
-        pages: list[int | None],
+        tables: list[list[int | None]],
         packed: bytes,
     ) -> TrieNode:
+        """`tables`: the inserting sequence's pages, one table per group; a
+        windowed group's node keeps those of the window before the end."""
         block_size = self._block_size
-        blocks = pages[pos // block_size : -(-len(tokens) // block_size)]
+        num_tokens = len(tokens)
+        first, end = pos // block_size, -(-num_tokens // block_size)
+        if self._window is None:
+            blocks = tables[0][first:end]
+        else:
+            blocks = self._kept_pages(tables[0], first, end, num_tokens, self._window)
         self._hold_pages(blocks)
         child = self._new_node(
             parent.namespace, tokens[pos:], pos, parent, blocks, _packed_run(tokens, packed, pos)
         )
+        if self._num_more:
+            groups = self._groups
+            child.more = more = []
+            for group in range(1, len(groups)):
+                group_blocks = self._kept_pages(
+                    tables[group], first, end, num_tokens, groups[group].window
+                )
+                more.append(group_blocks)
+                self._hold_pages(group_blocks, group)
         children = parent.children
         children[tokens[pos]] = child
         if len(children) == 1:
@@ -617,15 +749,22 @@ class PrefixTrie:
         block_size = self._block_size
         first_index = node.start // block_size
         cut = node.start + num_head_tokens
-        head_blocks = node.blocks[: -(-cut // block_size) - first_index]
-        tail_blocks = node.blocks[cut // block_size - first_index :]
-        if cut % block_size and node.blocks[cut // block_size - first_index] is not None:
-            self._hold_pages([node.blocks[cut // block_size - first_index]])
+        head_end, tail_start = -(-cut // block_size) - first_index, cut // block_size - first_index
+        head_blocks = node.blocks[:head_end]
+        tail_blocks = node.blocks[tail_start:]
+        if cut % block_size and node.blocks[tail_start] is not None:
+            self._hold_pages([node.blocks[tail_start]])
         parent = node.parent
         head = self._new_node(
             node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks,
             node.packed[: num_head_tokens * TOKEN_BYTES],
         )
+        if node.more is not None:
+            head.more = [blocks[:head_end] for blocks in node.more]
+            node.more = [blocks[tail_start:] for blocks in node.more]
+            for group, blocks in enumerate(node.more, 1):
+                if cut % block_size and blocks[0] is not None:
+                    self._hold_pages([blocks[0]], group)
         head.lock_count = node.lock_count
         head.last_access = node.last_access
         parent.children[head.tokens[0]] = head
@@ -655,7 +794,7 @@ class PrefixTrie:
         """
         if node is None or node.parent is None or node.slot is not None:
             return
-        if self._window is not None:
+        if self._windowed:
             return
         if len(node.children) != 1:
             return
@@ -679,16 +818,18 @@ class PrefixTrie:
 
     # ---------------------------------------------------------------- eviction
 
-    def can_free_pages(self, num_pages: int) -> bool:
-        """Could evicting unlocked entries free `num_pages` pages? Pure.
+    def can_free_pages(self, num_pages: int, group: int = 0) -> bool:
+        """Could evicting unlocked entries free `num_pages` pages of page
+        group `group`? Pure.
 
         Walks unlocked leaves (and parents they expose) until enough pages
         would drop to refcount 0: O(nodes visited).
         """
         if num_pages <= 0:
             return True
-        if self._leaf_lru and self._sole_pages(self._leaf_lru[0][1]) >= num_pages:
+        if self._leaf_lru and self._sole_pages(self._leaf_lru[0][1], group) >= num_pages:
             return True  # the common case: the LRU leaf alone is enough
+        pool = self._groups[group].pool
         num_freed = 0
         pending: dict[int, int] = {}
         children_left: dict[int, int] = {}
@@ -702,10 +843,10 @@ class PrefixTrie:
                 if key is None:
                     return False
                 node = self._nodes[key[1]]
-            for page in self._present(node.blocks):
+            for page in self._group_pages(node, group):
                 count = pending.get(page, 0) + 1
                 pending[page] = count
-                if count == self._pages.refcount(page):
+                if count == pool.refcount(page):
                     num_freed += 1
             parent = node.parent
             if parent.parent is None or parent.lock_count:
@@ -716,15 +857,22 @@ class PrefixTrie:
                 exposed.append(parent)
         return True
 
-    def _sole_pages(self, node_id: int) -> int:
-        """Pages of a node that nothing else references."""
-        refcount = self._pages.refcount
-        blocks = self._present(self._nodes[node_id].blocks)
+    def _sole_pages(self, node_id: int, group: int = 0) -> int:
+        """Pages of a node (in page group `group`) that nothing else references."""
+        refcount = self._groups[group].pool.refcount
+        blocks = self._group_pages(self._nodes[node_id], group)
         return len({page for page in blocks if refcount(page) == 1})
 
-    def evict_pages(self, num_free_wanted: int) -> None:
-        """Evict LRU unlocked leaves until the page pool has `num_free_wanted` free."""
-        pages = self._pages
+    def _group_pages(self, node: TrieNode, group: int) -> list[int]:
+        """The pages `node` holds in page group `group`."""
+        if group == 0:
+            return self._present(node.blocks)
+        return [page for page in node.more[group - 1] if page is not None]
+
+    def evict_pages(self, num_free_wanted: int, group: int = 0) -> None:
+        """Evict LRU unlocked leaves (every group's pages of each) until the
+        pool of page group `group` has `num_free_wanted` free."""
+        pages = self._groups[group].pool
         while pages.num_free < num_free_wanted and self._leaf_lru:
             self._evict(self._nodes[self._leaf_lru[0][1]])
 
@@ -780,11 +928,16 @@ class PrefixTrie:
             parent = node.parent
             del parent.children[node.tokens[0]]
             num_freed = self._drop_pages(self._present(node.blocks))
+            if node.more is not None:
+                for group, blocks in enumerate(node.more, 1):
+                    self._groups[group].num_evicted_pages += self._drop_pages(
+                        [page for page in blocks if page is not None], group
+                    )
             if node.slot is not None:
                 self._slots.release(node.slot)
                 node.slot = None
                 self.num_slots_held -= 1
-            self.num_evicted_pages += num_freed
+            self._groups[0].num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
                 self.events.append(("removed", self._present(node.blocks), None))
@@ -858,29 +1011,32 @@ class PrefixTrie:
             return list(blocks)
         return [page for page in blocks if page is not None]
 
-    def _hold_pages(self, pages: list[int | None]) -> None:
-        """Take the trie's reference to each page. O(len(pages))."""
-        if self._window is not None and None in pages:
-            pages = self._present(pages)
-        self._pages.incref_all(pages)
-        refs = self._page_trie_refs
+    def _hold_pages(self, pages: list[int | None], group: int = 0) -> None:
+        """Take the trie's reference to each page (of page group `group`).
+        O(len(pages))."""
+        record = self._groups[group]
+        if record.window is not None and None in pages:
+            pages = [page for page in pages if page is not None]
+        record.pool.incref_all(pages)
+        refs = record.trie_refs
         num_new = 0
         for page in pages:
             refs[page] += 1
             if refs[page] == 1:
                 num_new += 1
-        self.num_pages_held += num_new
+        record.num_pages_held += num_new
 
-    def _drop_pages(self, pages: list[int]) -> int:
+    def _drop_pages(self, pages: list[int], group: int = 0) -> int:
         """Drop the trie's reference to each page; return how many became free."""
-        refs = self._page_trie_refs
+        record = self._groups[group]
+        refs = record.trie_refs
         num_gone = 0
         for page in pages:
             refs[page] -= 1
             if refs[page] == 0:
                 num_gone += 1
-        self.num_pages_held -= num_gone
-        return self._pages.release_all(pages)
+        record.num_pages_held -= num_gone
+        return record.pool.release_all(pages)
 
     # --------------------------------------------------------------- checking
 
@@ -900,30 +1056,40 @@ class PrefixTrie:
                 node.leaf_key,
                 node.slot_key,
                 tuple(sorted(child.node_id for child in node.children.values())),
+                None if node.more is None else tuple(tuple(blocks) for blocks in node.more),
             )
             for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
         )
         counters = (
             self._clock,
             self._next_node_id,
-            self.num_pages_held,
             self.num_slots_held,
-            self.num_evicted_pages,
             self.num_evicted_nodes,
+            tuple((g.num_pages_held, g.num_evicted_pages) for g in self._groups),
         )
         roots = tuple(
             (namespace, tuple(sorted(c.node_id for c in root.children.values())))
             for namespace, root in self._roots.items()
         )
-        return nodes, roots, counters, tuple(self._page_trie_refs)
+        return nodes, roots, counters, tuple(tuple(g.trie_refs) for g in self._groups)
 
-    def add_references(self, page_refs: list[int], slot_refs: list[int] | None) -> None:
-        """Add the trie's page and slot references to the given counters."""
+    def add_references(
+        self,
+        page_refs: list[int],
+        slot_refs: list[int] | None,
+        more_page_refs: list[list[int]] = (),
+    ) -> None:
+        """Add the trie's page and slot references to the given counters
+        (`more_page_refs`: one counter list per further page group)."""
         for node in self._nodes.values():
             for page in self._present(node.blocks):
                 page_refs[page] += 1
             if node.slot is not None:
                 slot_refs[node.slot] += 1
+            for blocks, refs in zip(node.more or (), more_page_refs):
+                for page in blocks:
+                    if page is not None:
+                        refs[page] += 1
 
     def check_integrity(self, expected_locks: dict[int, int]) -> None:
         """Raise `IntegrityError` if a trie invariant is broken.
@@ -932,7 +1098,7 @@ class PrefixTrie:
         locked path contains that node.
         """
         seen: set[int] = set()
-        held_refs = [0] * len(self._page_trie_refs)
+        held_refs = [[0] * len(group.trie_refs) for group in self._groups]
         for namespace, root in self._roots.items():
             if root.parent is not None or root.tokens or root.blocks or root.slot is not None:
                 raise IntegrityError(f"root of namespace {namespace!r} is not empty")
@@ -946,10 +1112,11 @@ class PrefixTrie:
                 stack.extend(node.children.values())
         if seen != set(self._nodes):
             raise IntegrityError("the node index and the trie disagree")
-        if held_refs != self._page_trie_refs:
-            raise IntegrityError("per-page trie reference counts are wrong")
-        if self.num_pages_held != sum(1 for refs in held_refs if refs):
-            raise IntegrityError("num_pages_held is wrong")
+        for g, (group, refs) in enumerate(zip(self._groups, held_refs)):
+            if refs != group.trie_refs:
+                raise IntegrityError(f"per-page trie reference counts of group {g} are wrong")
+            if group.num_pages_held != sum(1 for count in refs if count):
+                raise IntegrityError(f"num_pages_held of group {g} is wrong")
         if self.num_slots_held != sum(1 for n in self._nodes.values() if n.slot is not None):
             raise IntegrityError("num_slots_held is wrong")
         leaf_keys = sorted(n.leaf_key for n in self._nodes.values() if n.leaf_key)
@@ -962,7 +1129,7 @@ class PrefixTrie:
         node: TrieNode,
         namespace: Hashable,
         expected_locks: dict[int, int],
-        held_refs: list[int],
+        held_refs: list[list[int]],
     ) -> None:
         parent = node.parent
         where = f"node {node.node_id} [{node.start}, {node.end})"
@@ -980,14 +1147,23 @@ class PrefixTrie:
             raise IntegrityError(f"{where} has stale packed tokens")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
-        if len(node.blocks) != num_blocks:
-            raise IntegrityError(f"{where} holds {len(node.blocks)} pages, needs {num_blocks}")
-        if self._window is None and None in node.blocks:
-            raise IntegrityError(f"{where} lacks a page without a sliding window")
-        if None in node.blocks[node.blocks.count(None) :]:
-            raise IntegrityError(f"{where} holds a page before a hole")
-        for page in self._present(node.blocks):
-            held_refs[page] += 1
+        if (node.more is None) != (self._num_more == 0) or (
+            node.more is not None and len(node.more) != self._num_more
+        ):
+            raise IntegrityError(f"{where} holds pages of other groups than the trie's")
+        for g, (blocks, group) in enumerate(zip([node.blocks, *(node.more or ())], self._groups)):
+            if len(blocks) != num_blocks:
+                raise IntegrityError(
+                    f"{where} holds {len(blocks)} pages of group {g}, needs {num_blocks}"
+                )
+            if group.window is None and None in blocks:
+                raise IntegrityError(f"{where} lacks a page of group {g} without a sliding window")
+            if None in blocks[blocks.count(None) :]:
+                raise IntegrityError(f"{where} holds a page of group {g} before a hole")
+            refs = held_refs[g]
+            for page in blocks:
+                if page is not None:
+                    refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
             raise IntegrityError(
                 f"{where} lock count {node.lock_count}, "
@@ -997,7 +1173,7 @@ class PrefixTrie:
             raise IntegrityError(f"{where} is a tombstone leaf")
         if not self._hybrid and node.slot is not None:
             raise IntegrityError(f"{where} holds a slot without recurrent state")
-        if node.slot is None and len(node.children) == 1 and self._window is None:
+        if node.slot is None and len(node.children) == 1 and not self._windowed:
             (child,) = node.children.values()
             if child.lock_count == node.lock_count:
                 raise IntegrityError(f"{where} should have been merged into its child")

@@ -48,6 +48,9 @@ class Sequence:
     `recompute_from` is set after a commit restored a recurrent checkpoint:
     the tokens from that position on are computed again, so the sliding
     window keeps the pages that position attends to (see `append`).
+    `more_tables` / `more_released`: the page tables (and released counts)
+    of the manager's further page groups (`blockmgr.page_group`), one per
+    group, as `block_table` / `num_released`; None without such groups.
     """
 
     seq_id: Hashable
@@ -63,6 +66,8 @@ class Sequence:
     packed: bytes = b""
     speculation: Speculation | None = None
     recompute_from: int | None = None
+    more_tables: list[list[int | None]] | None = None
+    more_released: list[int] | None = None
 
     @property
     def first_owned(self) -> int:

@@ -19,6 +19,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from blockmgr import (
+    BlockManager,
+    BlockManagerConfig,
     GroupedStore,
     GroupedStoreConfig,
     OutOfBlocks,
@@ -168,9 +170,11 @@ def test_allocate_under_pressure_on_a_sliding_model_changes_nothing():
     pc.check_integrity()
 
 
-def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
-    """The full group holds a snapshot at 24 but the sliding group evicted
-    the window before it: the hit falls to a point both serve (here 12)."""
+def test_sliding_pressure_evicts_every_groups_pages_of_the_lru_leaves():
+    """The full group holds a snapshot at 24, then the sliding pool runs
+    short: the least recently used leaves go, with every group's pages
+    (design/grouped_store.md, "Eviction"), and the hit falls to the
+    snapshot both groups still serve (12)."""
     store = GroupedStore(GroupedStoreConfig(
         num_blocks=40, block_size=4, windows=(None, 6), num_slots=8, window_blocks=9))
     shadow = GroupedShadowStorage(store)
@@ -189,14 +193,17 @@ def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
 
     run("a", stem + [1, 2, 3], [12, 24])
     shadow.apply(store.free("a", shadow.computed.pop("a")))
+    assert store.cached_prefix_length(stem + [5]) == 24
     # Fill the sliding pool: its LRU leaves (the window before 24) go first.
     run("b", [7] * 13, [])
     shadow.apply(store.free("b", shadow.computed.pop("b")))
+    full, sliding = store.managers
+    num_full_cached = full.num_cached_blocks
     run("c", [8] * 14, [])
     shadow.apply(store.free("c", shadow.computed.pop("c")))
-    full, sliding = store.managers
-    assert full.find_prefix(stem + [5], limit=30).num_tokens == 24
-    assert sliding.find_prefix(stem + [5], limit=24).num_tokens < 24
+    # "c" cached 4 full-group pages; the evicted leaves gave some back.
+    assert full.num_cached_blocks < num_full_cached + 4
+    assert full.stats.num_evicted_pages > 0 and sliding.stats.num_evicted_pages > 0
     before = store.debug_state()
     assert store.cached_prefix_length(stem + [5]) == 12
     assert store.debug_state() == before
@@ -204,6 +211,27 @@ def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
     assert alloc.num_cached_tokens == 12
     shadow.check_all()
     store.check_integrity()
+
+
+def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
+    """The full group alone could serve 30 tokens of a cached 40-token
+    prefix; a sliding group (window 6) only the ends whose window it kept
+    (20 and 40): the store serves the longest point both serve (20), what
+    plain managers of each group, given the same calls, agree on."""
+    stem = list(range(200, 240))
+    query = stem[:30] + [1, 2, 3]
+    hits = []
+    for store in (
+        GroupedStore(GroupedStoreConfig(num_blocks=40, block_size=4, windows=(None, 6))),
+        BlockManager(BlockManagerConfig(num_blocks=40, block_size=4)),
+        BlockManager(BlockManagerConfig(num_blocks=40, block_size=4, sliding_window=6)),
+    ):
+        store.allocate("a", stem)
+        store.cache_prefix("a", 20)
+        store.free("a")
+        hits.append(store.cached_prefix_length(query))
+        store.check_integrity()
+    assert hits == [20, 30, 20]
 
 
 def greedy_reference(model, prompt, n):
