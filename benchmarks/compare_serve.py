@@ -67,19 +67,31 @@ def build_word_tokenizer(path: Path, vocab_size: int = VOCAB):
     return fast
 
 
-def build_qwen3_dir(path: Path, layers: int) -> Path:
+def qwen3_config(layers: int) -> dict:
+    """Qwen3-0.6B's layer shape with `layers` layers."""
+    return {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": layers,
+            "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
+            "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": True}
+
+
+def qwen3_model(layers: int):
+    """The model of `qwen3_config`, random float32 weights (seed 0)."""
     from mlx_lm.models import qwen3
+
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(qwen3_config(layers)))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_qwen3_dir(path: Path, layers: int) -> Path:
     from mlx_lm.utils import save_config, save_model
 
     build_word_tokenizer(path)
-    config = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": layers,
-              "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
-              "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": True}
-    mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    config = qwen3_config(layers)
+    model = qwen3_model(layers)
     save_model(path, model)
     save_config(config, path / "config.json")
     return path
@@ -103,7 +115,7 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
     if kind.startswith("blockmgr"):
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--kv-memory", kv_memory, "--max-num-seqs", "64"]
-        if prefill_batch != 1:  # (a baseline checkout may not have the option)
+        if kind == "blockmgr" or prefill_batch != 1:  # (a baseline may not have the option)
             cmd += ["--prefill-batch", str(prefill_batch)]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
