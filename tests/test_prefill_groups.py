@@ -116,3 +116,27 @@ def test_a_failing_group_leaves_the_other_group_correct():
     assert [got[i].outputs[0] for i in short] == \
         [greedy_reference(model.model, prompts[i], 5) for i in short]
     assert_no_leak(engine)
+
+
+def test_the_served_engine_runs_a_wave_in_few_forwards(tmp_path):
+    """`load_engine` (what `blockmgr serve` runs) groups a wave of
+    equal-length prompts 8 at a time: 16 prompts make two head forwards
+    plus the decode forward, not 16 plus one, and the outputs equal
+    mlx-lm's greedy decode."""
+    from scheduler.serve import load_engine
+    from tests.serve_model import build_model_dir
+
+    engine, _ = load_engine(build_model_dir(tmp_path / "tiny"), num_blocks=256, block_size=8)
+    if not (engine.batching.decode and engine.batching.prefill):
+        pytest.skip("the tiny llama does not batch here")
+    prompts = [tokens(engine.vocab_size, 12, 40 + i) for i in range(16)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [engine.get_request(engine.add_request(p, greedy)) for p in prompts]
+    before = engine.stats.num_forwards
+    engine.step()
+    assert engine.stats.num_forwards - before == 2 + 1
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.outputs[0] for r in requests] == \
+        [greedy_reference(engine.model, p, 4) for p in prompts]
+    assert_no_leak(engine)
