@@ -14,6 +14,8 @@ same environment, so the same BLAS), warms it up with two requests, runs
 `blockmgr bench --trace ... --concurrency C` (streaming chat, greedy,
 `--max-tokens` outputs) and reports output tokens/s, TTFT p50/p99, the
 server-reported cached prompt tokens and the server's peak RSS (VmHWM).
+`--repeat N` runs the servers N times per workload in alternating order
+and prints each run and the throughput ratios to `mlx_lm.server`.
 The bench reports are kept under `--out`.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,6 +199,9 @@ def main() -> None:
                         help="another checkout whose blockmgr serve also runs (e.g. a "
                              "`git archive` of an earlier commit)")
     parser.add_argument("--out", default="serve-bench", help="folder for the bench reports")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every server this many times per workload, the order reversed "
+                             "each time; prints the throughput ratios per repeat and their median")
     args = parser.parse_args()
     blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "") else \
         "bundled reference BLAS"
@@ -214,33 +220,45 @@ def main() -> None:
             kinds.insert(0, "blockmgr-baseline")
         runs = [(kind, int(batch)) for kind in kinds
                 for batch in (args.prefill_batch.split(",") if kind == "blockmgr" else [1])]
+        ratios: dict[tuple[str, str], list[float]] = {}
         for name in args.workloads.split(","):
-            for kind, batch in runs:
-                label = f"{kind} --prefill-batch {batch}" if kind.startswith("blockmgr") else kind
-                root = Path(args.baseline) if kind == "blockmgr-baseline" else ROOT
-                port = free_port()
-                proc = start(kind, model_dir, port, args.concurrency, args.kv_memory, batch, root)
-                url = f"http://127.0.0.1:{port}"
-                try:
-                    wait_up(url, proc)
+            for repeat in range(args.repeat):  # ABC, CBA, ...: load drift falls on all alike
+                rates = {}
+                for kind, batch in (runs if repeat % 2 == 0 else runs[::-1]):
                     blockmgr = kind.startswith("blockmgr")
-                    model = model_dir.name if blockmgr else str(model_dir)
-                    tag = f"{name}-{kind}" + (f"-pb{batch}" if blockmgr else "")
-                    bench(url, model, warmup[name], 1, out / f"warmup-{tag}")
-                    s = bench(url, model, traces[name], args.concurrency, out / tag)
-                    rss = peak_rss(proc.pid)
-                finally:
-                    proc.terminate()
+                    label = f"{kind} --prefill-batch {batch}" if blockmgr else kind
+                    root = Path(args.baseline) if kind == "blockmgr-baseline" else ROOT
+                    port = free_port()
+                    proc = start(kind, model_dir, port, args.concurrency, args.kv_memory, batch,
+                                 root)
+                    url = f"http://127.0.0.1:{port}"
                     try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                lat = s["latency"]["ttft_s"]
-                print(f"| {name} | {label} | {s['throughput']['output_tokens_per_s']:.1f} | "
-                      f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
-                      f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
-                      flush=True)
+                        wait_up(url, proc)
+                        model = model_dir.name if blockmgr else str(model_dir)
+                        tag = f"{name}-{kind}" + (f"-pb{batch}" if blockmgr else "")
+                        bench(url, model, warmup[name], 1, out / f"warmup-{tag}")
+                        s = bench(url, model, traces[name], args.concurrency, out / tag)
+                        rss = peak_rss(proc.pid)
+                    finally:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                    lat = s["latency"]["ttft_s"]
+                    rates[label] = s["throughput"]["output_tokens_per_s"]
+                    print(f"| {name} | {label} | {rates[label]:.1f} | "
+                          f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
+                          f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
+                          flush=True)
+                for label, rate in rates.items():
+                    if "mlx_lm" in rates and label != "mlx_lm":
+                        ratios.setdefault((name, label), []).append(rate / rates["mlx_lm"])
+        for (name, label), values in ratios.items():
+            each = ", ".join(f"{v:.2f}x" for v in values)
+            print(f"{name}: {label} / mlx_lm throughput, per repeat: {each}; "
+                  f"median {statistics.median(values):.2f}x")
 
 
 if __name__ == "__main__":

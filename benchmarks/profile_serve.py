@@ -160,7 +160,8 @@ def summarize(path: Path, t_start: float, num_generated: int, wall: float) -> di
         "no_head_tokens": sum(f[0] * f[1] for f in plain),
         "head_forward_tokens_beyond_rows": sum(f[0] * (f[1] - 1) for f in heads),
         "decode_only_steps": len(decode_only),
-        "decode_only_step_ms": round(1e3 * statistics.mean(decode_only), 1) if decode_only else None,
+        "decode_only_step_ms": round(1e3 * statistics.mean(decode_only), 1) if decode_only
+        else None,
         "other_steps": len(mixed),
         "other_steps_s": round(sum(mixed), 2),
         "other_step_ms": round(1e3 * statistics.mean(mixed), 1) if mixed else None,
