@@ -14,6 +14,8 @@ same environment, so the same BLAS), warms it up with two requests, runs
 `blockmgr bench --trace ... --concurrency C` (streaming chat, greedy,
 `--max-tokens` outputs) and reports output tokens/s, TTFT p50/p99, the
 server-reported cached prompt tokens and the server's peak RSS (VmHWM).
+`--repeat N` runs the servers N times per workload in alternating order
+and prints each run and the throughput ratios to `mlx_lm.server`.
 The bench reports are kept under `--out`.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,19 +70,31 @@ def build_word_tokenizer(path: Path, vocab_size: int = VOCAB):
     return fast
 
 
-def build_qwen3_dir(path: Path, layers: int) -> Path:
+def qwen3_config(layers: int) -> dict:
+    """Qwen3-0.6B's layer shape with `layers` layers."""
+    return {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": layers,
+            "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
+            "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": True}
+
+
+def qwen3_model(layers: int):
+    """The model of `qwen3_config`, random float32 weights (seed 0)."""
     from mlx_lm.models import qwen3
+
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(qwen3_config(layers)))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_qwen3_dir(path: Path, layers: int) -> Path:
     from mlx_lm.utils import save_config, save_model
 
     build_word_tokenizer(path)
-    config = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": layers,
-              "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
-              "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": True}
-    mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    config = qwen3_config(layers)
+    model = qwen3_model(layers)
     save_model(path, model)
     save_config(config, path / "config.json")
     return path
@@ -103,7 +118,7 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
     if kind.startswith("blockmgr"):
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(model_dir),
                "--port", str(port), "--kv-memory", kv_memory, "--max-num-seqs", "64"]
-        if prefill_batch != 1:  # (a baseline checkout may not have the option)
+        if kind == "blockmgr" or prefill_batch != 1:  # (a baseline may not have the option)
             cmd += ["--prefill-batch", str(prefill_batch)]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
@@ -184,6 +199,9 @@ def main() -> None:
                         help="another checkout whose blockmgr serve also runs (e.g. a "
                              "`git archive` of an earlier commit)")
     parser.add_argument("--out", default="serve-bench", help="folder for the bench reports")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every server this many times per workload, the order reversed "
+                             "each time; prints the throughput ratios per repeat and their median")
     args = parser.parse_args()
     blas = "OpenBLAS (LD_PRELOAD)" if "openblas" in os.environ.get("LD_PRELOAD", "") else \
         "bundled reference BLAS"
@@ -202,33 +220,45 @@ def main() -> None:
             kinds.insert(0, "blockmgr-baseline")
         runs = [(kind, int(batch)) for kind in kinds
                 for batch in (args.prefill_batch.split(",") if kind == "blockmgr" else [1])]
+        ratios: dict[tuple[str, str], list[float]] = {}
         for name in args.workloads.split(","):
-            for kind, batch in runs:
-                label = f"{kind} --prefill-batch {batch}" if kind.startswith("blockmgr") else kind
-                root = Path(args.baseline) if kind == "blockmgr-baseline" else ROOT
-                port = free_port()
-                proc = start(kind, model_dir, port, args.concurrency, args.kv_memory, batch, root)
-                url = f"http://127.0.0.1:{port}"
-                try:
-                    wait_up(url, proc)
+            for repeat in range(args.repeat):  # ABC, CBA, ...: load drift falls on all alike
+                rates = {}
+                for kind, batch in (runs if repeat % 2 == 0 else runs[::-1]):
                     blockmgr = kind.startswith("blockmgr")
-                    model = model_dir.name if blockmgr else str(model_dir)
-                    tag = f"{name}-{kind}" + (f"-pb{batch}" if blockmgr else "")
-                    bench(url, model, warmup[name], 1, out / f"warmup-{tag}")
-                    s = bench(url, model, traces[name], args.concurrency, out / tag)
-                    rss = peak_rss(proc.pid)
-                finally:
-                    proc.terminate()
+                    label = f"{kind} --prefill-batch {batch}" if blockmgr else kind
+                    root = Path(args.baseline) if kind == "blockmgr-baseline" else ROOT
+                    port = free_port()
+                    proc = start(kind, model_dir, port, args.concurrency, args.kv_memory, batch,
+                                 root)
+                    url = f"http://127.0.0.1:{port}"
                     try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                lat = s["latency"]["ttft_s"]
-                print(f"| {name} | {label} | {s['throughput']['output_tokens_per_s']:.1f} | "
-                      f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
-                      f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
-                      flush=True)
+                        wait_up(url, proc)
+                        model = model_dir.name if blockmgr else str(model_dir)
+                        tag = f"{name}-{kind}" + (f"-pb{batch}" if blockmgr else "")
+                        bench(url, model, warmup[name], 1, out / f"warmup-{tag}")
+                        s = bench(url, model, traces[name], args.concurrency, out / tag)
+                        rss = peak_rss(proc.pid)
+                    finally:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                    lat = s["latency"]["ttft_s"]
+                    rates[label] = s["throughput"]["output_tokens_per_s"]
+                    print(f"| {name} | {label} | {rates[label]:.1f} | "
+                          f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
+                          f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
+                          flush=True)
+                for label, rate in rates.items():
+                    if "mlx_lm" in rates and label != "mlx_lm":
+                        ratios.setdefault((name, label), []).append(rate / rates["mlx_lm"])
+        for (name, label), values in ratios.items():
+            each = ", ".join(f"{v:.2f}x" for v in values)
+            print(f"{name}: {label} / mlx_lm throughput, per repeat: {each}; "
+                  f"median {statistics.median(values):.2f}x")
 
 
 if __name__ == "__main__":

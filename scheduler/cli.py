@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 from blockmgr.errors import IntegrityError
+from scheduler.serve import PREFILL_BATCH
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -319,8 +320,9 @@ def _add_serve_parser(sub) -> None:
                        help="sequences running at once (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                        help="token budget of one step (default 2048)")
-    serve.add_argument("--prefill-batch", type=_positive_int, default=1, metavar="N",
-                       help="prefill chunks per forward (default 1; see design/serving.md)")
+    serve.add_argument("--prefill-batch", type=_positive_int, default=PREFILL_BATCH, metavar="N",
+                       help=f"prefill chunks per forward (default {PREFILL_BATCH}; "
+                            "see design/serving.md)")
     serve.add_argument("--max-waiting", type=_positive_int, default=256,
                        help="waiting requests before new ones get 429 (default 256)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")

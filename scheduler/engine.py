@@ -48,6 +48,7 @@ from cache import LayerKind, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.faults import ForwardFaults
 from scheduler.kv_events import EventSink, open_publisher
+from scheduler.prefill_groups import prefill_groups
 from scheduler.request import (
     Request,
     RequestMetrics,
@@ -573,7 +574,8 @@ class Engine:
         self.faults.succeeded(s.request_id for s in group)
 
     def _run_prefill(self, prefill: list[ScheduledSeq], run: _StepRun) -> None:
-        """Prefill chunks alone or in groups of `prefill_batch`."""
+        """Prefill chunks alone or in groups of up to `prefill_batch` with
+        bounded padding (`scheduler.prefill_groups`)."""
         k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:
@@ -581,8 +583,8 @@ class Engine:
             return
         alone = [s for s in prefill if self.faults.isolated(s.request_id)]
         together = [s for s in prefill if not self.faults.isolated(s.request_id)]
-        for i in range(0, len(together), k):
-            self._run_group(together[i : i + k], run)
+        for group in prefill_groups(together, k):
+            self._run_group(group, run)
         for seq in alone:
             self._prefill_one(seq, run)
 

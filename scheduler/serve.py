@@ -26,6 +26,11 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb"
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
           "tib": 2**40}
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+#: Prefill chunks per forward in the server: a closed loop's clients arrive
+#: in waves, and a wave of short chunks on a cached system prompt costs one
+#: weight read per forward (BENCHMARKS.md, "serve"); `prefill_groups` keeps
+#: the padding bounded whatever the lengths.
+PREFILL_BATCH = 8
 
 
 def parse_bytes(text: str) -> int:
@@ -102,9 +107,12 @@ def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int) -> Po
 
 
 def load_engine(path: str | Path, *, kv_memory: str | None = None,
-                num_blocks: int | None = None, block_size: int = 16, **engine_kwargs):
+                num_blocks: int | None = None, block_size: int = 16,
+                prefill_batch: int = PREFILL_BATCH, **engine_kwargs):
     """(Engine, model name) for an mlx-lm model directory. Without
-    `num_blocks` the pool fits `kv_memory` (default 4GiB; `size_pool`)."""
+    `num_blocks` the pool fits `kv_memory` (default 4GiB; `size_pool`).
+    Prefill chunks that arrive together share forwards (`prefill_batch`,
+    default `PREFILL_BATCH`)."""
     import mlx_lm
 
     from scheduler.engine import Engine
@@ -120,7 +128,7 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
         num_blocks = size.num_blocks
         engine_kwargs.setdefault("num_slots", size.num_slots or None)
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
-                    **engine_kwargs)
+                    prefill_batch=prefill_batch, **engine_kwargs)
     return engine, path.name
 
 
