@@ -41,7 +41,8 @@ Plan = tuple[MemoryOp, ...]
 
 #: The calls a single-group store binds straight to its manager.
 _SINGLE_GROUP_CALLS = (
-    "can_allocate", "allocate", "cached_prefix_length", "can_append", "append", "fork",
+    "can_allocate", "allocate", "cached_prefix_length", "can_append", "append",
+    "can_append_decode", "append_decode", "fork",
     "can_truncate", "truncate", "cache_prefix", "free", "can_swap_out", "swap_out",
     "can_swap_in", "swap_in", "can_speculate", "begin_speculation", "commit_speculation",
     "abort_speculation",
@@ -288,6 +289,28 @@ class GroupedStore:
         ops = self._first.append(seq_id, new_tokens, num_computed)  # checks itself: nothing changed yet
         for m in others:
             more = m.append(seq_id, new_tokens, num_computed)
+            if more:
+                ops = (*ops, *more)
+        return ops
+
+    def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
+        """Would `append_decode(seq_ids, tokens)` succeed in every group? Pure."""
+        return all(m.can_append_decode(seq_ids) for m in self._managers)
+
+    def append_decode(
+        self, seq_ids: list[Hashable] | tuple[Hashable, ...], tokens: Iterable[int]
+    ) -> Plan:
+        """`BlockManager.append_decode` in every group: one token per row.
+        Every group is checked before the first changes (a refusing group's
+        error is raised, nothing changed); the plan is group 0's rows,
+        then group 1's, ... O(groups x rows)."""
+        for m in self._others:
+            if not m.can_append_decode(seq_ids):  # checks the ids too
+                m.append_decode(seq_ids, tokens)  # raises its precise error, changes nothing
+                raise IntegrityError("append_decode succeeded where can_append_decode said no")
+        ops = self._first.append_decode(seq_ids, tokens)  # checks itself and the tokens
+        for m in self._others:
+            more = m.append_decode(seq_ids, tokens)
             if more:
                 ops = (*ops, *more)
         return ops
