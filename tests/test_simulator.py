@@ -29,7 +29,7 @@ from scheduler.simulator.report import NONDETERMINISTIC
 from scheduler.simulator.runner import Simulation, check_no_leaks
 from scheduler.simulator.sweep import SweepSpecError, grid_points, parse_grid, run_sweep
 from scheduler.simulator.tokens import TokenSource, derive_key
-from scheduler.simulator.workloads import WORKLOAD_KINDS
+from scheduler.simulator.workloads import WORKLOAD_KINDS, _Choice
 
 
 def small_config(**workload) -> SimulationConfig:
@@ -74,6 +74,19 @@ def test_generation_is_deterministic_and_counts_requests():
 
 
 # ------------------------------------------------------------- accounting
+
+
+@pytest.mark.parametrize("p", [[1.0], [0.5, 0.3, 0.2], list(np.ones(16) / np.arange(1, 17))])
+def test_choice_draws_what_rng_choice_draws(p):
+    """The generator's weighted draw against numpy's own `choice` on the
+    same stream: the same indices, and the streams stay in step after."""
+    p = np.asarray(p) / np.sum(p)
+    ours, numpy_rng = np.random.default_rng(7), np.random.default_rng(7)
+    choice = _Choice(p)
+    drawn = [choice.draw(ours) for _ in range(3000)]
+    assert drawn == [int(numpy_rng.choice(len(p), p=p)) for _ in range(3000)]
+    assert ours.random() == numpy_rng.random()
+    assert len(set(drawn)) == len(p)
 
 
 def test_metrics_add_up():
