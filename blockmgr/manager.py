@@ -504,28 +504,29 @@ class BlockManager:
         return tuple(ops)
 
     def _decode_seqs(self, seq_ids: object) -> list[Sequence]:
-        """The resident sequences of `seq_ids`, each once; raises naming a bad id."""
+        """The live sequences of `seq_ids`, each once; raises naming a bad id
+        (`_plan_decode` refuses a swapped one)."""
         if not isinstance(seq_ids, (list, tuple)):
             raise WrongArgumentType(f"seq_ids must be a list or tuple of ids, got {seq_ids!r:.80}")
         try:
             seqs = [self._seqs[seq_id] for seq_id in seq_ids]  # the common case, at C speed
         except (KeyError, TypeError):
             seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises, naming the id
-        for seq in seqs:
-            if seq.swapped:
-                self._resident(seq.seq_id)  # raises SequenceSwapped
         if len(set(map(id, seqs))) != len(seqs):
             raise InvalidArgument(f"seq_ids repeats a sequence: {seq_ids!r:.120}")
         return seqs
 
     def _plan_decode(self, seqs: list[Sequence]) -> DecodePlan:
         """The rows of a decode step that need more than a slot in their own
-        last page, and the pages and slots they take at most. Pure."""
+        last page, and the pages and slots they take at most. Pure; raises
+        `SequenceSwapped` for a row swapped out."""
         growing: set[int] = set()
         num_pages = num_slots = 0
         block_size, refcount = self._block_size, self._pages.refcount
         plain = self._window is None  # else every row may release pages: the full path
         for index, seq in enumerate(seqs):
+            if seq.swapped:
+                self._resident(seq.seq_id)  # raises
             # `_fits_last_page(seq)`, written out: this loop runs once per decoded token.
             num_tokens = len(seq.tokens)
             table = seq.block_table

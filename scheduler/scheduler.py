@@ -12,9 +12,10 @@ budget (`max_num_batched_tokens`) and a cap on live sequences
    keeps what it can; recomputed later from the prompt and its outputs) or
    by swap (pages copied to host memory, brought back later);
 2. then, if nothing was preempted, waiting sequences in policy order
-   (preempted ones first): admission asks the store (`can_allocate`, which
-   keeps the watermark of free pages), allocates the whole prompt and
-   counts only the tokens the prefix trie did not have against the budget.
+   (preempted ones first): admission allocates the whole prompt (refused,
+   changing nothing, where `can_allocate` says no: it keeps the watermark
+   of free pages) and counts only the tokens the prefix trie did not have
+   against the budget.
 
 Prefills are chunked. A chunk ends at the allocation's `branch_point` (where
 a hybrid or sliding-window store could serve more after a checkpoint), for
@@ -577,9 +578,9 @@ class Scheduler:
         batched = True  # runs of decode rows take one store call, until one is refused
         while i < len(running) and budget > 0:
             if batched:
-                seqs, tokens = _decode_rows(running, i, budget)
+                seqs, seq_ids, tokens = _decode_rows(running, i, budget)
                 if seqs:
-                    if self._reserve_decode_rows(seqs, tokens, ops):
+                    if self._reserve_decode_rows(seq_ids, tokens, ops):
                         self._emit_decode_rows(seqs, tokens, out)
                         budget -= len(seqs)
                         i += len(seqs)
@@ -662,11 +663,8 @@ class Scheduler:
             self._num_swapped -= 1
             return True
         tokens = seq.tokens(0, seq.num_tokens)
-        namespace = seq.request.namespace
-        if not kv.can_allocate(tokens, namespace):
-            return False
-        try:
-            alloc = kv.allocate(seq.seq_id, tokens, namespace)
+        try:  # refused (nothing changed) exactly when `can_allocate` says no: one trie match
+            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace)
         except (OutOfBlocks, OutOfSlots):
             return False
         _extend(ops, alloc.ops)
@@ -738,23 +736,24 @@ class Scheduler:
         seq.num_reserved = end
         return True
 
-    def _reserve_decode_rows(self, seqs: list[_Seq], tokens: list[int], ops: list) -> bool:
-        """`_reserve_decode` of every row (`_decode_rows`) in one store call,
-        whole or not at all: False (nothing changed) when the store refuses."""
+    def _reserve_decode_rows(self, seq_ids: list, tokens: list[int], ops: list) -> bool:
+        """The store's part of `_reserve_decode` for every row (`_decode_rows`),
+        in one call, whole or not at all: False (nothing changed) when the
+        store refuses. `_emit_decode_rows` records the reservation."""
         try:
-            plan = self.kv.append_decode([seq.seq_id for seq in seqs], tokens)
+            plan = self.kv.append_decode(seq_ids, tokens)
         except (OutOfBlocks, OutOfSlots):
             return False
         if plan:
             ops.extend(plan)
-        for seq in seqs:
-            seq.num_reserved = seq.num_computed + 1
         return True
 
     def _emit_decode_rows(self, seqs: list[_Seq], tokens: list[int], out: SchedulerOutput) -> None:
-        """`_emit(seq, 1, out)` of each decode row: one token, sampled."""
+        """`_emit(seq, 1, out)` of each decode row (its token reserved in the
+        store): one token, sampled."""
         items = out.seqs
         for seq, token in zip(seqs, tokens):
+            seq.num_reserved = seq.num_computed + 1
             seq.in_flight = True
             req = seq.request
             items.append(
@@ -1102,11 +1101,12 @@ def _decode_token(seq: _Seq) -> int | None:
     return outputs[-1]
 
 
-def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], list[int]]:
+def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], list, list[int]]:
     """The decode rows of `running` from `start` on, up to the first other
     sequence and at most `limit`: sequences at a decode row (`_decode_token`)
-    whose store holds exactly their computed tokens, and their tokens."""
+    whose store holds exactly their computed tokens; their ids and tokens."""
     seqs: list[_Seq] = []
+    seq_ids: list = []
     tokens: list[int] = []
     for seq in itertools.islice(running, start, start + limit):
         # `_decode_token(seq)`, written out: this loop runs once per decoded token.
@@ -1120,8 +1120,9 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq
                 or seq.num_reserved != num_computed):
             break
         seqs.append(seq)
+        seq_ids.append(seq.seq_id)
         tokens.append(outputs[-1])
-    return seqs, tokens
+    return seqs, seq_ids, tokens
 
 
 def _seq_key(seq: _Seq) -> tuple:

@@ -67,9 +67,9 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
 
     def counted_decode_rows(running, start, limit):
-        seqs, tokens = decode_rows(running, start, limit)
-        taken["batched"] += len(seqs)
-        return seqs, tokens
+        rows = decode_rows(running, start, limit)
+        taken["batched"] += len(rows[0])
+        return rows
 
     def counted_plan_decode(self, seqs):
         plan = plan_decode(self, seqs)
@@ -97,7 +97,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
-    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], []))
+    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], []))
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
     generic = _recorded(config)
