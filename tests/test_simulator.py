@@ -333,6 +333,9 @@ def test_token_texts_are_stable_prefixes_and_distinct():
     assert source.text(key, 100) == long[:100]
     assert source.text(derive_key(42, 1), 300) != long
     assert all(0 <= t < 1000 for t in long)
+    other = derive_key(7, 3)
+    assert source.expand([(key, 100), (other, 0), (other, 40)]) == long[:100] + source.text(other, 40)
+    assert source.expand([]) == [] and source.expand([(key, 0)]) == []
 
 
 def test_config_round_trips_through_json():
