@@ -89,6 +89,19 @@ def test_choice_draws_what_rng_choice_draws(p):
     assert len(set(drawn)) == len(p)
 
 
+@pytest.mark.parametrize("spec", ["fixed:2.5", "fixed:7", "uniform:3,40", "lognormal:mean=200,sigma=0.8",
+                                  "exponential:mean=100,max=300", "normal:mean=20,std=15,min=4"])
+def test_one_length_is_the_one_element_sample(spec):
+    """`LengthDist.one` (a scalar draw) against `sample(rng, 1)` on the same
+    stream: the same lengths, and the streams stay in step after."""
+    dist = parse_length(spec)
+    ours, reference = np.random.default_rng(3), np.random.default_rng(3)
+    lengths = [dist.one(ours) for _ in range(2000)]
+    assert lengths == [int(dist.sample(reference, 1)[0]) for _ in range(2000)]
+    assert all(type(n) is int for n in lengths)
+    assert ours.random() == reference.random()
+
+
 def test_metrics_add_up():
     cfg = small_config()
     specs = all_specs(cfg.workload)
