@@ -847,8 +847,17 @@ class Scheduler:
         results: dict[Hashable, RequestOutput] = {}
         forks: dict[int, list[_Seq]] = {}
         finished: set[int] = set()
+        add_token = self._add_token
         for item, seq, tokens in plan:
             seq.in_flight = False
+            if type(tokens) is int and not item.is_prefill:
+                # A decode row (one token, of a one-sample sequence): the generic
+                # steps below, with what they test known.
+                seq.request.metrics.num_computed_tokens += 1
+                seq.num_computed += 1
+                if add_token(seq, seq.index, tokens, now, results, deltas):
+                    finished.add(id(seq))
+                continue
             num_tokens = len(item.token_ids)
             seq.request.metrics.num_computed_tokens += num_tokens
             if type(tokens) is AcceptedTokens:
