@@ -36,7 +36,8 @@ Plan = tuple[MemoryOp, ...]
 
 #: The calls the store binds straight to its manager.
 _MANAGER_CALLS = (
-    "can_allocate", "allocate", "cached_prefix_length", "can_append", "append", "fork",
+    "can_allocate", "allocate", "cached_prefix_length", "can_append", "append",
+    "can_append_decode", "append_decode", "fork",
     "can_truncate", "truncate", "cache_prefix", "free", "can_swap_out", "swap_out",
     "can_swap_in", "swap_in", "can_speculate", "begin_speculation", "commit_speculation",
     "abort_speculation", "shorten_speculation", "speculation_start", "recompute_from", "reset_prefix_cache",

@@ -63,13 +63,14 @@ from blockmgr.prefix_trie import (
     PrefixTrie,
     pack_tokens,
 )
-from blockmgr.sequence import Allocation, Sequence, Speculation
+from blockmgr.sequence import Allocation, DecodePlan, Sequence, Speculation
 from blockmgr.stats import PrefixCacheStats
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,
     check_int,
     check_hashable,
+    decode_tokens,
     packed_prompt,
     prompt_list,
     token_list,
@@ -484,6 +485,10 @@ class BlockManager:
         ):  # the common decode step: nothing to plan (further groups: no hold to move)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
+        return self._append_tokens(seq, new_tokens, num_computed)
+
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], num_computed: int | None) -> Plan:
+        """`append` of checked tokens (at least one) to a resident sequence."""
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
         more = self._more_growth(seq, num_pages) if self._more else None
         grows = num_pages or copy_page or copy_slot or (more and any(more))
@@ -524,6 +529,120 @@ class BlockManager:
         for index, (group, need) in enumerate(zip(self._more, needs)):
             group.grow(seq, index, need > num_pages, num_pages, more_ops)
         return (*ops, *more_ops) if more_ops else ops
+
+    def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
+        """Would `append_decode(seq_ids, tokens)` (any valid tokens) succeed
+        now? Raises on bad ids like it; changes nothing. O(len(seq_ids))."""
+        seqs = self._decode_seqs(seq_ids)
+        return self._decode_room(self._plan_decode(seqs)) is None
+
+    def append_decode(
+        self, seq_ids: list[Hashable] | tuple[Hashable, ...], tokens: Iterable[int]
+    ) -> Plan:
+        """One decode step of many sequences: `append(seq_ids[i], [tokens[i]])`
+        for each i, in order, as one call that succeeds whole or raises and
+        changes nothing.
+
+        The room check is made for the whole batch before anything changes:
+        the sum of each row's own growth as of the call (pages, page and slot
+        copies) must be free or reclaimable, else `OutOfBlocks` / `OutOfSlots`.
+        That sum can only overstate what the rows take one by one (a sibling's
+        copy can leave another sibling the sole owner of its page), so a refusal
+        here may be one that row-by-row appends would have got through; a
+        caller that needs their exact outcome then appends row by row. Bad
+        ids (unknown, swapped, repeated) or tokens raise `InvalidArgument`.
+        The plan is the rows' plans in row order. O(len(seq_ids)) plus the
+        growing rows' page work.
+        """
+        seqs = self._decode_seqs(seq_ids)
+        tokens = decode_tokens(tokens, len(seqs))
+        plan = self._plan_decode(seqs)
+        error = self._decode_room(plan)
+        if error is not None:
+            raise error
+        growing = plan.growing
+        if not growing:  # the common step: every row has room in its own last page
+            for seq, token in zip(seqs, tokens):
+                seq.tokens.append(token)
+            return NO_OPS
+        ops: list[MemoryOp] = []
+        for index, (seq, token) in enumerate(zip(seqs, tokens)):
+            if index in growing:
+                ops.extend(self._append_tokens(seq, [token], None))
+            else:
+                seq.tokens.append(token)
+        return tuple(ops)
+
+    def _decode_seqs(self, seq_ids: object) -> list[Sequence]:
+        """The live sequences of `seq_ids`, each once; raises naming a bad id
+        (`_plan_decode` refuses a swapped one)."""
+        if not isinstance(seq_ids, (list, tuple)):
+            raise WrongArgumentType(f"seq_ids must be a list or tuple of ids, got {seq_ids!r:.80}")
+        try:
+            seqs = [self._seqs[seq_id] for seq_id in seq_ids]  # the common case, at C speed
+        except (KeyError, TypeError):
+            seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises, naming the id
+        if len(set(map(id, seqs))) != len(seqs):
+            raise InvalidArgument(f"seq_ids repeats a sequence: {seq_ids!r:.120}")
+        return seqs
+
+    def _plan_decode(self, seqs: list[Sequence]) -> DecodePlan:
+        """The rows of a decode step that need more than a slot in their own
+        last page, and the pages and slots they take at most. Pure; raises
+        `SequenceSwapped` for a row swapped out."""
+        growing: set[int] = set()
+        num_pages = num_slots = 0
+        more_pages = [0] * len(self._more) if self._more else None
+        block_size, refcount = self._block_size, self._pages.refcount
+        # Else every row may release pages or grow in a further group: the full check.
+        plain = self._window is None and not self._more
+        for index, seq in enumerate(seqs):
+            if seq.swapped:
+                self._resident(seq.seq_id)  # raises
+            # `_fits_last_page(seq)`, written out: this loop runs once per decoded token.
+            num_tokens = len(seq.tokens)
+            table = seq.block_table
+            if plain:
+                if (seq.slot is None and seq.recompute_from is None
+                        and num_tokens % block_size and num_tokens // block_size + 1 == len(table)
+                        and refcount(table[-1]) == 1):
+                    continue
+            elif self._fits_last_page(seq):
+                continue
+            growing.add(index)
+            pages, copy_page, copy_slot = self._growth(seq, 1)
+            num_pages += pages + copy_page
+            num_slots += copy_slot
+            if more_pages is not None:
+                for group, need in enumerate(self._more_growth(seq, pages)):
+                    more_pages[group] += need
+        return DecodePlan(growing, num_pages, num_slots, more_pages)
+
+    def _decode_room(self, plan: DecodePlan) -> OutOfBlocks | OutOfSlots | None:
+        """The error a decode step of `plan` would raise for lack of room, or
+        None when it fits. Pure."""
+        if not plan.growing:
+            return None
+        if not self._pages_shortfall_ok(plan.num_pages):
+            return OutOfBlocks(
+                f"a decode step needs up to {plan.num_pages} pages: {self._pages.num_free} "
+                f"free of {self._pages.num_items}, not enough reclaimable from the prefix cache"
+            )
+        if not self._slots_shortfall_ok(plan.num_slots):
+            return OutOfSlots(
+                f"a decode step needs up to {plan.num_slots} slot copies: "
+                f"{self.num_free_slots} free of {self.config.num_slots}, "
+                "not enough reclaimable from the prefix cache"
+            )
+        short_group = None if plan.more_pages is None else self._more_shortfall_group(plan.more_pages)
+        if short_group is not None:
+            need = plan.more_pages[short_group.group - self._group - 1]
+            return OutOfBlocks(
+                f"a decode step needs up to {need} pages of group {short_group.group}: "
+                f"{short_group.pages.num_free} free of {short_group.pages.num_items}, "
+                "not enough reclaimable from the prefix cache"
+            )
+        return None
 
     def _fits_last_page(self, seq: Sequence) -> bool:
         """Would one more token go into the sequence's own last page with no

@@ -97,3 +97,21 @@ class Allocation:
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int
     branch_point: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """What one decode step of many sequences (`BlockManager.append_decode`)
+    needs beyond a slot in each row's own last page.
+
+    growing: indices of the rows that take the full append path (a new
+    page, a copy, a window release, a slot); num_pages / num_slots: the
+    pages (new and copies) and slot copies those rows take at most;
+    more_pages: the pages of each further page group they take at most
+    (None: the manager keeps one group).
+    """
+
+    growing: set[int]
+    num_pages: int
+    num_slots: int
+    more_pages: list[int] | None = None

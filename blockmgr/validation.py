@@ -90,6 +90,15 @@ def packed_prompt(tokens: Iterable[int], name: str = "prompt") -> tuple[list[int
     return tokens, array("Q", tokens).tobytes()
 
 
+def decode_tokens(tokens: Iterable[int], num_rows: int, name: str = "tokens") -> list[int]:
+    """`token_list(tokens)` of one token per row of a batched decode step:
+    exactly `num_rows` of them. O(n) at C speed."""
+    tokens = token_list(tokens, name)
+    if len(tokens) != num_rows:
+        raise InvalidArgument(f"{name} needs one token per row ({num_rows}), got {len(tokens)}")
+    return tokens
+
+
 def check_token_range(tokens: list[int], vocab_size: int, name: str = "prompt") -> None:
     """Every id (already a `token_list`) is below `vocab_size`. O(n) at C speed."""
     if tokens:

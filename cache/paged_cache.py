@@ -33,7 +33,7 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
-from blockmgr.validation import check_count
+from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
@@ -343,6 +343,23 @@ class PagedCache:
         """Reserve pages for tokens the next forward computes. Raises
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
         return self._append(seq_id, new_tokens, known=True)
+
+    def append_decode(self, seq_ids: Sequence[Hashable], tokens: Iterable[int]) -> Plan:
+        """`append` of one token to each of `seq_ids` (a decode step), whole
+        or not at all: every row's room is checked first
+        (`GroupedStore.can_append_decode`), then each row is appended as
+        `append` does. Raises like `GroupedStore.append_decode`, nothing changed."""
+        fits = self.store.can_append_decode(seq_ids)  # checks the ids
+        tokens = decode_tokens(tokens, len(seq_ids))
+        for seq_id in seq_ids:
+            self._state(seq_id)
+        if not fits:
+            self.store.append_decode(seq_ids, tokens)  # raises its error, changes nothing
+            raise IntegrityError("append_decode succeeded where can_append_decode said no")
+        ops: list[MemoryOp] = []
+        for seq_id, token in zip(seq_ids, tokens):
+            ops.extend(self._append(seq_id, [token], known=True))
+        return tuple(ops)
 
     def _append(self, seq_id: Hashable, tokens: Iterable, known: bool) -> Plan:
         state = self._state(seq_id)

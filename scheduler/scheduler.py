@@ -12,9 +12,10 @@ budget (`max_num_batched_tokens`) and a cap on live sequences
    keeps what it can; recomputed later from the prompt and its outputs) or
    by swap (pages copied to host memory, brought back later);
 2. then, if nothing was preempted, waiting sequences in policy order
-   (preempted ones first): admission asks the store (`can_allocate`, which
-   keeps the watermark of free pages), allocates the whole prompt and
-   counts only the tokens the prefix trie did not have against the budget.
+   (preempted ones first): admission allocates the whole prompt (refused,
+   changing nothing, where `can_allocate` says no: it keeps the watermark
+   of free pages) and counts only the tokens the prefix trie did not have
+   against the budget.
 
 Prefills are chunked. A chunk ends at the allocation's `branch_point` (where
 a hybrid or sliding-window store could serve more after a checkpoint), for
@@ -574,7 +575,17 @@ class Scheduler:
     def _schedule_running(self, budget, out, stats, ops) -> int:
         running = self._running
         i = 0
+        batched = True  # runs of decode rows take one store call, until one is refused
         while i < len(running) and budget > 0:
+            if batched:
+                seqs, seq_ids, tokens = _decode_rows(running, i, budget)
+                if seqs:
+                    if self._reserve_decode_rows(seq_ids, tokens, ops):
+                        self._emit_decode_rows(seqs, tokens, out)
+                        budget -= len(seqs)
+                        i += len(seqs)
+                        continue
+                    batched = False  # row by row from here, preempting as each needs
             seq = running[i]
             token = _decode_token(seq)  # the common row: a shorter path, same effect
             num_new = 1 if token is not None else self._chunk(seq, budget)
@@ -587,7 +598,7 @@ class Scheduler:
             if token is None:
                 self._emit(seq, num_new, out)
             else:
-                self._emit_decode(seq, token, out)
+                self._emit_decode_rows([seq], [token], out)
             budget -= num_new
             i += 1
         return budget
@@ -652,11 +663,8 @@ class Scheduler:
             self._num_swapped -= 1
             return True
         tokens = seq.tokens(0, seq.num_tokens)
-        namespace = seq.request.namespace
-        if not kv.can_allocate(tokens, namespace):
-            return False
-        try:
-            alloc = kv.allocate(seq.seq_id, tokens, namespace)
+        try:  # refused (nothing changed) exactly when `can_allocate` says no: one trie match
+            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace)
         except (OutOfBlocks, OutOfSlots):
             return False
         _extend(ops, alloc.ops)
@@ -728,16 +736,32 @@ class Scheduler:
         seq.num_reserved = end
         return True
 
-    def _emit_decode(self, seq: _Seq, token: int, out: SchedulerOutput) -> None:
-        """`_emit(seq, 1, out)` of a decode row: one token, sampled."""
-        seq.in_flight = True
-        req = seq.request
-        out.seqs.append(
-            ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
-                         False, True, 1, seq.index, req)
-        )
-        out.num_batched_tokens += 1
-        out.num_decode_tokens += 1
+    def _reserve_decode_rows(self, seq_ids: list, tokens: list[int], ops: list) -> bool:
+        """The store's part of `_reserve_decode` for every row (`_decode_rows`),
+        in one call, whole or not at all: False (nothing changed) when the
+        store refuses. `_emit_decode_rows` records the reservation."""
+        try:
+            plan = self.kv.append_decode(seq_ids, tokens)
+        except (OutOfBlocks, OutOfSlots):
+            return False
+        if plan:
+            ops.extend(plan)
+        return True
+
+    def _emit_decode_rows(self, seqs: list[_Seq], tokens: list[int], out: SchedulerOutput) -> None:
+        """`_emit(seq, 1, out)` of each decode row (its token reserved in the
+        store): one token, sampled."""
+        items = out.seqs
+        for seq, token in zip(seqs, tokens):
+            seq.num_reserved = seq.num_computed + 1
+            seq.in_flight = True
+            req = seq.request
+            items.append(
+                ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
+                             False, True, 1, seq.index, req)
+            )
+        out.num_batched_tokens += len(seqs)
+        out.num_decode_tokens += len(seqs)
 
     def _emit(self, seq: _Seq, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
@@ -797,12 +821,21 @@ class Scheduler:
     # --------------------------------------------------------------- update
 
     def update(
-        self, output: SchedulerOutput, sampled: Mapping[Hashable, int | Sequence[int]]
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[Hashable, int | Sequence[int]],
+        *,
+        deltas: bool = True,
     ) -> list[RequestOutput]:
         """Record a computed step: `sampled[seq_id]` for every scheduled seq
         with `sample` set (an int, or `num_samples` ints for a prompt with
         n > 1 samples; numpy integers accepted). Returns one output per
         request that gained tokens or finished. O(scheduled + running).
+
+        `deltas=False`: only the outputs of requests a sample of which ended
+        in this step, with no `new_tokens` (a caller that reads the tokens
+        from its `Request`s, the simulator, skips building a delta per
+        request per step); everything else is the same.
 
         Transactional: the output must be the last `schedule()`'s, not yet
         applied (`StaleSchedulerOutput` otherwise), and every sampled value
@@ -814,12 +847,21 @@ class Scheduler:
         results: dict[Hashable, RequestOutput] = {}
         forks: dict[int, list[_Seq]] = {}
         finished: set[int] = set()
+        add_token = self._add_token
         for item, seq, tokens in plan:
             seq.in_flight = False
+            if type(tokens) is int and not item.is_prefill:
+                # A decode row (one token, of a one-sample sequence): the generic
+                # steps below, with what they test known.
+                seq.request.metrics.num_computed_tokens += 1
+                seq.num_computed += 1
+                if add_token(seq, seq.index, tokens, now, results, deltas):
+                    finished.add(id(seq))
+                continue
             num_tokens = len(item.token_ids)
             seq.request.metrics.num_computed_tokens += num_tokens
             if type(tokens) is AcceptedTokens:
-                if self._add_accepted(seq, tokens, now, results):
+                if self._add_accepted(seq, tokens, now, results, deltas):
                     finished.add(id(seq))
                 continue
             seq.num_computed += num_tokens
@@ -828,10 +870,10 @@ class Scheduler:
             if tokens is None:
                 continue
             if seq.index is None:
-                children = self._fork(seq, tokens, now, results)
+                children = self._fork(seq, tokens, now, results, deltas)
                 forks[id(seq)] = children
                 finished.update(id(c) for c in children if c.done)
-            elif self._add_token(seq, seq.index, tokens, now, results):
+            elif self._add_token(seq, seq.index, tokens, now, results, deltas):
                 finished.add(id(seq))
         if forks or finished:
             self._rebuild_running(forks, finished)
@@ -861,15 +903,19 @@ class Scheduler:
         if not isinstance(sampled, Mapping):
             raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
         plan = []
+        seqs_of = self._seqs_of
         for item in output.seqs:
-            seq = self._live_seq(item)
+            seqs = seqs_of.get(item.request_id)  # `_live_seq`, inline for a single sequence
+            seq = seqs[0] if seqs is not None and len(seqs) == 1 else None
+            if seq is None or seq.seq_id != item.seq_id or seq.done:
+                seq = self._live_seq(item)
             if seq is None or not seq.in_flight:
                 continue  # aborted, or unscheduled after a failed forward: ignored
             tokens = None
             if item.sample:
-                if item.seq_id not in sampled:
+                value = sampled.get(item.seq_id, _MISSING)
+                if value is _MISSING:
                     raise InvalidArgument(f"sampled has no token for {item.seq_id!r}")
-                value = sampled[item.seq_id]
                 if type(value) is int and value >= 0 and item.num_samples == 1:
                     tokens = value  # the common case, checked inline
                 elif type(value) is AcceptedTokens:
@@ -900,7 +946,7 @@ class Scheduler:
             return
         _extend(self._pending_ops, plan)
 
-    def _fork(self, parent: _Seq, tokens, now: float, results) -> list[_Seq]:
+    def _fork(self, parent: _Seq, tokens, now: float, results, deltas: bool) -> list[_Seq]:
         """The prompt of an n-sample request is done: one sequence per sample,
         sharing the prompt's pages (and slot) copy-on-write."""
         req = parent.request
@@ -915,36 +961,38 @@ class Scheduler:
         parent.done = True
         self._seqs_of[req.request_id] = children
         for i, child in enumerate(children):
-            self._add_token(child, i, tokens[i], now, results)
+            self._add_token(child, i, tokens[i], now, results, deltas)
         return children
 
-    def _add_token(self, seq: _Seq, index: int, token: int, now: float, results) -> bool:
-        """Append a sampled token to sample `index`; True if the sample ended."""
+    def _add_token(
+        self, seq: _Seq, index: int, token: int, now: float, results, deltas: bool
+    ) -> bool:
+        """Append a sampled token to sample `index` (and to its request's
+        output in `results` with `deltas`); True if the sample ended."""
         req = seq.request
-        req.outputs[index].append(token)
+        outputs = req.outputs[index]
+        outputs.append(token)
         metrics = req.metrics
+        last = metrics.last_token_time
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        elif metrics.last_token_time is not None:
-            gap = now - metrics.last_token_time
-            if gap > metrics.max_token_gap:
-                metrics.max_token_gap = gap
+        elif last is not None and now - last > metrics.max_token_gap:
+            metrics.max_token_gap = now - last
         metrics.last_token_time = now
         metrics.num_generated_tokens += 1
-        out = results.get(req.request_id)
-        if out is None:
-            out = results[req.request_id] = RequestOutput(
-                req.request_id, {}, False, req.status, list(req.finish_reasons)
-            )
-        new_tokens = out.new_tokens.get(index)
-        if new_tokens is None:
-            out.new_tokens[index] = [token]
-        else:
-            new_tokens.append(token)
+        if deltas:
+            _add_delta(results, req, index, token)
+        params = req.sampling
+        if (len(outputs) < params.max_tokens and self.config.max_model_len is None
+                and token not in params.stop_token_ids):
+            return False  # the common token: `_stop_reason` is None, decided inline
         reason = self._stop_reason(req, index, token)
         if reason is None:
             return False
         req.finish_reasons[index] = reason
+        out = results.get(req.request_id)
+        if out is None:
+            out = results[req.request_id] = RequestOutput(req.request_id, {}, False, req.status)
         out.finish_reasons = list(req.finish_reasons)
         seq.done = True
         _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=seq.num_computed))
@@ -955,14 +1003,16 @@ class Scheduler:
         out.status = req.status
         return True
 
-    def _add_accepted(self, seq: _Seq, accepted: AcceptedTokens, now: float, results) -> bool:
+    def _add_accepted(
+        self, seq: _Seq, accepted: AcceptedTokens, now: float, results, deltas: bool
+    ) -> bool:
         """A speculative row's tokens, one by one until a stop condition; the
         store kept the accepted drafts (all but the last token) as reserved.
         True if the sample ended."""
         seq.num_computed = accepted.num_computed
         seq.num_reserved += len(accepted.tokens) - 1
         for token in accepted.tokens:
-            if self._add_token(seq, seq.index, token, now, results):
+            if self._add_token(seq, seq.index, token, now, results, deltas):
                 return True
         return False
 
@@ -1025,6 +1075,24 @@ class Scheduler:
         self.stats = stats
 
 
+_MISSING = object()  # no entry in `sampled`
+
+
+def _add_delta(results: dict, req: Request, index: int, token: int) -> None:
+    """Add `token` of sample `index` to `req`'s output of this update."""
+    rid = req.request_id
+    out = results.get(rid)
+    if out is None:
+        results[rid] = RequestOutput(rid, {index: [token]}, False, req.status,
+                                     list(req.finish_reasons))
+        return
+    new_tokens = out.new_tokens.get(index)
+    if new_tokens is None:
+        out.new_tokens[index] = [token]
+    else:
+        new_tokens.append(token)
+
+
 def _width(seq: _Seq) -> int:
     return seq.request.sampling.n if seq.index is None else 1
 
@@ -1040,6 +1108,30 @@ def _decode_token(seq: _Seq) -> int | None:
     if not outputs or seq.num_computed != len(req.prompt_tokens) + len(outputs) - 1:
         return None
     return outputs[-1]
+
+
+def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], list, list[int]]:
+    """The decode rows of `running` from `start` on, up to the first other
+    sequence and at most `limit`: sequences at a decode row (`_decode_token`)
+    whose store holds exactly their computed tokens; their ids and tokens."""
+    seqs: list[_Seq] = []
+    seq_ids: list = []
+    tokens: list[int] = []
+    for seq in itertools.islice(running, start, start + limit):
+        # `_decode_token(seq)`, written out: this loop runs once per decoded token.
+        index = seq.index
+        if index is None:
+            break
+        req = seq.request
+        outputs = req.outputs[index]
+        num_computed = seq.num_computed
+        if (not outputs or num_computed != len(req.prompt_tokens) + len(outputs) - 1
+                or seq.num_reserved != num_computed):
+            break
+        seqs.append(seq)
+        seq_ids.append(seq.seq_id)
+        tokens.append(outputs[-1])
+    return seqs, seq_ids, tokens
 
 
 def _seq_key(seq: _Seq) -> tuple:

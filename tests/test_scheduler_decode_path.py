@@ -1,9 +1,11 @@
-"""The decode-row paths (the scheduler's `_decode_token` rows, the block
-manager's `_fits_last_page` append) against the generic paths they skip.
+"""The decode-row paths (the scheduler's batched `_decode_rows` with one
+`append_decode` store call per run of rows, its `_decode_token` rows, the
+block manager's `_fits_last_page` append) against the generic paths they skip.
 
-Each simulation runs twice: as is, and with both shortcuts turned off (every
-row through `_chunk` / `_reserve` / `_emit`, every append through
-`_growth`). Every step's series and every request's record must be equal.
+Each simulation runs twice: as is, and with every shortcut turned off (every
+row through `_chunk` / `_reserve` / `_emit` and its own `append`, every
+append through `_growth`). Every step's series and every request's record
+must be equal.
 The configurations force page pressure (preemption by recompute and by
 swap), forks (n > 1 samples), hybrid slots and sliding windows, so the
 shortcuts meet every case they must decline.
@@ -60,8 +62,19 @@ def _same_series(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     config = _config(**CASES[name])
-    taken = {"rows": 0, "appends": 0}
+    taken = {"rows": 0, "appends": 0, "batched": 0, "batched_fits": 0}
     decode_token, fits_last_page = scheduler_module._decode_token, BlockManager._fits_last_page
+    decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
+
+    def counted_decode_rows(running, start, limit):
+        rows = decode_rows(running, start, limit)
+        taken["batched"] += len(rows[0])
+        return rows
+
+    def counted_plan_decode(self, seqs):
+        plan = plan_decode(self, seqs)
+        taken["batched_fits"] += len(seqs) - len(plan.growing)
+        return plan
 
     def counted_decode_token(seq):
         token = decode_token(seq)
@@ -75,11 +88,16 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
 
     monkeypatch.setattr(scheduler_module, "_decode_token", counted_decode_token)
     monkeypatch.setattr(BlockManager, "_fits_last_page", counted_fits)
+    monkeypatch.setattr(scheduler_module, "_decode_rows", counted_decode_rows)
+    monkeypatch.setattr(BlockManager, "_plan_decode", counted_plan_decode)
     fast = _recorded(config)
-    assert taken["rows"] > 1000  # the shortcut was taken ...
-    if config.layout.recurrent == 0:
-        assert taken["appends"] > 500  # ... and in the block manager too (no slots)
+    assert taken["batched"] > 1000  # the batched path was taken ...
+    if config.layout.recurrent == 0 and not config.layout.sliding:
+        assert taken["batched_fits"] > 500  # ... and the store's batched shortcut too
+    if fast[0]["preemptions"]["total"]:
+        assert taken["rows"] > 0  # rows after a refused batch went one by one
 
+    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], []))
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
     generic = _recorded(config)

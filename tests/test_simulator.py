@@ -29,7 +29,7 @@ from scheduler.simulator.report import NONDETERMINISTIC
 from scheduler.simulator.runner import Simulation, check_no_leaks
 from scheduler.simulator.sweep import SweepSpecError, grid_points, parse_grid, run_sweep
 from scheduler.simulator.tokens import TokenSource, derive_key
-from scheduler.simulator.workloads import WORKLOAD_KINDS
+from scheduler.simulator.workloads import WORKLOAD_KINDS, _Choice
 
 
 def small_config(**workload) -> SimulationConfig:
@@ -74,6 +74,32 @@ def test_generation_is_deterministic_and_counts_requests():
 
 
 # ------------------------------------------------------------- accounting
+
+
+@pytest.mark.parametrize("p", [[1.0], [0.5, 0.3, 0.2], list(np.ones(16) / np.arange(1, 17))])
+def test_choice_draws_what_rng_choice_draws(p):
+    """The generator's weighted draw against numpy's own `choice` on the
+    same stream: the same indices, and the streams stay in step after."""
+    p = np.asarray(p) / np.sum(p)
+    ours, numpy_rng = np.random.default_rng(7), np.random.default_rng(7)
+    choice = _Choice(p)
+    drawn = [choice.draw(ours) for _ in range(3000)]
+    assert drawn == [int(numpy_rng.choice(len(p), p=p)) for _ in range(3000)]
+    assert ours.random() == numpy_rng.random()
+    assert len(set(drawn)) == len(p)
+
+
+@pytest.mark.parametrize("spec", ["fixed:2.5", "fixed:7", "uniform:3,40", "lognormal:mean=200,sigma=0.8",
+                                  "exponential:mean=100,max=300", "normal:mean=20,std=15,min=4"])
+def test_one_length_is_the_one_element_sample(spec):
+    """`LengthDist.one` (a scalar draw) against `sample(rng, 1)` on the same
+    stream: the same lengths, and the streams stay in step after."""
+    dist = parse_length(spec)
+    ours, reference = np.random.default_rng(3), np.random.default_rng(3)
+    lengths = [dist.one(ours) for _ in range(2000)]
+    assert lengths == [int(dist.sample(reference, 1)[0]) for _ in range(2000)]
+    assert all(type(n) is int for n in lengths)
+    assert ours.random() == reference.random()
 
 
 def test_metrics_add_up():
@@ -320,6 +346,9 @@ def test_token_texts_are_stable_prefixes_and_distinct():
     assert source.text(key, 100) == long[:100]
     assert source.text(derive_key(42, 1), 300) != long
     assert all(0 <= t < 1000 for t in long)
+    other = derive_key(7, 3)
+    assert source.expand([(key, 100), (other, 0), (other, 40)]) == long[:100] + source.text(other, 40)
+    assert source.expand([]) == [] and source.expand([(key, 0)]) == []
 
 
 def test_config_round_trips_through_json():

@@ -8,6 +8,7 @@ is free or held by the trie, and a reset frees them all.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import hypothesis.strategies as st
@@ -32,7 +33,10 @@ from blockmgr import (
     OutOfSlots,
     SpeculationInFlight,
 )
+from blockmgr.ops import CopyBlock, SwapIn, SwapOut
 from tests.shadow import ShadowStorage
+
+PAGE_OPS = (CopyBlock, SwapIn, SwapOut)  # the ops that name their layer group
 
 # A few shared stems make prefix hits, splits and branch points common.
 STEMS = [[], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [5] * 11, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]]
@@ -156,6 +160,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert not expect_ok
             return
         assert expect_ok
+        self.shadow.apply(self.result)
+
+    @precondition(lambda self: self.settled())
+    @rule(data=st.data())
+    def append_decode(self, data) -> None:
+        """One decode step of several sequences in one call. Reference: the
+        same appends row by row on a copy of the store taken before. A
+        batch that succeeds must leave exactly the state (and the plans,
+        group by group) of the row-by-row appends; one refused changes nothing."""
+        seq_ids = data.draw(st.lists(st.sampled_from(self.settled()), min_size=1, unique=True))
+        tokens = data.draw(st.lists(st.integers(0, 6), min_size=len(seq_ids),
+                                    max_size=len(seq_ids)))
+        expect_ok = self.bm.can_append_decode(seq_ids)
+        reference = copy.deepcopy(self.bm)
+        if self.refused(lambda: self.bm.append_decode(seq_ids, tokens), OutOfBlocks, OutOfSlots):
+            assert not expect_ok, "can_append_decode said yes but append_decode refused"
+            return
+        assert expect_ok, "can_append_decode said no but append_decode succeeded"
+        row_by_row = [op for seq_id, token in zip(seq_ids, tokens)
+                      for op in reference.append(seq_id, [token])]
+        assert self.bm.debug_state() == reference.debug_state()
+        assert _by_group(self.result) == _by_group(row_by_row)
         self.shadow.apply(self.result)
 
     @precondition(lambda self: self.resident())
@@ -350,6 +376,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             lambda: bm.commit_speculation({target: 10**6}),
             lambda: bm.commit_speculation({"missing": 0}),
             lambda: bm.abort_speculation("ab"),
+            lambda: bm.append_decode([target], tokens),
+            lambda: bm.append_decode([target, target], [1, 2]),
+            lambda: bm.append_decode([target, "missing"], [1, 2]),
+            lambda: bm.append_decode([target], [1, 2]),
+            lambda: bm.append_decode(target, [1]),
+            lambda: bm.can_append_decode([target, "missing"]),
         ]
         speculating = sorted(self.speculating)
         if speculating:  # what an open transaction refuses
@@ -399,6 +431,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert m.num_free_slots == m.config.num_slots
             assert m.num_free_host_blocks == m.config.num_host_blocks
             assert m.num_free_host_slots == m.config.num_host_slots
+
+
+def _by_group(ops) -> dict:
+    """A plan's ops in order, per layer group (slot ops under None): a
+    grouped store's plan lists group 0's ops first, row-by-row calls
+    interleave the groups; within a group the order is the same."""
+    groups: dict = {}
+    for op in ops:
+        groups.setdefault(op.group if isinstance(op, PAGE_OPS) else None, []).append(op)
+    return groups
 
 
 class HybridMachine(BlockManagerMachine):

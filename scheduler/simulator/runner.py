@@ -213,7 +213,7 @@ class Simulation:
         dt = self.config.cost.time_of(step_shape(out, self._attended))
         self.now += dt
         t2 = perf()
-        results = sched.update(out, sampled)
+        results = sched.update(out, sampled, deltas=False)  # only finished ones are read
         t3 = perf()
         for result in results:
             if result.finished:
@@ -242,15 +242,13 @@ class Simulation:
         for item in out.seqs:
             if not item.sample:
                 continue
-            end = item.start_position + len(item.token_ids)
-            entry = live[item.request_id]
-            position = end - len(entry.request.prompt_tokens)
-            outputs = entry.outputs
+            position = item.start_position + len(item.token_ids) - len(item.request.prompt_tokens)
+            outputs = live[item.request_id].outputs
             if item.sample_index is None:
                 sampled[item.seq_id] = [o[min(position, len(o) - 1)] for o in outputs]
             else:
                 o = outputs[item.sample_index]
-                sampled[item.seq_id] = o[min(position, len(o) - 1)]
+                sampled[item.seq_id] = o[position] if position < len(o) else o[-1]
         return sampled
 
     def _unstick(self, idle_steps: int) -> bool:

@@ -41,20 +41,26 @@ class TokenSource:
         """The `length` tokens of text `key`. O(length)."""
         if length <= 0:
             return []
+        return (self._salted(key, length) % self.vocab_size).tolist()
+
+    def expand(self, segments) -> list[int]:
+        """Concatenate the texts of `(key, length)` segments. O(total length):
+        one numpy remainder and one `tolist` for the whole prompt."""
+        parts = [self._salted(key, length) for key, length in segments if length > 0]
+        if not parts:
+            return []
+        return (np.concatenate(parts) % self.vocab_size).tolist()
+
+    def _salted(self, key: int, length: int) -> np.ndarray:
+        """Text `key`'s table slice XOR its salt (`length` >= 1), before the
+        remainder that maps it into the vocabulary."""
         offset = key & (_TABLE_SIZE - 1)
         salt = (key >> TABLE_BITS) & ((1 << SALT_BITS) - 1)
         if length <= _TABLE_SIZE:
             chunk = self._table[offset : offset + length]
         else:
             chunk = np.resize(np.roll(self._table[:_TABLE_SIZE], -offset), length)
-        return ((chunk ^ salt) % self.vocab_size).tolist()
-
-    def expand(self, segments) -> list[int]:
-        """Concatenate the texts of `(key, length)` segments. O(total length)."""
-        tokens: list[int] = []
-        for key, length in segments:
-            tokens.extend(self.text(key, length))
-        return tokens
+        return chunk ^ salt
 
 
 def derive_key(key: int, index: int) -> int:

@@ -28,6 +28,7 @@ Generation costs O(segments) per request; no token ids are produced here.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -215,11 +216,11 @@ class _Generator:
         kinds = [kind for kind in WORKLOAD_KINDS if cfg.mix.get(kind, 0) > 0]
         weights = np.array([cfg.mix[kind] for kind in kinds], dtype=float)
         self.kinds = kinds
-        self.kind_p = weights / weights.sum()
+        self.kind_p = _Choice(weights / weights.sum())
         self.system = self._texts(1, cfg.num_system_prompts, cfg.system_len)
-        self.system_p = _zipf(cfg.num_system_prompts)
+        self.system_p = _Choice(_zipf(cfg.num_system_prompts))
         self.agent_system = self._texts(2, cfg.num_agents, cfg.agent_system_len)
-        self.tenant_p = _zipf(cfg.num_tenants)
+        self.tenant_p = _Choice(_zipf(cfg.num_tenants))
         self.clock = 0.0
         self.num_sessions = 0
 
@@ -234,7 +235,7 @@ class _Generator:
     def session(self, budget: int) -> list[RequestSpec]:
         """The next session, at most `budget` requests long."""
         cfg = self.cfg
-        kind = self.kinds[int(self.rng.choice(len(self.kinds), p=self.kind_p))]
+        kind = self.kinds[self.kind_p.draw(self.rng)]
         index = self.num_sessions
         self.num_sessions += 1
         arrival = None
@@ -249,7 +250,7 @@ class _Generator:
     # ---------------------------------------------------------------- kinds
 
     def _system_prompt(self) -> Segment:
-        return self.system[int(self.rng.choice(len(self.system), p=self.system_p))]
+        return self.system[self.system_p.draw(self.rng)]
 
     def _single(self, sid: str, prompt: list[Segment], kind: str, *, n: int = 1, namespace=None):
         cfg = self.cfg
@@ -270,7 +271,7 @@ class _Generator:
         return self._single(sid, prompt, "parallel", n=self.cfg.n)
 
     def _tenants(self, sid: str, budget: int) -> list[RequestSpec]:
-        tenant = int(self.rng.choice(self.cfg.num_tenants, p=self.tenant_p))
+        tenant = self.tenant_p.draw(self.rng)
         prompt = [self._system_prompt(), (self._key(), self.cfg.user_len.one(self.rng))]
         return self._single(sid, prompt, "tenants", namespace=f"tenant-{tenant}")
 
@@ -318,6 +319,22 @@ class _Generator:
                 )
             )
         return specs
+
+
+class _Choice:
+    """An index drawn with probabilities `p`: exactly `rng.choice(len(p), p=p)`
+    (one `rng.random()` against the normalised cumulative sum, the same
+    stream), without its per-call checks of `p` (1 us a draw instead of 18)."""
+
+    __slots__ = ("_cdf",)
+
+    def __init__(self, p: np.ndarray) -> None:
+        cdf = np.cumsum(p)
+        cdf /= cdf[-1]
+        self._cdf = cdf.tolist()
+
+    def draw(self, rng: np.random.Generator) -> int:
+        return bisect.bisect_right(self._cdf, rng.random())
 
 
 def _zipf(count: int, exponent: float = 1.0) -> np.ndarray:
