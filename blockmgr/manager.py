@@ -484,6 +484,8 @@ class BlockManager:
         ):  # the common decode step: nothing to plan (further groups: no hold to move)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
+        if num_computed is not None and seq.speculation is None:
+            self._check_computed_window(seq, num_computed)
         num_pages, copy_page, copy_slot = self._growth(seq, len(new_tokens))
         more = self._more_growth(seq, num_pages) if self._more else None
         grows = num_pages or copy_page or copy_slot or (more and any(more))
@@ -509,6 +511,16 @@ class BlockManager:
         if grows and self._events:
             self._deliver_events()
         return ops
+
+    def _check_computed_window(self, seq: Sequence, num_computed: int) -> None:
+        """Refuse a computed count whose next token attends to released pages
+        (in any page group): computing from there would read pages that are
+        gone. O(groups)."""
+        if num_computed < len(seq.tokens) and not self._window_keeps(seq, num_computed):
+            raise InvalidArgument(
+                f"cannot append to {seq.seq_id!r} from {num_computed} computed tokens: "
+                "pages its window needs were already released"
+            )
 
     def _more_growth(self, seq: Sequence, num_pages: int) -> list[int]:
         """Pages each further page group needs to add tokens needing
