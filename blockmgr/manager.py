@@ -168,9 +168,10 @@ class BlockManager:
         """A copy of the sequence's page table (None: released by the window)
         in page group `group` (None: this manager's own group)."""
         seq = self._get(seq_id)
-        if group is None or group == self._group:
+        if group is None:
             return list(seq.block_table)
-        return list(seq.more_tables[group - self._group - 1])
+        index = check_int("group", group, self._group, self._group + len(self._more)) - self._group
+        return list(seq.block_table if index == 0 else seq.more_tables[index - 1])
 
     @property
     def page_groups(self) -> tuple[PageGroup, ...]:
