@@ -170,8 +170,10 @@ class BlockManager:
         seq = self._get(seq_id)
         if group is None:
             return list(seq.block_table)
-        index = check_int("group", group, self._group, self._group + len(self._more)) - self._group
-        return list(seq.block_table if index == 0 else seq.more_tables[index - 1])
+        first = self._group
+        if not (type(group) is int and first <= group <= first + len(self._more)):
+            group = check_int("group", group, first, first + len(self._more))  # raises, or numpy
+        return list(seq.block_table if group == first else seq.more_tables[group - first - 1])
 
     @property
     def page_groups(self) -> tuple[PageGroup, ...]:
