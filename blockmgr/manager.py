@@ -169,9 +169,12 @@ class BlockManager:
         """A copy of the sequence's page table (None: released by the window)
         in page group `group` (None: this manager's own group)."""
         seq = self._get(seq_id)
-        if group is None or group == self._group:
+        if group is None:
             return list(seq.block_table)
-        return list(seq.more_tables[group - self._group - 1])
+        first = self._group
+        if not (type(group) is int and first <= group <= first + len(self._more)):
+            group = check_int("group", group, first, first + len(self._more))  # raises, or numpy
+        return list(seq.block_table if group == first else seq.more_tables[group - first - 1])
 
     @property
     def page_groups(self) -> tuple[PageGroup, ...]:
@@ -485,6 +488,8 @@ class BlockManager:
         ):  # the common decode step: nothing to plan (further groups: no hold to move)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
+        if num_computed is not None and seq.speculation is None:
+            self._check_computed_window(seq, num_computed)
         return self._append_tokens(seq, new_tokens, num_computed)
 
     def _append_tokens(self, seq: Sequence, new_tokens: list[int], num_computed: int | None) -> Plan:
@@ -514,6 +519,16 @@ class BlockManager:
         if grows and self._events:
             self._deliver_events()
         return ops
+
+    def _check_computed_window(self, seq: Sequence, num_computed: int) -> None:
+        """Refuse a computed count whose next token attends to released pages
+        (in any page group): computing from there would read pages that are
+        gone. O(groups)."""
+        if num_computed < len(seq.tokens) and not self._window_keeps(seq, num_computed):
+            raise InvalidArgument(
+                f"cannot append to {seq.seq_id!r} from {num_computed} computed tokens: "
+                "pages its window needs were already released"
+            )
 
     def _more_growth(self, seq: Sequence, num_pages: int) -> list[int]:
         """Pages each further page group needs to add tokens needing

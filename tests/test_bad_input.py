@@ -16,6 +16,8 @@ from blockmgr import (
     BlockManager,
     BlockManagerConfig,
     DuplicateSequence,
+    GroupedStore,
+    GroupedStoreConfig,
     InvalidArgument,
     UnknownSequence,
 )
@@ -445,3 +447,20 @@ def test_an_interrupt_in_a_listener_propagates_and_loses_no_later_event():
     bm.allocate("c", [4, 5])
     bm.free("c")  # delivers the event still queued
     assert len(listener.removed_pages) == 1
+
+
+@pytest.mark.parametrize("group", [-1, 3, True, "1", 1.0])
+def test_a_page_table_of_a_group_the_manager_lacks_is_refused(group):
+    """`block_table(seq, group)` names a group the manager keeps or raises a
+    typed error: a negative index gave another group's table, and a plain
+    manager failed with a TypeError."""
+    store = GroupedStore(GroupedStoreConfig(num_blocks=16, block_size=4, windows=(None, 8, 5)))
+    store.allocate("a", list(range(10)))
+    plain = make()
+    plain.allocate("a", list(range(10)))
+    for manager in (store.managers[0], plain):
+        with pytest.raises((InvalidArgument, WrongArgumentType)):
+            manager.block_table("a", group)
+    assert plain.block_table("a", 0) == plain.block_table("a")
+    for g in range(3):
+        assert store.managers[0].block_table("a", g) == store.block_table("a", g)

@@ -11,7 +11,7 @@ pages. Every refused call, the bad calls of `bad_call` included, leaves
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from blockmgr import (
     DuplicateSequence,
@@ -57,6 +57,10 @@ BAD_CALLS = [
     ("commit a negative count", lambda s, live: s.commit_speculation({live: -1})),
     ("commit past the drafts", lambda s, live: s.commit_speculation({live: 10_000})),
     ("abort a str", lambda s, live: s.abort_speculation("ab")),
+    ("shorten past the drafts", lambda s, live: s.shorten_speculation({live: 10_000})),
+    ("shorten a negative count", lambda s, live: s.shorten_speculation({live: -1})),
+    ("shorten an unknown id", lambda s, live: s.shorten_speculation({"nobody": 0})),
+    ("shorten with a list", lambda s, live: s.shorten_speculation([(live, 0)])),
 ]
 REFUSALS = (
     InvalidArgument, UnknownSequence, DuplicateSequence, SequenceSwapped, SpeculationInFlight
@@ -95,6 +99,24 @@ class GroupedMachine(BlockManagerMachine):
         else:
             raise AssertionError(f"bad call {name!r} was accepted")
 
+    @precondition(lambda self: self.speculating)
+    @rule(data=st.data())
+    def shorten_speculation(self, data) -> None:
+        """Undo appends whose forward never ran: drop some uncomputed
+        speculative tokens (the transactions stay open)."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.speculating)), min_size=1,
+                                 max_size=3, unique=True))
+        kept = {}
+        for seq_id in ids:
+            start, _ = self.speculating[seq_id]
+            # Never below what was computed: the slot holds the state there.
+            low = max(0, self.shadow.computed[seq_id] - start)
+            kept[seq_id] = data.draw(st.integers(low, self.bm.num_tokens(seq_id) - start))
+        self.bm.shorten_speculation(kept)
+        for seq_id, num in kept.items():
+            assert self.bm.num_tokens(seq_id) == self.speculating[seq_id][0] + num
+            assert self.bm.speculation_start(seq_id) == self.speculating[seq_id][0]
+
     def managers(self) -> list:
         return list(self.bm.managers)
 
@@ -117,7 +139,17 @@ class SlidingRecurrentMachine(GroupedMachine):
     )
 
 
+class SlidingPressureMachine(GroupedMachine):
+    """A sliding group far smaller than the full one: its pressure alone
+    evicts (and refuses) while the full group has room."""
+
+    config = GroupedStoreConfig(
+        num_blocks=40, block_size=4, windows=(None, 5), window_blocks=9, num_host_blocks=6
+    )
+
+
 TestGrouped = _test_case(GroupedMachine)
+TestSlidingPressure = _test_case(SlidingPressureMachine)
 TestHybridSliding = _test_case(HybridSlidingMachine)
 TestSlidingRecurrent = _test_case(SlidingRecurrentMachine)
 

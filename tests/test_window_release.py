@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from blockmgr import BlockManager, BlockManagerConfig
+from blockmgr import (
+    BlockManager,
+    BlockManagerConfig,
+    GroupedStore,
+    GroupedStoreConfig,
+    InvalidArgument,
+)
 
 BLOCK = 4
 WINDOW = 10
@@ -79,3 +85,21 @@ def test_a_restored_checkpoint_keeps_the_window_of_its_recompute(accepted):
     bm.append("s", [1], bm.num_tokens("s"))  # all computed: the hold ends
     assert bm.recompute_from("s") is None
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("windows", [(WINDOW,), (None, WINDOW)])
+def test_a_computed_count_whose_window_was_released_is_refused(windows):
+    """`append(..., num_computed)` naming a position whose window pages are
+    gone (in any group) raises and changes nothing; one still inside the
+    window is taken."""
+    store = GroupedStore(GroupedStoreConfig(num_blocks=16, block_size=BLOCK, windows=windows))
+    store.allocate("s", list(range(14)))
+    store.append("s", [1])  # from 14: page 0 falls out of the window
+    released = num_dead_pages(14, 4)
+    assert store.block_table("s", len(windows) - 1)[:released] == [None] * released
+    before = store.debug_state()
+    with pytest.raises(InvalidArgument, match="released"):
+        store.append("s", [2], released * BLOCK + WINDOW - 2)  # attends to page released - 1
+    assert store.debug_state() == before
+    store.append("s", [2], released * BLOCK + WINDOW - 1)  # attends from page `released` on
+    store.check_integrity()
