@@ -182,6 +182,15 @@ def read_layout(path: str | Path) -> ModelLayout:
         raise ProfileError(f"{path}: layout: {exc}") from None
 
 
+def read_fit(path: str | Path) -> dict:
+    """The fit report of a profile file (its "points": each grid point's
+    measured and predicted mean step seconds). Raises `ProfileError`."""
+    fit = _read_profile(path).get("fit")
+    if not isinstance(fit, dict) or not isinstance(fit.get("points"), list):
+        raise ProfileError(f"{path}: \"fit\" must be an object with a \"points\" list")
+    return fit
+
+
 def read_cost(path: str | Path) -> CostModel:
     """The `CostModel` of a profile file. Raises `ProfileError`."""
     data = _read_profile(path)
