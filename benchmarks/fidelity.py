@@ -90,7 +90,7 @@ def workload_config(name: str, cost, layout, num_slots: int) -> SimulationConfig
 def main() -> int:
     from scheduler.simulator.calibrate import CalibrationGrid, calibrate, drift, machine_info, measure_anchors
     from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
-    from scheduler.simulator.profile import read_cost, read_fit, read_layout, write_profile
+    from scheduler.simulator.profile import format_fit, read_cost, read_fit, read_layout, write_profile
     from scheduler.simulator.replay import run_replay
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,7 +120,7 @@ def main() -> int:
         start = time.perf_counter()
         profile = calibrate(model, description, grid, clock=args.clock,
                             progress=lambda label: print(f"  calibrated {label}", file=sys.stderr))
-        print(f"calibration: {time.perf_counter() - start:.0f} s wall", file=sys.stderr)
+        print(f"calibration: {time.perf_counter() - start:.0f} s wall\n" + format_fit(profile.fit))
         write_profile(args.profile or "cost-profile.json", profile)
         cost, points = profile.cost, profile.fit["points"]
     names = args.only.split(",") if args.only else list(WORKLOADS)

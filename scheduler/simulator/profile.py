@@ -102,6 +102,17 @@ def fit_report(model: CostModel, samples: Sequence[StepSample]) -> dict:
     }
 
 
+def format_fit(fit: dict) -> str:
+    """The fit error table of `fit_report`'s result: per grid point, its steps,
+    mean measured and predicted seconds and the relative error (markdown)."""
+    lines = [f"per-step error median {fit['median_abs_rel_error'] * 100:.1f} %, "
+             f"mean {fit['mean_abs_rel_error'] * 100:.1f} % over {fit['num_steps']} steps",
+             "", "| grid point | steps | measured, s | predicted, s | error |", "|---|---|---|---|---|"]
+    lines += [f"| {p['label']} | {p['steps']} | {p['measured_s']:.4f} | {p['predicted_s']:.4f} | "
+              f"{p['rel_error'] * 100:+.1f} % |" for p in fit["points"]]
+    return "\n".join(lines)
+
+
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
     """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active set)."""
     n = a.shape[1]
