@@ -417,6 +417,8 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
                  "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "per-step error median" in printed
+    worst = max(json.loads(profile.read_text())["fit"]["points"], key=lambda p: abs(p["rel_error"]))
+    assert f"worst grid points (mean step, predicted vs measured): {worst['label']} " in printed
     data = json.loads(profile.read_text())
     assert data["model"]["preset"] == "qwen3-0.6b" and data["model"]["config"]["hidden_size"] == 64
     assert data["mlx_version"] and {"name", "optimized", "matmul_1024_gflops"} <= set(data["blas"])
