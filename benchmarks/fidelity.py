@@ -79,10 +79,14 @@ WORKLOADS = dict([
 ])
 
 
-def workload_config(name: str, cost, layout, num_slots: int) -> SimulationConfig:
-    """Workload `name` priced by `cost` on the store of `layout` (the model's)."""
+def workload_config(name: str, cost, layout, num_slots: int,
+                    max_requests: int | None = None) -> SimulationConfig:
+    """Workload `name` priced by `cost` on the store of `layout` (the model's),
+    cut to its first `max_requests` requests when given."""
     data = WORKLOADS[name].to_dict()
     data["block_manager"]["num_slots"] = num_slots
+    if max_requests is not None:
+        data["workload"]["num_requests"] = min(data["workload"]["num_requests"], max_requests)
     data["layout"] = layout.to_dict()
     return SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
 
@@ -105,6 +109,8 @@ def main() -> int:
                         help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
     parser.add_argument("--real", metavar="FILE",
                         help="real summaries from an earlier --out file (no replay; needs --profile)")
+    parser.add_argument("--max-requests", type=int, metavar="N",
+                        help="run at most N requests of each workload (a shorter run)")
     parser.add_argument("--interleave", action="store_true",
                         help="re-measure anchor grid points after calibrating and after each replay; "
                              "report their drift from the profile")
@@ -146,7 +152,7 @@ def main() -> int:
 
     drift_before = anchors("calibration")
     for name in names:
-        config = workload_config(name, cost, layout, args.num_slots)
+        config = workload_config(name, cost, layout, args.num_slots, args.max_requests)
         load_before = os.getloadavg()
         start = time.perf_counter()
         real = run_replay(config, model, description, clock=args.clock).summary

@@ -68,7 +68,8 @@ def test_the_decode_forward_runs_for_decode_rows_or_a_sampling_chunk():
     zero = {f.name: 0.0 for f in fields(CostModel)}
     cost = CostModel(**zero | {"step_overhead": 1.0, "decode_forward_overhead": 10.0})
     assert cost.time_of(step_shape(SchedulerOutput(step=0, seqs=[seq(30, 0, False)]))) == 1.0
-    for seqs in ([seq(30, 0, True)], [seq(1, 5, True)], [seq(30, 0, True), seq(20, 0, True), seq(1, 5, True)]):
+    several = [seq(30, 0, True), seq(20, 0, True), seq(1, 5, True)]
+    for seqs in ([seq(30, 0, True)], [seq(1, 5, True)], several):
         assert cost.time_of(step_shape(SchedulerOutput(step=0, seqs=seqs))) == 11.0
 
 

@@ -192,7 +192,8 @@ def _measure_prefill(model, grid, chunk, source, recorder, repeat) -> None:
     _run(engine, recorder, "warmup", [source.text(900 + repeat, 2 * chunk + 1)], 1)
     prompt = source.text(1000 + 100 * repeat + chunk, grid.max_context + chunk)
     _run(engine, recorder, f"prefill L={chunk}", [prompt], 1)
-    _measure_unsampled(engine, recorder, source, prompt[:grid.max_context // 2], chunk, 2000 + repeat)
+    prefix = prompt[:grid.max_context // 2]
+    _measure_unsampled(engine, recorder, source, prefix, chunk, 2000 + repeat)
 
 
 def _measure_unsampled(engine, recorder, source, prefix, budget, key) -> None:
@@ -232,7 +233,8 @@ def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
     for context in grid.decode_contexts:
         for batch in grid.decode_batches:
             for kind in ("", "spread"):
-                tick(_decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own, kind))
+                tick(_decode_point(engine, recorder, source, base, batch, context,
+                                   grid.decode_steps, own, kind))
     for batch in grid.decode_batches:
         tick(_decode_point(engine, recorder, source, base, batch, min(grid.decode_contexts),
                            grid.decode_steps, own, "drawn"))
