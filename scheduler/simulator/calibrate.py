@@ -198,7 +198,8 @@ def _measure_prefill(model, grid, chunk, source, recorder, repeat) -> None:
 
 def _measure_unsampled(engine, recorder, source, prefix, budget, key) -> None:
     """One step of a decode row at context len(prefix) beside a chunk that
-    fills the rest of the engine's token `budget` and does not sample (a prompt's
+    fills the rest of the engine's token `budget` (a hybrid model's may end
+    earlier, where a snapshot is due) and does not sample (a prompt's
     middle chunk). With the grid's other steps (chunks alone, sampling or
     not; sampling chunks beside decode rows) it separates the per-step,
     per-chunk, per-sampled-chunk and decode-forward terms, which steps whose
@@ -208,7 +209,7 @@ def _measure_unsampled(engine, recorder, source, prefix, budget, key) -> None:
     recorder.label = "warmup"
     engine.add_request(prefix + [key % source.vocab_size], SamplingParams(max_tokens=2))
     engine.step()  # the decode row is admitted
-    recorder.label = f"mixed unsampled B=1 C={len(prefix)} L={budget - 1}"
+    recorder.label = f"mixed unsampled B=1 C={len(prefix)} L<={budget - 1}"
     long = engine.add_request(prefix + source.text(key, 2 * budget), SamplingParams(max_tokens=1))
     engine.step()
     recorder.label = "warmup"
