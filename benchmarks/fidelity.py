@@ -10,6 +10,7 @@ the 10 % target (throughput, TTFT p50/p90, TPOT p50).
         python benchmarks/fidelity.py --preset qwen3-0.6b --layers 4 \\
         [--profile cost-profile.json] [--out fidelity.json] [--only chat-low,...] \\
         [--clock cpu]   # with OPENBLAS_NUM_THREADS=1 in the environment
+        [--interleave]  # re-measure anchor grid points between replays
     python benchmarks/fidelity.py --profile P --real earlier.json   # simulations only
 
 `--real` takes the real engine's summaries from an earlier run's `--out`
@@ -20,6 +21,12 @@ The simulations get the model's layout (its window groups), as the replay's
 engine has. Real times are step times on a shared machine, by the wall clock or by
 this process's CPU time (`--clock cpu`, the same clock for calibration and
 replay); the load average before and after each replay is recorded.
+
+`--interleave` measures a few of the grid's points again (`calibrate.Anchors`)
+right after the calibration and after every replay, and reports how far their
+step times have moved from the profile's (the drift): a workload whose mean
+step time is off by as much as the anchors drifted missed because the machine
+changed, not because the cost model is wrong. About 20 s of CPU per set.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from scheduler.simulator.report import comparison_rows, format_comparison  # noq
 #: Metrics held to the target, by comparison-row label.
 TARGETED = ("throughput, output tok/s", "TTFT p50, s", "TTFT p90, s", "TPOT p50, s")
 TARGET = 0.10
+STEP = "mean step time, s"
 
 
 def workload(name: str, **overrides) -> tuple[str, SimulationConfig]:
@@ -71,18 +79,22 @@ WORKLOADS = dict([
 ])
 
 
-def workload_config(name: str, cost, layout, num_slots: int) -> SimulationConfig:
-    """Workload `name` priced by `cost` on the store of `layout` (the model's)."""
+def workload_config(name: str, cost, layout, num_slots: int,
+                    max_requests: int | None = None) -> SimulationConfig:
+    """Workload `name` priced by `cost` on the store of `layout` (the model's),
+    cut to its first `max_requests` requests when given."""
     data = WORKLOADS[name].to_dict()
     data["block_manager"]["num_slots"] = num_slots
+    if max_requests is not None:
+        data["workload"]["num_requests"] = min(data["workload"]["num_requests"], max_requests)
     data["layout"] = layout.to_dict()
     return SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
 
 
 def main() -> int:
-    from scheduler.simulator.calibrate import CalibrationGrid, calibrate, machine_info
+    from scheduler.simulator.calibrate import CalibrationGrid, calibrate, drift, machine_info, measure_anchors
     from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
-    from scheduler.simulator.profile import read_cost, read_layout, write_profile
+    from scheduler.simulator.profile import format_fit, read_cost, read_fit, read_layout, write_profile
     from scheduler.simulator.replay import run_replay
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,25 +109,50 @@ def main() -> int:
                         help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
     parser.add_argument("--real", metavar="FILE",
                         help="real summaries from an earlier --out file (no replay; needs --profile)")
+    parser.add_argument("--max-requests", type=int, metavar="N",
+                        help="run at most N requests of each workload (a shorter run)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="re-measure anchor grid points after calibrating and after each replay; "
+                             "report their drift from the profile")
     args = parser.parse_args()
 
     if args.real:
         return simulate_only(args, read_cost(args.profile), read_layout(args.profile))
     model, description = load_model(ModelSpec(preset=args.preset, layers=args.layers))
+    grid = CalibrationGrid()
     if args.profile and Path(args.profile).is_file():
-        cost = read_cost(args.profile)
+        cost, points = read_cost(args.profile), read_fit(args.profile)["points"]
     else:
-        profile = calibrate(model, description, CalibrationGrid(), clock=args.clock,
+        start = time.perf_counter()
+        profile = calibrate(model, description, grid, clock=args.clock,
                             progress=lambda label: print(f"  calibrated {label}", file=sys.stderr))
+        print(f"calibration: {time.perf_counter() - start:.0f} s wall\n" + format_fit(profile.fit))
         write_profile(args.profile or "cost-profile.json", profile)
-        cost = profile.cost
+        cost, points = profile.cost, profile.fit["points"]
     names = args.only.split(",") if args.only else list(WORKLOADS)
     layout = model_layout(model)  # the simulated store is the engine's
     results = {"machine": machine_info(), "model": description | {"config": None},
                "layout": layout.to_dict(), "clock": args.clock, "cost": cost.to_dict(),
-               "workloads": {}}
+               "workloads": {}, "anchors": []}
+
+    def anchors(after: str) -> float | None:
+        """The drift now (mean over the anchors), recorded after `after`."""
+        if not args.interleave:
+            return None
+        samples = measure_anchors(model, description, grid, clock=args.clock)
+        entry = {"after": after, "load_average": os.getloadavg(), "drift": drift(points, samples)}
+        if not entry["drift"]:
+            raise SystemExit("fidelity.py: the profile has none of the anchor grid points")
+        entry["mean_drift"] = sum(entry["drift"].values()) / len(entry["drift"])
+        results["anchors"].append(entry)
+        print(f"drift after {after} (load {entry['load_average'][0]:.1f}): " + ", ".join(
+            f"{label} {value * 100:+.1f} %" for label, value in entry["drift"].items())
+            + f"; mean {entry['mean_drift'] * 100:+.1f} %")
+        return entry["mean_drift"]
+
+    drift_before = anchors("calibration")
     for name in names:
-        config = workload_config(name, cost, layout, args.num_slots)
+        config = workload_config(name, cost, layout, args.num_slots, args.max_requests)
         load_before = os.getloadavg()
         start = time.perf_counter()
         real = run_replay(config, model, description, clock=args.clock).summary
@@ -130,6 +167,10 @@ def main() -> int:
         }
         print(f"\n### {name} (replay {wall:.0f} s wall, load {load_before[0]:.1f} -> {load_after[0]:.1f})")
         print(format_comparison(rows, "real", "simulated"))
+        drift_after = anchors(name)
+        if drift_after is not None:
+            results["workloads"][name]["drift"] = [drift_before, drift_after]
+            drift_before = drift_after
         Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
     print_targets(results)
     return 0
@@ -154,12 +195,19 @@ def simulate_only(args, cost, layout) -> int:
 
 
 def print_targets(results: dict) -> None:
-    """The summary table: each targeted metric's relative error, and the verdict."""
-    print("\n| workload | " + " | ".join(TARGETED) + " | within 10 % |")
-    print("|---|" + "---|" * (len(TARGETED) + 1))
+    """The summary table: each targeted metric's relative error, the mean
+    step time's (the cost model without queueing), the anchors' drift
+    before and after the replay when measured, and the verdict."""
+    drifted = any("drift" in entry for entry in results["workloads"].values())
+    extra = [STEP] + (["anchor drift before -> after"] if drifted else [])
+    print("\n| workload | " + " | ".join(TARGETED + tuple(extra)) + " | within 10 % |")
+    print("|---|" + "---|" * (len(TARGETED) + len(extra) + 1))
     for name, entry in results["workloads"].items():
         diffs = {label: diff for label, _, _, diff in entry["rows"]}
-        cells = [f"{diffs[m] * 100:+.1f} %" if diffs[m] is not None else "n/a" for m in TARGETED]
+        cells = [f"{diffs[m] * 100:+.1f} %" if diffs.get(m) is not None else "n/a"
+                 for m in TARGETED + (STEP,)]
+        if drifted:
+            cells.append(" -> ".join(f"{d * 100:+.1f} %" for d in entry.get("drift", ())) or "n/a")
         ok = all(diffs[m] is not None and abs(diffs[m]) <= TARGET for m in TARGETED)
         print(f"| {name} | " + " | ".join(cells) + f" | {'yes' if ok else 'no'} |")
 

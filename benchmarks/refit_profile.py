@@ -5,7 +5,9 @@ named by `step_fields`), so it can be refitted when the cost model gains a
 term, without measuring again. A term the profile predates is rebuilt from
 the recorded ones where that is exact: `prefill_chunk_token_square` (n^2 per
 chunk) is the step's prefill tokens squared, since every calibration step
-runs at most one prefill chunk. The layout is the profile's (none: full).
+runs at most one prefill chunk; `decode_forward_overhead`'s multiplier is
+computed from the decode rows and sampling chunks. The layout is the
+profile's (none: full).
 
     python benchmarks/refit_profile.py old-profile.json new-profile.json
 """
@@ -24,6 +26,7 @@ from scheduler.simulator.profile import (  # noqa: E402
     CostProfile,
     StepSample,
     fit_cost_model,
+    format_fit,
     read_layout,
     write_profile,
 )
@@ -67,10 +70,7 @@ def main() -> int:
     profile = CostProfile(cost, fit, data["machine"], data["model"], {**data["grid"], "refitted_from": source},
                           data["created"], tuple(samples), read_layout(source))
     write_profile(target, profile)
-    print(f"{len(samples)} steps, per-step error median {fit['median_abs_rel_error'] * 100:.1f} %, "
-          f"mean {fit['mean_abs_rel_error'] * 100:.1f} %")
-    for point in fit["points"]:
-        print(f"  {point['label']:<28} {point['rel_error'] * 100:+.1f} %")
+    print(format_fit(fit))
     return 0
 
 

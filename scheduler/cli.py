@@ -680,6 +680,9 @@ def cmd_calibrate(args) -> int:
     print(f"blockmgr calibrate: {fit['num_steps']} steps, per-step error median "
           f"{fit['median_abs_rel_error'] * 100:.1f} %, mean {fit['mean_abs_rel_error'] * 100:.1f} %; "
           f"BLAS {blas['name']} ({blas['matmul_1024_gflops']:.0f} GFLOPS)")
+    worst = sorted(fit["points"], key=lambda p: -abs(p["rel_error"]))[:3]
+    print("blockmgr calibrate: worst grid points (mean step, predicted vs measured): "
+          + ", ".join(f"{p['label']} {p['rel_error'] * 100:+.1f} %" for p in worst))
     if not blas["optimized"]:
         print("blockmgr calibrate: warning: MLX runs on the reference BLAS; preload an optimized "
               "one (LD_PRELOAD=.../libopenblas.so.0) for realistic figures", file=sys.stderr)

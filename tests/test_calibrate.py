@@ -56,10 +56,21 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
     )
     cost = CostModel(**{f.name: float(i + 1) for i, f in enumerate(fields(CostModel))})
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
-               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044)
+               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044 + 15 * 1)
     assert cost.time_of(shape) == pytest.approx(by_hand)
     terms = shape.terms()  # what the fit multiplies: the same sum
     assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
+
+
+def test_the_decode_forward_runs_for_decode_rows_or_a_sampling_chunk():
+    """The engine's one-token forward carries the decode rows and the last
+    token of every chunk that samples: it runs once if either is there."""
+    zero = {f.name: 0.0 for f in fields(CostModel)}
+    cost = CostModel(**zero | {"step_overhead": 1.0, "decode_forward_overhead": 10.0})
+    assert cost.time_of(step_shape(SchedulerOutput(step=0, seqs=[seq(30, 0, False)]))) == 1.0
+    several = [seq(30, 0, True), seq(20, 0, True), seq(1, 5, True)]
+    for seqs in ([seq(30, 0, True)], [seq(1, 5, True)], several):
+        assert cost.time_of(step_shape(SchedulerOutput(step=0, seqs=seqs))) == 11.0
 
 
 def test_step_shape_counts_the_keys_each_layer_reads():
@@ -125,10 +136,13 @@ def test_nnls_matches_the_brute_force_optimum():
 
 
 def simulated_samples(cost: CostModel) -> list[StepSample]:
-    """The steps of a real simulation, priced by `cost` (noise-free)."""
+    """The steps of a real simulation, priced by `cost` (noise-free). At
+    this rate the engine is sometimes idle, so some steps run a prefill
+    chunk alone (without them no fit can tell the per-step term from the
+    decode forward's, which every other step runs)."""
     cfg = SimulationConfig(
         workload=WorkloadConfig(mix={"chat": 1.0, "parallel": 1.0, "agent": 1.0}, num_requests=80,
-                                rate=4.0, seed=2, max_context=2048),
+                                rate=1.0, seed=2, max_context=2048),
         block_manager=BlockManagerConfig(num_blocks=400, block_size=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
     )
@@ -153,7 +167,8 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
                       swap_per_page=0.0, prefill_chunk_overhead=0.015,
                       prefill_sample_overhead=0.12, prefill_attention_per_token_pair=1e-8,
                       decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
-                      random_sample_per_row=0.004, prefill_chunk_token_square=3e-7)
+                      random_sample_per_row=0.004, prefill_chunk_token_square=3e-7,
+                      decode_forward_overhead=0.17)
     samples = simulated_samples(truth)
     assert len(samples) > 200
     fitted, fit = fit_cost_model(samples, {"copy_per_page": 3e-4})
@@ -161,6 +176,50 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
     assert fit["median_abs_rel_error"] < 1e-9
     assert [p["label"] for p in fit["points"]] == ["sim"]
+
+
+def test_the_calibration_grid_pins_every_term():
+    """Step times made by known coefficients on the shapes of the steps a
+    calibration runs (the quick grid, a tiny model): the fit recovers each
+    coefficient, so the grid measures every step kind the terms tell apart
+    (its unsampled chunk beside a decode row separates the per-step,
+    per-chunk, per-sampling-chunk and decode-forward terms)."""
+    from scheduler.simulator.calibrate import QUICK_GRID, calibrate
+
+    model, description = tiny_model()
+    shapes = [s for s in calibrate(model, description, QUICK_GRID).samples]
+    names = [f.name for f in fields(CostModel)]
+    truth = CostModel(**{name: 0.0 if name in ("copy_per_slot", "swap_per_page") else (i + 1) * 1e-3
+                         for i, name in enumerate(names)})
+    samples = [StepSample(s.label, s.shape, truth.time_of(s.shape)) for s in shapes]
+    fitted, _ = fit_cost_model(samples, {"copy_per_page": truth.copy_per_page})
+    for name in names:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_anchors_repeat_grid_points_and_drift_is_their_change():
+    """Anchors are grid points measured again: the same labels and step
+    shapes as the calibration's; their drift against the profile is 0 for
+    the calibration's own steps and +100 % for steps that took twice as long."""
+    from scheduler.simulator.calibrate import QUICK_GRID, Anchors, calibrate, drift, measure_anchors
+
+    model, description = tiny_model()
+    profile = calibrate(model, description, QUICK_GRID)
+    anchors = measure_anchors(model, description, QUICK_GRID, Anchors(16, ((4, 256),), (4, 64, 32)))
+    labels = {s.label for s in anchors}
+    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=4 C=256",
+                      "mixed B=4 C=64 L=32"}
+    for label in labels:
+        def shapes(samples):
+            return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
+                    for s in samples if s.label == label]
+        assert shapes(anchors) == shapes(profile.samples), label
+    points = profile.fit["points"]
+    own = [s for s in profile.samples if s.label in labels]
+    assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})
+    slower = [StepSample(s.label, s.shape, 2 * s.seconds) for s in own]
+    assert drift(points, slower) == pytest.approx({label: 1.0 for label in labels})
+    assert drift(points, [StepSample("not in the grid", own[0].shape, 1.0)]) == {}
 
 
 def test_profile_round_trip_and_bad_profiles(tmp_path):
@@ -359,12 +418,14 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
                  "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "per-step error median" in printed
+    worst = max(json.loads(profile.read_text())["fit"]["points"], key=lambda p: abs(p["rel_error"]))
+    assert f"worst grid points (mean step, predicted vs measured): {worst['label']} " in printed
     data = json.loads(profile.read_text())
     assert data["model"]["preset"] == "qwen3-0.6b" and data["model"]["config"]["hidden_size"] == 64
     assert data["mlx_version"] and {"name", "optimized", "matmul_1024_gflops"} <= set(data["blas"])
     labels = {p["label"] for p in data["fit"]["points"]}
     assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "decode drawn B=4 C=64",
-            "mixed B=4 L=32"} <= labels
+            "mixed B=1 C=64 L=32", "mixed B=4 C=64 L=32", "mixed unsampled B=1 C=128 L<=63"} <= labels
     assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
     assert data["cost"]["copy_per_page"] > 0
     assert data["grid"]["clock"] == "cpu"

@@ -14,8 +14,11 @@ with its `StepShape`. The grid:
   decode `decode_steps` tokens side by side. Also batches whose contexts are
   spread over [C/4, C] (padding), batches whose tokens are drawn at
   temperature 1 (softmax and a categorical draw per row, 30x an argmax over
-  a 152k vocabulary), and mixed steps: a prefill chunk joining running
-  decodes;
+  a 152k vocabulary);
+* mixed steps: for each decode batch B and context C of the mixed axes,
+  B decodes at context C run while a prefill chunk of each length L starts
+  after a hit of C tokens and samples, one step each (the engine runs the
+  chunk's last token as one more row of the decode forward);
 * page copies and swaps: a batched copy of pages of this model's layout
   between two MLX pools (the storage's copy-on-write and host swap are such
   copies on a CPU), timed per page.
@@ -58,13 +61,16 @@ class CalibrationGrid:
     decode_batches: tuple[int, ...] = (1, 4, 16, 32)
     decode_contexts: tuple[int, ...] = (128, 1024, 2048)
     decode_steps: int = 6
-    mixed_chunks: tuple[int, ...] = (64, 256)
+    mixed_chunks: tuple[int, ...] = (64, 256, 512)
+    mixed_batches: tuple[int, ...] = (1, 2, 4, 32)
+    mixed_contexts: tuple[int, ...] = (128, 768, 1536)
     repeats: int = 2
     block_size: int = 16
     copy_pages: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("prefill_chunks", "decode_batches", "decode_contexts", "mixed_chunks"):
+        for name in ("prefill_chunks", "decode_batches", "decode_contexts", "mixed_chunks",
+                     "mixed_batches", "mixed_contexts"):
             values = getattr(self, name)
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be ints >= 1, got {values!r}")
@@ -72,14 +78,21 @@ class CalibrationGrid:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if max(self.decode_contexts) > self.max_context:
-            raise ValueError(f"decode contexts {self.decode_contexts} exceed max_context {self.max_context}")
+        for name in ("decode_contexts", "mixed_contexts"):
+            if max(getattr(self, name)) > self.max_context:
+                raise ValueError(f"{name} {getattr(self, name)} exceed max_context {self.max_context}")
 
     @property
     def num_points(self) -> int:
         """Progress units: prefill engines, decode points, mixed points, copies."""
         decode = len(self.decode_batches) * (len(self.decode_contexts) * 2 + 1)
-        return self.repeats * (len(self.prefill_chunks) + decode + len(self.mixed_chunks)) + 1
+        mixed = len(self.mixed_batches) * len(self.mixed_contexts) * len(self.mixed_chunks)
+        return self.repeats * (len(self.prefill_chunks) + decode + mixed) + 1
+
+    @property
+    def max_batch(self) -> int:
+        """The most decode rows any point runs."""
+        return max(self.decode_batches + self.mixed_batches)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +101,8 @@ class CalibrationGrid:
 #: A grid that runs in about a minute on a tiny model (tests, smoke runs).
 QUICK_GRID = CalibrationGrid(
     prefill_chunks=(16, 64), max_context=256, decode_batches=(1, 4), decode_contexts=(64, 256),
-    decode_steps=3, mixed_chunks=(32,), repeats=1, copy_pages=8,
+    decode_steps=3, mixed_chunks=(32,), mixed_batches=(1, 4), mixed_contexts=(64,), repeats=1,
+    copy_pages=8,
 )
 
 
@@ -148,11 +162,12 @@ def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder)
 
     per_page = grid.block_size
     pages = -(-(grid.max_context + max(grid.prefill_chunks) + 1) // per_page)  # the long prompt
-    pages += max(grid.decode_batches) * (-(-(grid.decode_steps + 2) // per_page) + 1)
+    steps = max(grid.decode_steps, len(grid.mixed_chunks)) + 2
+    pages += grid.max_batch * (-(-steps // per_page) + 1)
     pages += -(-max(grid.mixed_chunks) // per_page) + 1
     pages = 2 * pages + 16  # room for the trie's finished outputs
     return Engine(model, num_blocks=pages, block_size=grid.block_size,
-                  max_num_batched_tokens=budget, max_num_seqs=max(grid.decode_batches) + 2,
+                  max_num_batched_tokens=budget, max_num_seqs=grid.max_batch + 2,
                   clock=recorder.clock, step_listener=recorder)
 
 
@@ -171,53 +186,145 @@ def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int,
 
 
 def _measure_prefill(model, grid, chunk, source, recorder, repeat) -> None:
-    """Chunks of `chunk` tokens at every context up to max_context."""
+    """Chunks of `chunk` tokens at every context up to max_context, then one
+    chunk that does not sample beside a decode row (`_measure_unsampled`)."""
     engine = _engine(model, grid, chunk, recorder)
     _run(engine, recorder, "warmup", [source.text(900 + repeat, 2 * chunk + 1)], 1)
     prompt = source.text(1000 + 100 * repeat + chunk, grid.max_context + chunk)
     _run(engine, recorder, f"prefill L={chunk}", [prompt], 1)
+    prefix = prompt[:grid.max_context // 2]
+    _measure_unsampled(engine, recorder, source, prefix, chunk, 2000 + repeat)
+
+
+def _measure_unsampled(engine, recorder, source, prefix, budget, key) -> None:
+    """One step of a decode row at context len(prefix) beside a chunk that
+    fills the rest of the engine's token `budget` (a hybrid model's may end
+    earlier, where a snapshot is due) and does not sample (a prompt's
+    middle chunk). With the grid's other steps (chunks alone, sampling or
+    not; sampling chunks beside decode rows) it separates the per-step,
+    per-chunk, per-sampled-chunk and decode-forward terms, which steps whose
+    chunks all sample cannot tell apart."""
+    from scheduler.request import SamplingParams
+
+    recorder.label = "warmup"
+    engine.add_request(prefix + [key % source.vocab_size], SamplingParams(max_tokens=2))
+    engine.step()  # the decode row is admitted
+    recorder.label = f"mixed unsampled B=1 C={len(prefix)} L<={budget - 1}"
+    long = engine.add_request(prefix + source.text(key, 2 * budget), SamplingParams(max_tokens=1))
+    engine.step()
+    recorder.label = "warmup"
+    engine.abort(long)  # its other chunks would be prefill steps measured already
+
+
+def _decode_engine(model, grid, source, recorder, repeat, context):
+    """An engine whose prefix trie holds a base prompt of `context` + 1
+    tokens (computed unrecorded), and that base."""
+    budget = max(grid.max_context + 1, 2 * grid.max_batch, max(grid.mixed_chunks) + grid.max_batch)
+    engine = _engine(model, grid, budget, recorder)
+    base = source.text(5000 + repeat, context + 1)
+    _run(engine, recorder, "warmup", [base], 1)
+    return engine, base
 
 
 def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
-    """Decode batches over a cached base prompt; spread contexts; mixed steps."""
-    budget = max(grid.max_context + 1, max(grid.decode_batches) * 2, max(grid.mixed_chunks) * 2)
-    engine = _engine(model, grid, budget, recorder)
-    base = source.text(5000 + repeat, grid.max_context + 1)
-    _run(engine, recorder, "warmup", [base], 1)
+    """Decode batches over a cached base prompt; spread contexts; drawn
+    tokens; mixed steps."""
+    engine, base = _decode_engine(model, grid, source, recorder, repeat, grid.max_context)
     own = iter(range(1, 1 << 30))
-    steps = grid.decode_steps + 1
     for context in grid.decode_contexts:
         for batch in grid.decode_batches:
-            prompts = [base[:context] + [next(own) % source.vocab_size] for _ in range(batch)]
-            _run(engine, recorder, f"decode B={batch} C={context}", prompts, steps)
-            tick(f"decode B={batch} C={context}")
-            spread = [max(1, context * (8 - 7 * i // max(batch, 1)) // 8) for i in range(batch)]
-            prompts = [base[:c] + [next(own) % source.vocab_size] for c in spread]
-            _run(engine, recorder, f"decode spread B={batch} C<={context}", prompts, steps)
-            tick(f"decode spread B={batch} C<={context}")
-    context = min(grid.decode_contexts)
+            for kind in ("", "spread"):
+                tick(_decode_point(engine, recorder, source, base, batch, context,
+                                   grid.decode_steps, own, kind))
     for batch in grid.decode_batches:
-        prompts = [base[:context] + [next(own) % source.vocab_size] for _ in range(batch)]
-        _run(engine, recorder, f"decode drawn B={batch} C={context}", prompts, steps, drawn=True)
-        tick(f"decode drawn B={batch} C={context}")
-    batch = max(grid.decode_batches)
-    for chunk in grid.mixed_chunks:
-        _measure_mixed(engine, recorder, source, base[:context], batch, chunk, steps, own)
-        tick(f"mixed L={chunk}")
+        tick(_decode_point(engine, recorder, source, base, batch, min(grid.decode_contexts),
+                           grid.decode_steps, own, "drawn"))
+    for batch in grid.mixed_batches:
+        for context in grid.mixed_contexts:
+            _measure_mixed(engine, recorder, source, base[:context], batch, grid.mixed_chunks, own, tick)
 
 
-def _measure_mixed(engine, recorder, source, prefix, batch, chunk, steps, own) -> None:
-    """A prefill chunk joins `batch` running decodes (one mixed step)."""
+def _decode_point(engine, recorder, source, base, batch, context, steps, own, kind="") -> str:
+    """`batch` requests on the cached base's first `context` tokens plus one
+    of their own decode `steps` tokens side by side: at one context, with
+    contexts spread over [C/4, C] (`kind` "spread"), or drawn at temperature
+    1 ("drawn"). Returns the point's label."""
+    if kind == "spread":
+        contexts = [max(1, context * (8 - 7 * i // max(batch, 1)) // 8) for i in range(batch)]
+        label = f"decode spread B={batch} C<={context}"
+    else:
+        contexts = [context] * batch
+        label = f"decode {kind} B={batch} C={context}" if kind else f"decode B={batch} C={context}"
+    prompts = [base[:c] + [next(own) % source.vocab_size] for c in contexts]
+    _run(engine, recorder, label, prompts, steps + 1, drawn=kind == "drawn")
+    return label
+
+
+def _measure_mixed(engine, recorder, source, prefix, batch, chunks, own, tick) -> None:
+    """`batch` decodes at context len(prefix) run while, one step each, a
+    prompt of `prefix` plus each chunk length of fresh tokens hits the
+    prefix and computes its chunk (and samples) beside them. Only the mixed
+    steps are recorded; the decodes end with the last one."""
     from scheduler.request import SamplingParams
 
     recorder.label = "warmup"
     for _ in range(batch):
-        engine.add_request(prefix + [next(own) % source.vocab_size], SamplingParams(max_tokens=steps))
+        engine.add_request(prefix + [next(own) % source.vocab_size],
+                           SamplingParams(max_tokens=1 + len(chunks)))
     engine.step()  # the decodes are admitted
-    recorder.label = f"mixed B={batch} L={chunk}"
-    engine.generate([source.text(7000 + next(own), chunk)], SamplingParams(max_tokens=1))
+    for chunk in chunks:
+        label = f"mixed B={batch} C={len(prefix)} L={chunk}"
+        recorder.label = label
+        engine.add_request(prefix + source.text(7000 + next(own), chunk), SamplingParams(max_tokens=1))
+        engine.step()
+        recorder.label = "warmup"
+        tick(label)
     while engine.has_unfinished():
         engine.step()
+
+
+@dataclass(slots=True, frozen=True)
+class Anchors:
+    """A few grid points of a profile, measured again later to see how far
+    the machine's speed has moved since (`drift`)."""
+
+    prefill_chunk: int = 256
+    decode: tuple[tuple[int, int], ...] = ((1, 1024), (16, 1024))  # (rows, context)
+    mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
+
+
+def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
+                    clock: str = "wall") -> list[StepSample]:
+    """The steps of `anchors`, measured as `calibrate` measures its grid
+    (same labels and shapes, `grid`'s engine settings). About 20 s of CPU
+    on Qwen3-0.6B's layers (4 of them)."""
+    from scheduler.simulator.engine_models import model_layout, vocab_size
+
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    source = TokenSource(min(vocab_size(description), 32000))
+    recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
+    _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
+    longest = max([c for _, c in anchors.decode] + [anchors.mixed[1]])
+    engine, base = _decode_engine(model, grid, source, recorder, 0, longest)
+    own = iter(range(1, 1 << 30))
+    for batch, context in anchors.decode:
+        _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
+    batch, context, chunk = anchors.mixed
+    _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
+    return recorder.samples
+
+
+def drift(points: list[dict], samples: list[StepSample]) -> dict[str, float]:
+    """Per label of `samples` that a profile's fit `points` has: the mean
+    measured step time now over the profile's, minus 1 (+0.05: steps now
+    take 5 % longer than when the profile was measured)."""
+    then = {p["label"]: p["measured_s"] for p in points}
+    now: dict[str, list[float]] = {}
+    for sample in samples:
+        if sample.label in then:
+            now.setdefault(sample.label, []).append(sample.seconds)
+    return {label: sum(values) / len(values) / then[label] - 1 for label, values in now.items()}
 
 
 def measure_page_copy(model: Any, description: dict, grid: CalibrationGrid,

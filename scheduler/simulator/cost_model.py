@@ -22,6 +22,11 @@ by `CostModel.time_of(StepShape)`:
                               (a long chunk costs more per token: its whole
                               score block is computed under the causal mask,
                               and its activations outgrow the CPU caches)
+    + decode_forward_overhead * (1 if any decode row or any chunk that
+                              samples: the engine runs one batched forward
+                              of the decode rows and the last token of every
+                              sampling chunk, so a chunk beside decode rows
+                              adds a row to that forward, not a forward)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
 
@@ -70,6 +75,12 @@ class StepShape:
     swaps: int = 0
     prefill_token_squares: int = 0
 
+    @property
+    def runs_decode_forward(self) -> bool:
+        """The step runs the batched one-token forward: a decode row, or the
+        last token of a chunk that samples."""
+        return bool(self.decode_rows or self.sampled_chunks)
+
     def terms(self) -> tuple[float, ...]:
         """The multiplier of each `CostModel` field, in field order."""
         return (
@@ -87,6 +98,7 @@ class StepShape:
             float(self.decode_rows * self.longest_decode_context),
             float(self.random_samples),
             float(self.prefill_token_squares),
+            1.0 if self.runs_decode_forward else 0.0,
         )
 
 
@@ -159,6 +171,7 @@ class CostModel:
     decode_padded_context_token: float = 0.0
     random_sample_per_row: float = 0.0
     prefill_chunk_token_square: float = 0.0
+    decode_forward_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -191,6 +204,7 @@ class CostModel:
             + self.decode_padded_context_token * s.decode_rows * s.longest_decode_context
             + self.random_sample_per_row * s.random_samples
             + self.prefill_chunk_token_square * s.prefill_token_squares
+            + (self.decode_forward_overhead if s.decode_rows or s.sampled_chunks else 0.0)
         )
 
     def step_time(

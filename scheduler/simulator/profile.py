@@ -102,6 +102,17 @@ def fit_report(model: CostModel, samples: Sequence[StepSample]) -> dict:
     }
 
 
+def format_fit(fit: dict) -> str:
+    """The fit error table of `fit_report`'s result: per grid point, its steps,
+    mean measured and predicted seconds and the relative error (markdown)."""
+    lines = [f"per-step error median {fit['median_abs_rel_error'] * 100:.1f} %, "
+             f"mean {fit['mean_abs_rel_error'] * 100:.1f} % over {fit['num_steps']} steps",
+             "", "| grid point | steps | measured, s | predicted, s | error |", "|---|---|---|---|---|"]
+    lines += [f"| {p['label']} | {p['steps']} | {p['measured_s']:.4f} | {p['predicted_s']:.4f} | "
+              f"{p['rel_error'] * 100:+.1f} % |" for p in fit["points"]]
+    return "\n".join(lines)
+
+
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
     """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active set)."""
     n = a.shape[1]
@@ -180,6 +191,15 @@ def read_layout(path: str | Path) -> ModelLayout:
         return ModelLayout.from_dict(data.get("layout", {}))
     except (TypeError, ValueError) as exc:
         raise ProfileError(f"{path}: layout: {exc}") from None
+
+
+def read_fit(path: str | Path) -> dict:
+    """The fit report of a profile file (its "points": each grid point's
+    measured and predicted mean step seconds). Raises `ProfileError`."""
+    fit = _read_profile(path).get("fit")
+    if not isinstance(fit, dict) or not isinstance(fit.get("points"), list):
+        raise ProfileError(f"{path}: \"fit\" must be an object with a \"points\" list")
+    return fit
 
 
 def read_cost(path: str | Path) -> CostModel:
