@@ -158,7 +158,10 @@ class GroupedStore:
 
     @property
     def usage(self) -> float:
-        """Fraction of pages in use in the fullest group."""
+        """Fraction of pages in use in the fullest group. O(groups): it is
+        read once per simulated step."""
+        if len(self._managers) == 1:
+            return self._first.usage
         return max(m.usage for m in self._managers)
 
     @property
