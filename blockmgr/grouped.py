@@ -158,13 +158,18 @@ class GroupedStore:
 
     @property
     def usage(self) -> float:
-        """Fraction of pages in use in the fullest group."""
+        """Fraction of pages in use in the fullest group. O(groups): it is
+        read once per simulated step."""
+        if len(self._managers) == 1:
+            return self._first.usage
         return max(m.usage for m in self._managers)
 
     @property
     def stats(self) -> PrefixCacheStats:
         """Queries, hits and the trie's nodes, with the pages (held, evicted)
-        of every group summed."""
+        of every group summed. O(groups): it is read once per simulated step."""
+        if len(self._managers) == 1:
+            return self._first.stats  # a fresh record: nothing to sum
         per_group = [m.stats for m in self._managers]
         return replace(
             per_group[0],

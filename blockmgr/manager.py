@@ -1109,9 +1109,10 @@ class BlockManager:
         if seq.slot is not None:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
+        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
         node, took_slot = trie.insert(
-            seq.namespace, seq.tokens[:num_tokens], seq.block_table, snapshot, packed=seq.packed,
-            more_pages=seq.more_tables,
+            seq.namespace, tokens, seq.block_table, snapshot, self._insert_start(seq, num_tokens),
+            seq.packed, seq.more_tables,
         )
         ops = NO_OPS
         if snapshot is not None:
@@ -1122,6 +1123,15 @@ class BlockManager:
         if self._events:
             self._deliver_events()
         return ops
+
+    @staticmethod
+    def _insert_start(seq: Sequence, num_tokens: int):
+        """The node a trie insert of the sequence's first `num_tokens` tokens
+        may continue from (its anchored lock, which spells tokens[:end]), or
+        None to walk from the root. Saves comparing the cached prefix again
+        at every chunk end."""
+        node = seq.locked_node
+        return node if seq.anchored and node.end <= num_tokens else None
 
     def _move_lock(self, seq: Sequence, node) -> None:
         """Lock `node` (on the sequence's own path) instead of the current
@@ -1158,10 +1168,9 @@ class BlockManager:
         node = seq.locked_node
         if trie is not None and num_computed:
             tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
-            start = node if seq.anchored and node.end <= num_computed else None
             trie.insert(
-                seq.namespace, tokens, seq.block_table, seq.slot, start, seq.packed,
-                seq.more_tables,
+                seq.namespace, tokens, seq.block_table, seq.slot,
+                self._insert_start(seq, num_computed), seq.packed, seq.more_tables,
             )
         if node is not None:
             trie.unlock(node)

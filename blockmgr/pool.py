@@ -103,6 +103,26 @@ class RefCountedPool:
                 num_freed += 1
         return num_freed
 
+    def num_sole(self, items: Iterable[int]) -> int:
+        """How many distinct ids of `items` have exactly one reference. Pure;
+        O(len(items))."""
+        refcounts = self._refcounts
+        return len({item for item in items if refcounts[item] == 1})
+
+    def tally_release(self, items: Iterable[int], pending: dict[int, int]) -> int:
+        """Count one more planned release of each id of `items` in `pending`
+        (id -> planned releases, the caller's tally); return how many ids that
+        brings to their refcount, i.e. would become free. The pool does not
+        change; O(len(items))."""
+        refcounts = self._refcounts
+        num_freed = 0
+        for item in items:
+            count = pending.get(item, 0) + 1
+            pending[item] = count
+            if count == refcounts[item]:
+                num_freed += 1
+        return num_freed
+
     def free_items(self) -> list[int]:
         """The free ids, in the order they will be handed out last-to-first."""
         return list(self._free)

@@ -843,11 +843,7 @@ class PrefixTrie:
                 if key is None:
                     return False
                 node = self._nodes[key[1]]
-            for page in self._group_pages(node, group):
-                count = pending.get(page, 0) + 1
-                pending[page] = count
-                if count == pool.refcount(page):
-                    num_freed += 1
+            num_freed += pool.tally_release(self._group_pages(node, group), pending)
             parent = node.parent
             if parent.parent is None or parent.lock_count:
                 continue
@@ -859,9 +855,7 @@ class PrefixTrie:
 
     def _sole_pages(self, node_id: int, group: int = 0) -> int:
         """Pages of a node (in page group `group`) that nothing else references."""
-        refcount = self._groups[group].pool.refcount
-        blocks = self._group_pages(self._nodes[node_id], group)
-        return len({page for page in blocks if refcount(page) == 1})
+        return self._groups[group].pool.num_sole(self._group_pages(self._nodes[node_id], group))
 
     def _group_pages(self, node: TrieNode, group: int) -> list[int]:
         """The pages `node` holds in page group `group`."""

@@ -96,6 +96,24 @@ def test_pool_hands_back_the_last_released_id_first():
     assert pool.take_one() == first
 
 
+def test_pool_sole_and_planned_releases_match_releasing_for_real():
+    # Reference: copies of the pool that really release, one per planned batch.
+    pool = RefCountedPool(8)
+    a, b, c, d = pool.take(4)
+    pool.incref_all([b, c, c])  # refcounts a 1, b 2, c 3, d 1
+    assert pool.num_sole([a, b, c, d, a, d]) == 2  # a and d, each once
+    assert pool.num_sole([b, c]) == 0
+    pending: dict[int, int] = {}
+    batches = [[a, b], [b, c], [c, d], [c]]
+    shadow = RefCountedPool(8)
+    shadow.take(4)
+    shadow.incref_all([b, c, c])
+    for batch in batches:
+        assert pool.tally_release(batch, pending) == shadow.release_all(batch)
+    assert [pool.refcount(i) for i in (a, b, c, d)] == [1, 2, 3, 1]  # the pool did not change
+    assert pool.num_free == 4
+
+
 # ------------------------------------------------------------------ allocate
 
 
