@@ -21,7 +21,9 @@ non-negative ints (lists, tuples, iterables, numpy integer arrays), ids and
 namespaces hashable. `free` of a live id never fails. Prefix-cache listener
 calls run when a call has finished; their errors are kept
 (`take_listener_errors`), never raised into the caller. The whole contract
-of every layer: design/errors.md.
+of every layer: design/errors.md. The speculation transaction and host swap
+are done by helpers the manager owns (`blockmgr.speculation`,
+`blockmgr.swap`), behind the same public calls.
 """
 
 from __future__ import annotations
