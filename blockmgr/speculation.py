@@ -93,10 +93,11 @@ class SpeculationTransactions:
         shared_pages: Counter = Counter()  # shared last page -> members of this call on it
         shared_slots: Counter = Counter()
         more_shared = [Counter() for _ in self.more]  # the same per further group
+        idle, growth = self.idle, self.growth  # called from locals: as fast as methods
         for seq_id, tokens in drafts.items():
-            seq = self.idle(seq_id)
+            seq = idle(seq_id)
             tokens = token_list(tokens, f"drafts[{seq_id!r}]")
-            pages, copy_page, copy_slot = self.growth(seq, len(tokens))
+            pages, copy_page, copy_slot = growth(seq, len(tokens))
             num_pages += pages
             num_slots += seq.slot is not None
             if copy_page:
@@ -122,11 +123,12 @@ class SpeculationTransactions:
         """Open the transactions of `plan` (its memory is reserved); the
         plan of copies. O(sequences + draft pages)."""
         ops: list[MemoryOp] = []
+        growth, make_writable = self.growth, self.make_writable
         for seq, tokens, recompute_from in plan.entries:
             # Asked now, not when planning: a sibling earlier in this call
             # may have moved off a page or slot they shared.
-            _, copy_page, copy_slot = self.growth(seq, len(tokens))
-            ops.extend(self.make_writable(seq, copy_page, False))
+            _, copy_page, copy_slot = growth(seq, len(tokens))
+            ops.extend(make_writable(seq, copy_page, False))
             num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self.block_size)
             for index, group in enumerate(self.more):
                 group.grow(seq, index, group.copies_last_page(seq, index),
@@ -173,8 +175,9 @@ class SpeculationTransactions:
         if not isinstance(accepted, Mapping):
             raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
         plan = []
+        get = self.get
         for seq_id, num in accepted.items():
-            seq = self.get(seq_id)
+            seq = get(seq_id)
             spec = seq.speculation
             if spec is None:
                 raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
