@@ -10,8 +10,9 @@ giving back the checkpoint when it keeps less than the whole tail.
 The manager owns one `SpeculationTransactions` over its own pools. Every
 call is a plan (pure, raising on a bad argument) and an act on that plan
 (which cannot fail): the manager reserves the plan's memory (with eviction)
-and delivers the prefix-cache events between the two; `can_speculate` is
-the same plan with the manager's pure room check.
+between the two and delivers the prefix-cache events after the act;
+`can_speculate` is the same plan with the manager's pure room check. `free`
+of a sequence with a transaction open uses `check_free_count` and `end`.
 """
 
 from __future__ import annotations
