@@ -366,6 +366,53 @@ def _endless(items: list):
         yield from items
 
 
+# ------------------------------------- (s) speculation transaction and swap
+
+NUM_SPECULATING_SEQS = 64
+
+
+def make_speculation(hybrid: bool) -> Callable[[int], Bench]:
+    """One fully rejected speculative round over 64 live sequences:
+    `begin_speculation` with 4 drafts each, then `commit_speculation`
+    keeping none (the draft pages released; a hybrid sequence gets its
+    checkpoint slot back), so every call starts from the same state."""
+
+    def make(num_calls: int) -> Bench:
+        num_slots = 3 * NUM_SPECULATING_SEQS if hybrid else 0
+        bm = BlockManager(BlockManagerConfig(
+            num_blocks=4096, block_size=BLOCK, num_slots=num_slots, enable_prefix_cache=False,
+        ))
+        seq_ids = [f"s{i}" for i in range(NUM_SPECULATING_SEQS)]
+        for i, seq_id in enumerate(seq_ids):
+            bm.allocate(seq_id, tokens(100, TOKEN_BASE + 1000 * i))
+        drafts = {seq_id: tokens(4) for seq_id in seq_ids}
+        rejected = dict.fromkeys(seq_ids, 0)
+        begin, commit = bm.begin_speculation, bm.commit_speculation
+
+        def run() -> None:
+            begin(drafts)
+            commit(rejected)
+
+        return Bench(run, NUM_SPECULATING_SEQS)
+
+    return make
+
+
+def make_swap(num_calls: int) -> Bench:
+    """`swap_out` + `swap_in` of one 512-token (32-page) sequence."""
+    bm = BlockManager(BlockManagerConfig(
+        num_blocks=64, block_size=BLOCK, num_host_blocks=64, enable_prefix_cache=False,
+    ))
+    bm.allocate("a", tokens(PROMPT))
+    swap_out, swap_in = bm.swap_out, bm.swap_in
+
+    def run() -> None:
+        swap_out("a")
+        swap_in("a")
+
+    return Bench(run, 1)
+
+
 # -------------------------------------------------------------------- cases
 
 CASES = [
@@ -429,6 +476,11 @@ CASES = [
          make_evict(PROMPT, full=False), 1000, 50),
     Case("f4", "f", "512-token new prompt alloc + free, evicts 32-page leaf", "request",
          make_evict(PROMPT, full=True), 1000, 50),
+    Case("s1", "s", "begin_speculation(4 drafts) + commit(0 kept), 64 seqs", "seq",
+         make_speculation(False), 100, 10),
+    Case("s2", "s", "s1, hybrid (checkpoint slot copy and restore)", "seq",
+         make_speculation(True), 100, 10),
+    Case("s3", "s", "swap_out + swap_in, 32-page sequence", "swap", make_swap, 1000, 100),
 ]
 
 

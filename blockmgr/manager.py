@@ -21,12 +21,13 @@ non-negative ints (lists, tuples, iterables, numpy integer arrays), ids and
 namespaces hashable. `free` of a live id never fails. Prefix-cache listener
 calls run when a call has finished; their errors are kept
 (`take_listener_errors`), never raised into the caller. The whole contract
-of every layer: design/errors.md.
+of every layer: design/errors.md. The speculation transaction and host swap
+are done by helpers the manager owns (`blockmgr.speculation`,
+`blockmgr.swap`), behind the same public calls.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 
 from blockmgr.config import BlockManagerConfig
@@ -48,10 +49,6 @@ from blockmgr.ops import (
     CopyBlock,
     CopySlot,
     MemoryOp,
-    SwapIn,
-    SwapInSlot,
-    SwapOut,
-    SwapOutSlot,
     ZeroSlot,
 )
 from blockmgr.page_group import PageGroup
@@ -63,8 +60,10 @@ from blockmgr.prefix_trie import (
     PrefixTrie,
     pack_tokens,
 )
-from blockmgr.sequence import Allocation, DecodePlan, Sequence, Speculation
+from blockmgr.sequence import Allocation, DecodePlan, Sequence
+from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PrefixCacheStats
+from blockmgr.swap import HostSwap
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,
@@ -113,6 +112,14 @@ class BlockManager:
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
         self._host_pages = RefCountedPool(config.num_host_blocks)
         self._host_slots = RefCountedPool(config.num_host_slots)
+        self._speculation = SpeculationTransactions(
+            self._pages, self._slots, self._more, config.block_size,
+            idle=self._idle, get=self._get, growth=self._growth,
+            make_writable=self._make_writable, window_keeps=self._window_keeps,
+        )
+        self._swap = HostSwap(
+            self._pages, self._slots, self._host_pages, self._host_slots, self._more, group
+        )
         self._trie = (
             PrefixTrie(
                 config.block_size, self._pages, self._slots, listener, config.sliding_window,
@@ -883,8 +890,8 @@ class BlockManager:
     ) -> bool:
         """Would `begin_speculation(drafts, num_computed)` succeed now?
         Changes nothing; bad arguments raise as there."""
-        _, num_pages, num_slots, more = self._plan_speculation(drafts, num_computed)
-        return self._can_reserve(num_pages, num_slots, more)
+        plan = self._speculation.plan_begin(drafts, num_computed)
+        return self._can_reserve(plan.num_pages, plan.num_slots, plan.more_pages)
 
     def recompute_from(self, seq_id: Hashable) -> int | None:
         """The position a restored checkpoint is computed again from, while
@@ -919,97 +926,12 @@ class BlockManager:
         `OutOfBlocks` / `OutOfSlots` (nothing changed) when memory is short
         after eviction. O(sequences + draft pages).
         """
-        plan, num_pages, num_slots, more = self._plan_speculation(drafts, num_computed)
-        self._reserve(num_pages, num_slots, more)
-        ops: list[MemoryOp] = []
-        for seq, tokens, recompute_from in plan:
-            # Asked now, not when planning: a sibling earlier in this call
-            # may have moved off a page or slot they shared.
-            _, copy_page, copy_slot = self._growth(seq, len(tokens))
-            ops.extend(self._make_writable(seq, copy_page, False))
-            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
-            for index, group in enumerate(self._more):
-                group.grow(seq, index, group.copies_last_page(seq, index),
-                           num_new_pages - len(seq.block_table), ops)
-            checkpoint = source = seq.slot
-            if copy_slot:
-                # Shared (a fork's sibling holds it too): a restore makes the
-                # sequence compute into its checkpoint, so it gets its own.
-                # Both copies read `source`, which the sibling keeps alive.
-                checkpoint = self._slots.take_one()
-                ops.append(CopySlot(source, checkpoint))
-                self._slots.release(source)
-            if checkpoint is not None:
-                seq.slot = self._slots.take_one()
-                ops.append(CopySlot(source, seq.slot))
-            seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
-            seq.recompute_from = None  # the transaction holds it
-            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self._block_size)
-            seq.block_table.extend(self._pages.take(num_new_pages - len(seq.block_table)))
-            seq.tokens.extend(tokens)
+        plan = self._speculation.plan_begin(drafts, num_computed)
+        self._reserve(plan.num_pages, plan.num_slots, plan.more_pages)
+        ops = self._speculation.begin(plan)
         if self._events:
             self._deliver_events()
-        return tuple(ops)
-
-    def _plan_speculation(
-        self, drafts, num_computed
-    ) -> tuple[list[tuple], int, int, list[int] | None]:
-        """Check `begin_speculation`'s arguments whole: (sequence, draft list,
-        recompute position) per entry, pages and slots to reserve (copies of
-        shared last pages and slots counted exactly: see `_num_copies`). Pure."""
-        if not isinstance(drafts, Mapping):
-            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
-        if num_computed is None:
-            num_computed = {}
-        elif not isinstance(num_computed, Mapping):
-            raise WrongArgumentType(f"num_computed must be a mapping, got {num_computed!r:.80}")
-        elif not num_computed.keys() <= drafts.keys():
-            raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
-        plan = []
-        num_pages = num_slots = 0
-        shared_pages: Counter = Counter()  # shared last page -> members of this call on it
-        shared_slots: Counter = Counter()
-        more_shared = [Counter() for _ in self._more]  # the same per further group
-        for seq_id, tokens in drafts.items():
-            seq = self._idle(seq_id)
-            tokens = token_list(tokens, f"drafts[{seq_id!r}]")
-            pages, copy_page, copy_slot = self._growth(seq, len(tokens))
-            num_pages += pages
-            num_slots += seq.slot is not None
-            if copy_page:
-                shared_pages[seq.block_table[-1]] += 1
-            if copy_slot:
-                shared_slots[seq.slot] += 1
-            for index, group in enumerate(self._more):
-                if group.copies_last_page(seq, index):
-                    more_shared[index][seq.more_tables[index][-1]] += 1
-            plan.append((seq, tokens, self._recompute_position(seq, num_computed)))
-        more = None
-        if self._more:
-            more = [
-                num_pages + _num_copies(shared, group.pages.refcount)
-                for group, shared in zip(self._more, more_shared)
-            ]
-        num_pages += _num_copies(shared_pages, self._pages.refcount)
-        if shared_slots:  # only a hybrid manager has slots
-            num_slots += _num_copies(shared_slots, self._slots.refcount)
-        return plan, num_pages, num_slots, more
-
-    def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
-        """Where a partial commit of `seq` recomputes from (checked: its
-        window's pages are held), or None."""
-        seq_id = seq.seq_id
-        if seq_id not in num_computed:
-            if seq.slot is None:
-                return seq.recompute_from
-            return len(seq.tokens) if seq.recompute_from is None else seq.recompute_from
-        position = check_int(f"num_computed[{seq_id!r}]", num_computed[seq_id], 0, len(seq.tokens))
-        if not self._window_keeps(seq, position):
-            raise InvalidArgument(
-                f"cannot speculate on {seq_id!r} from {position} computed tokens: "
-                "pages its window needs were already released"
-            )
-        return position
+        return ops
 
     def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset:
         """Close the transactions of the sequences in `accepted` (seq_id ->
@@ -1024,8 +946,7 @@ class BlockManager:
         transaction or a count past its speculative tail. O(sequences +
         released pages).
         """
-        plan = self._plan_commit(accepted)
-        return frozenset(seq.seq_id for seq, num in plan if self._end_speculation(seq, num))
+        return self._speculation.commit(self._speculation.plan_commit(accepted))
 
     def abort_speculation(self, seq_ids: Iterable[Hashable]) -> None:
         """Close the transactions of `seq_ids` keeping no draft (a hybrid
@@ -1041,53 +962,12 @@ class BlockManager:
         undoes an `append` whose forward never wrote anything). All or
         nothing: raises `InvalidArgument` like the commit, changing nothing.
         O(sequences + released pages)."""
-        for seq, num in self._plan_commit(kept):
-            self._drop_tail(seq, seq.speculation.start + num)
+        self._speculation.shorten(self._speculation.plan_commit(kept))
 
     def speculation_start(self, seq_id: Hashable) -> int | None:
         """The token count at `begin_speculation` (None: no transaction open)."""
         spec = self._get(seq_id).speculation
         return None if spec is None else spec.start
-
-    def _plan_commit(self, accepted) -> list[tuple[Sequence, int]]:
-        if not isinstance(accepted, Mapping):
-            raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
-        plan = []
-        for seq_id, num in accepted.items():
-            seq = self._get(seq_id)
-            spec = seq.speculation
-            if spec is None:
-                raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
-            num = check_int(f"accepted[{seq_id!r}]", num, 0, len(seq.tokens) - spec.start)
-            plan.append((seq, num))
-        return plan
-
-    def _end_speculation(self, seq: Sequence, num_accepted: int) -> bool:
-        """Keep `num_accepted` speculative tokens; True when the checkpoint
-        came back. Cannot fail (the caller checked)."""
-        spec, seq.speculation = seq.speculation, None
-        end = spec.start + num_accepted
-        restored = spec.checkpoint is not None and end < len(seq.tokens)
-        if spec.checkpoint is not None:
-            keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
-            seq.slot = keep
-            self._slots.release(drop)
-        if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
-            seq.recompute_from = spec.recompute_from  # computed again: hold its window
-        self._drop_tail(seq, end)
-        # No window release here: the manager does not know which tokens are
-        # computed; the next append releases from its first token to compute.
-        return restored
-
-    def _drop_tail(self, seq: Sequence, end: int) -> None:
-        """Keep the sequence's first `end` tokens (inside its speculative
-        tail) and release the pages past them."""
-        keep_pages = -(-end // self._block_size)
-        self._pages.release_all(seq.block_table[keep_pages:])
-        del seq.block_table[keep_pages:]
-        for index, group in enumerate(self._more):
-            group.keep_pages(seq, index, keep_pages)
-        del seq.tokens[end:]
 
     # ----------------------------------------------------------- cache/free
 
@@ -1157,12 +1037,12 @@ class BlockManager:
         """
         seq = self._get(seq_id)
         if seq.speculation is not None:
-            self._check_free_count(seq, num_computed)
-            self._end_speculation(seq, 0)  # drafts never reach the trie
+            self._speculation.check_free_count(seq, num_computed)
+            self._speculation.end(seq, 0)  # drafts never reach the trie
         num_computed = self._computed_count(seq, num_computed)
         del self._seqs[seq_id]
         if seq.swapped:
-            self._release_host_copy(seq)
+            self._swap.release_host_copy(seq)
             return NO_OPS
         trie = self._trie
         node = seq.locked_node
@@ -1201,17 +1081,7 @@ class BlockManager:
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Is there host memory to swap the sequence out? Changes nothing."""
-        seq = self._idle(seq_id)
-        num_pages = len(seq.block_table) - seq.num_released
-        num_slots = 1 if seq.slot is not None else 0
-        return (
-            self._host_pages.can_take(num_pages)
-            and self._host_slots.can_take(num_slots)
-            and all(
-                group.host_pages.can_take(group.num_held_pages(seq, index))
-                for index, group in enumerate(self._more)
-            )
-        )
+        return self._swap.can_swap_out(self._idle(seq_id))
 
     def swap_out(self, seq_id: Hashable) -> Plan:
         """Copy the sequence's pages (and slot) to host memory and release them.
@@ -1220,33 +1090,20 @@ class BlockManager:
         alone (its lock is dropped). Raises `OutOfHostMemory`, changing
         nothing, when host memory is short. O(pages).
         """
-        if not self.can_swap_out(seq_id):
+        seq = self._idle(seq_id)
+        if not self._swap.can_swap_out(seq):
             raise OutOfHostMemory(f"not enough host pages or slots to swap {seq_id!r} out")
-        seq = self._seqs[seq_id]
         self._own_borrowed(seq)  # so that moving releases every page alike
-        ops = self._move_storage(
-            seq, (self._pages, self._host_pages, SwapOut), (self._slots, self._host_slots, SwapOutSlot)
-        )
-        for index, group in enumerate(self._more):
-            group.move(seq, index, True, ops)
+        ops = self._swap.swap_out(seq)
         if seq.locked_node is not None:
             self._trie.unlock(seq.locked_node)
             seq.locked_node = None
             seq.anchored = False
-        seq.swapped = True
         return tuple(ops)
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Are there device pages (and a slot) to swap it back in? Changes nothing."""
-        seq = self._swapped(seq_id)
-        num_pages = len(seq.block_table) - seq.num_released
-        return self._can_reserve(num_pages, 1 if seq.slot is not None else 0, self._swap_in_needs(seq))
-
-    def _swap_in_needs(self, seq: Sequence) -> list[int] | None:
-        """The pages a swap-in takes in each further page group."""
-        if not self._more:
-            return None
-        return [group.num_held_pages(seq, index) for index, group in enumerate(self._more)]
+        return self._can_reserve(*self._swap.swap_in_needs(self._swapped(seq_id)))
 
     def swap_in(self, seq_id: Hashable) -> Plan:
         """Bring a swapped-out sequence back to fresh device pages (and slot).
@@ -1255,45 +1112,11 @@ class BlockManager:
         changing nothing, when device memory is short. O(pages).
         """
         seq = self._swapped(seq_id)
-        num_pages = len(seq.block_table) - seq.num_released
-        self._reserve(num_pages, 1 if seq.slot is not None else 0, self._swap_in_needs(seq))
-        ops = self._move_storage(
-            seq, (self._host_pages, self._pages, SwapIn), (self._host_slots, self._slots, SwapInSlot)
-        )
-        for index, group in enumerate(self._more):
-            group.move(seq, index, False, ops)
-        seq.swapped = False
+        self._reserve(*self._swap.swap_in_needs(seq))
+        ops = self._swap.swap_in(seq)
         if self._events:
             self._deliver_events()
         return tuple(ops)
-
-    def _move_storage(self, seq: Sequence, pages: tuple, slots: tuple) -> list[MemoryOp]:
-        """Give the sequence new pages (and slot) from another pool, with the
-        copy ops. `pages` / `slots`: (from pool, to pool, op type). The target
-        pools are known to have room."""
-        pages_from, pages_to, page_op = pages
-        group = self._group
-        ops: list[MemoryOp] = []
-        table = seq.block_table
-        for index in range(seq.num_released, len(table)):
-            new_page = pages_to.take_one()
-            ops.append(page_op(table[index], new_page, group))
-            pages_from.release(table[index])
-            table[index] = new_page
-        if seq.slot is not None:
-            slots_from, slots_to, slot_op = slots
-            new_slot = slots_to.take_one()
-            ops.append(slot_op(seq.slot, new_slot))
-            slots_from.release(seq.slot)
-            seq.slot = new_slot
-        return ops
-
-    def _release_host_copy(self, seq: Sequence) -> None:
-        self._host_pages.release_all(seq.block_table[seq.num_released :])
-        for index, group in enumerate(self._more):
-            group.release_host_copy(seq, index)
-        if seq.slot is not None:
-            self._host_slots.release(seq.slot)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence is using."""
@@ -1354,17 +1177,6 @@ class BlockManager:
             raise InvalidArgument(f"sequence id must be hashable, got {seq_id!r}") from None
         if exists:
             raise DuplicateSequence(f"sequence {seq_id!r} is already live")
-
-    def _check_free_count(self, seq: Sequence, num_computed: int | None) -> None:
-        """`free`'s count for a sequence with a speculation open: at most the
-        tokens before the drafts."""
-        if num_computed is not None and check_count("num_computed", num_computed) > (
-            seq.speculation.start
-        ):
-            raise InvalidArgument(
-                f"{seq.seq_id!r} has {seq.speculation.start} tokens before its drafts, "
-                f"not {num_computed}"
-            )
 
     def _computed_count(self, seq: Sequence, num_computed: int | None) -> int:
         if num_computed is None:
@@ -1682,9 +1494,3 @@ class BlockManager:
 #: The match of a manager without a prefix cache (never mutated: empty pages).
 _NO_MATCH = PrefixMatch()
 
-
-def _num_copies(members: Counter, refcount) -> int:
-    """Copies that give each of `members[i]` sequences holding id `i` its
-    own, in turn: all of them when someone outside the call holds `i` too,
-    else all but the last (it is then the sole owner)."""
-    return sum(m if refcount(i) > m else m - 1 for i, m in members.items())

@@ -1,0 +1,243 @@
+"""`SpeculationTransactions`: the speculation transaction of a `BlockManager`.
+
+`begin_speculation` / `commit_speculation` / `abort_speculation` /
+`shorten_speculation` (design/speculation.md, "The transaction"): a
+sequence's token count at begin is recorded (`Speculation.start`), a hybrid
+sequence's slot at begin is kept as a checkpoint while it writes a copy, and
+a commit keeps part of the speculative tail, releasing the pages past it and
+giving back the checkpoint when it keeps less than the whole tail.
+
+The manager owns one `SpeculationTransactions` over its own pools. Every
+call is a plan (pure, raising on a bad argument) and an act on that plan
+(which cannot fail): the manager reserves the plan's memory (with eviction)
+between the two and delivers the prefix-cache events after the act;
+`can_speculate` is the same plan with the manager's pure room check. `free`
+of a sequence with a transaction open uses `check_free_count` and `end`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import KW_ONLY, dataclass
+
+from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.ops import CopySlot, MemoryOp
+from blockmgr.page_group import PageGroup
+from blockmgr.pool import RefCountedPool
+from blockmgr.sequence import Sequence, Speculation
+from blockmgr.validation import check_count, check_int, token_list
+
+Plan = tuple[MemoryOp, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BeginPlan:
+    """What `begin_speculation` does, checked whole before anything changes.
+
+    entries: (sequence, draft tokens, recompute position) per sequence, in
+    call order; num_pages / num_slots: the pages and slots to reserve (new
+    pages, copies of shared last pages and slots, hybrid checkpoints);
+    more_pages: the same per further page group (None: the manager keeps one
+    group).
+    """
+
+    entries: list[tuple[Sequence, list[int], int | None]]
+    num_pages: int
+    num_slots: int
+    more_pages: list[int] | None
+
+
+@dataclass(slots=True, eq=False)
+class SpeculationTransactions:
+    """Open and close speculation transactions on a manager's sequences.
+
+    `pages` / `slots` (None: no recurrent state) are the pools of the
+    manager's own page group, `more` its further page groups, `block_size`
+    its page size. The manager's own per-sequence work comes as callables:
+    `idle(seq_id)` / `get(seq_id)` the live sequence (resident with no
+    transaction open / any; raising the manager's typed error otherwise),
+    `growth(seq, n)` (new pages, copy the last page?, copy the slot?) to add
+    n tokens, `make_writable(seq, copy_page, copy_slot)` the copies of
+    reserved memory that give the sequence its own last page / slot, and
+    `window_keeps(seq, n)` whether the pages the token at n attends to are
+    still held.
+    """
+
+    pages: RefCountedPool
+    slots: RefCountedPool | None
+    more: tuple[PageGroup, ...]
+    block_size: int
+    _: KW_ONLY
+    idle: Callable[[Hashable], Sequence]
+    get: Callable[[Hashable], Sequence]
+    growth: Callable[[Sequence, int], tuple[int, bool, bool]]
+    make_writable: Callable[[Sequence, bool, bool], Plan]
+    window_keeps: Callable[[Sequence, int], bool]
+
+    # ----------------------------------------------------------------- begin
+
+    def plan_begin(self, drafts, num_computed) -> BeginPlan:
+        """Check `begin_speculation`'s arguments whole: (sequence, draft list,
+        recompute position) per entry, pages and slots to reserve (copies of
+        shared last pages and slots counted exactly: see `_num_copies`). Pure."""
+        if not isinstance(drafts, Mapping):
+            raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
+        if num_computed is None:
+            num_computed = {}
+        elif not isinstance(num_computed, Mapping):
+            raise WrongArgumentType(f"num_computed must be a mapping, got {num_computed!r:.80}")
+        elif not num_computed.keys() <= drafts.keys():
+            raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
+        entries = []
+        num_pages = num_slots = 0
+        shared_pages: Counter = Counter()  # shared last page -> members of this call on it
+        shared_slots: Counter = Counter()
+        more_shared = [Counter() for _ in self.more]  # the same per further group
+        idle, growth = self.idle, self.growth  # called from locals: as fast as methods
+        for seq_id, tokens in drafts.items():
+            seq = idle(seq_id)
+            tokens = token_list(tokens, f"drafts[{seq_id!r}]")
+            pages, copy_page, copy_slot = growth(seq, len(tokens))
+            num_pages += pages
+            num_slots += seq.slot is not None
+            if copy_page:
+                shared_pages[seq.block_table[-1]] += 1
+            if copy_slot:
+                shared_slots[seq.slot] += 1
+            for index, group in enumerate(self.more):
+                if group.copies_last_page(seq, index):
+                    more_shared[index][seq.more_tables[index][-1]] += 1
+            entries.append((seq, tokens, self._recompute_position(seq, num_computed)))
+        more = None
+        if self.more:
+            more = [
+                num_pages + _num_copies(shared, group.pages.refcount)
+                for group, shared in zip(self.more, more_shared)
+            ]
+        num_pages += _num_copies(shared_pages, self.pages.refcount)
+        if shared_slots:  # only a hybrid manager has slots
+            num_slots += _num_copies(shared_slots, self.slots.refcount)
+        return BeginPlan(entries, num_pages, num_slots, more)
+
+    def begin(self, plan: BeginPlan) -> Plan:
+        """Open the transactions of `plan` (its memory is reserved); the
+        plan of copies. O(sequences + draft pages)."""
+        ops: list[MemoryOp] = []
+        growth, make_writable = self.growth, self.make_writable
+        for seq, tokens, recompute_from in plan.entries:
+            # Asked now, not when planning: a sibling earlier in this call
+            # may have moved off a page or slot they shared.
+            _, copy_page, copy_slot = growth(seq, len(tokens))
+            ops.extend(make_writable(seq, copy_page, False))
+            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self.block_size)
+            for index, group in enumerate(self.more):
+                group.grow(seq, index, group.copies_last_page(seq, index),
+                           num_new_pages - len(seq.block_table), ops)
+            checkpoint = source = seq.slot
+            if copy_slot:
+                # Shared (a fork's sibling holds it too): a restore makes the
+                # sequence compute into its checkpoint, so it gets its own.
+                # Both copies read `source`, which the sibling keeps alive.
+                checkpoint = self.slots.take_one()
+                ops.append(CopySlot(source, checkpoint))
+                self.slots.release(source)
+            if checkpoint is not None:
+                seq.slot = self.slots.take_one()
+                ops.append(CopySlot(source, seq.slot))
+            seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
+            seq.recompute_from = None  # the transaction holds it
+            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self.block_size)
+            seq.block_table.extend(self.pages.take(num_new_pages - len(seq.block_table)))
+            seq.tokens.extend(tokens)
+        return tuple(ops)
+
+    def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
+        """Where a partial commit of `seq` recomputes from (checked: its
+        window's pages are held), or None."""
+        seq_id = seq.seq_id
+        if seq_id not in num_computed:
+            if seq.slot is None:
+                return seq.recompute_from
+            return len(seq.tokens) if seq.recompute_from is None else seq.recompute_from
+        position = check_int(f"num_computed[{seq_id!r}]", num_computed[seq_id], 0, len(seq.tokens))
+        if not self.window_keeps(seq, position):
+            raise InvalidArgument(
+                f"cannot speculate on {seq_id!r} from {position} computed tokens: "
+                "pages its window needs were already released"
+            )
+        return position
+
+    # ---------------------------------------------------------- commit/shorten
+
+    def plan_commit(self, accepted) -> list[tuple[Sequence, int]]:
+        """Check `commit_speculation`'s (or `shorten_speculation`'s) argument
+        whole: (sequence, speculative tokens kept) per entry. Pure."""
+        if not isinstance(accepted, Mapping):
+            raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
+        plan = []
+        get = self.get
+        for seq_id, num in accepted.items():
+            seq = get(seq_id)
+            spec = seq.speculation
+            if spec is None:
+                raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
+            num = check_int(f"accepted[{seq_id!r}]", num, 0, len(seq.tokens) - spec.start)
+            plan.append((seq, num))
+        return plan
+
+    def commit(self, plan: list[tuple[Sequence, int]]) -> frozenset:
+        """Close the transactions of `plan`; the ids of the sequences whose
+        checkpoint came back."""
+        return frozenset(seq.seq_id for seq, num in plan if self.end(seq, num))
+
+    def shorten(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Drop the speculative tokens past each entry's kept count; the
+        transactions stay open."""
+        for seq, num in plan:
+            self._drop_tail(seq, seq.speculation.start + num)
+
+    def end(self, seq: Sequence, num_accepted: int) -> bool:
+        """Keep `num_accepted` speculative tokens; True when the checkpoint
+        came back. Cannot fail (the caller checked)."""
+        spec, seq.speculation = seq.speculation, None
+        end = spec.start + num_accepted
+        restored = spec.checkpoint is not None and end < len(seq.tokens)
+        if spec.checkpoint is not None:
+            keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
+            seq.slot = keep
+            self.slots.release(drop)
+        if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
+            seq.recompute_from = spec.recompute_from  # computed again: hold its window
+        self._drop_tail(seq, end)
+        # No window release here: the manager does not know which tokens are
+        # computed; the next append releases from its first token to compute.
+        return restored
+
+    def check_free_count(self, seq: Sequence, num_computed: int | None) -> None:
+        """`free`'s count for a sequence with a speculation open: at most the
+        tokens before the drafts."""
+        if num_computed is not None and check_count("num_computed", num_computed) > (
+            seq.speculation.start
+        ):
+            raise InvalidArgument(
+                f"{seq.seq_id!r} has {seq.speculation.start} tokens before its drafts, "
+                f"not {num_computed}"
+            )
+
+    def _drop_tail(self, seq: Sequence, end: int) -> None:
+        """Keep the sequence's first `end` tokens (inside its speculative
+        tail) and release the pages past them."""
+        keep_pages = -(-end // self.block_size)
+        self.pages.release_all(seq.block_table[keep_pages:])
+        del seq.block_table[keep_pages:]
+        for index, group in enumerate(self.more):
+            group.keep_pages(seq, index, keep_pages)
+        del seq.tokens[end:]
+
+
+def _num_copies(members: Counter, refcount) -> int:
+    """Copies that give each of `members[i]` sequences holding id `i` its
+    own, in turn: all of them when someone outside the call holds `i` too,
+    else all but the last (it is then the sole owner)."""
+    return sum(m if refcount(i) > m else m - 1 for i, m in members.items())
