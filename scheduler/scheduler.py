@@ -578,13 +578,17 @@ class Scheduler:
         batched = True  # runs of decode rows take one store call, until one is refused
         while i < len(running) and budget > 0:
             if batched:
-                seqs, seq_ids, tokens = _decode_rows(running, i, budget)
-                if seqs:
+                items, seq_ids, tokens, stale = _decode_rows(running, i, budget)
+                if items:
+                    num_rows = len(items)
                     if self._reserve_decode_rows(seq_ids, tokens, ops):
-                        self._emit_decode_rows(seqs, tokens, out)
-                        budget -= len(seqs)
-                        i += len(seqs)
+                        out.seqs += items
+                        out.num_batched_tokens += num_rows
+                        out.num_decode_tokens += num_rows
+                        budget -= num_rows
+                        i += num_rows
                         continue
+                    _unmark_decode_rows(running, i, num_rows, stale)
                     batched = False  # row by row from here, preempting as each needs
             seq = running[i]
             token = _decode_token(seq)  # the common row: a shorter path, same effect
@@ -598,7 +602,7 @@ class Scheduler:
             if token is None:
                 self._emit(seq, num_new, out)
             else:
-                self._emit_decode_rows([seq], [token], out)
+                _emit_decode_row(seq, token, out)
             budget -= num_new
             i += 1
         return budget
@@ -606,6 +610,8 @@ class Scheduler:
     def _schedule_waiting(self, budget, out, stats, ops) -> None:
         cfg = self.config
         waiting = self._waiting
+        if budget <= 0 or not len(waiting):
+            return  # the loop below would not start: skip its O(running) counts
         running = self._running
         partial = self._count_partial_prefills()
         num_seqs = len(running) + sum(  # an unforked prompt counts n
@@ -739,7 +745,7 @@ class Scheduler:
     def _reserve_decode_rows(self, seq_ids: list, tokens: list[int], ops: list) -> bool:
         """The store's part of `_reserve_decode` for every row (`_decode_rows`),
         in one call, whole or not at all: False (nothing changed) when the
-        store refuses. `_emit_decode_rows` records the reservation."""
+        store refuses."""
         try:
             plan = self.kv.append_decode(seq_ids, tokens)
         except (OutOfBlocks, OutOfSlots):
@@ -747,21 +753,6 @@ class Scheduler:
         if plan:
             ops.extend(plan)
         return True
-
-    def _emit_decode_rows(self, seqs: list[_Seq], tokens: list[int], out: SchedulerOutput) -> None:
-        """`_emit(seq, 1, out)` of each decode row (its token reserved in the
-        store): one token, sampled."""
-        items = out.seqs
-        for seq, token in zip(seqs, tokens):
-            seq.num_reserved = seq.num_computed + 1
-            seq.in_flight = True
-            req = seq.request
-            items.append(
-                ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
-                             False, True, 1, seq.index, req)
-            )
-        out.num_batched_tokens += len(seqs)
-        out.num_decode_tokens += len(seqs)
 
     def _emit(self, seq: _Seq, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
@@ -847,15 +838,33 @@ class Scheduler:
         results: dict[Hashable, RequestOutput] = {}
         forks: dict[int, list[_Seq]] = {}
         finished: set[int] = set()
-        add_token = self._add_token
+        no_length_limit = self.config.max_model_len is None
         for item, seq, tokens in plan:
             seq.in_flight = False
             if type(tokens) is int and not item.is_prefill:
                 # A decode row (one token, of a one-sample sequence): the generic
-                # steps below, with what they test known.
-                seq.request.metrics.num_computed_tokens += 1
+                # steps below with what they test known, and `_add_token` written
+                # out up to its stop test (this runs once per decoded token).
                 seq.num_computed += 1
-                if add_token(seq, seq.index, tokens, now, results, deltas):
+                req = seq.request
+                metrics = req.metrics
+                metrics.num_computed_tokens += 1
+                index = seq.index
+                outputs = req.outputs[index]
+                outputs.append(tokens)
+                # The row's sample has a token already: its first token is stamped.
+                gap = now - metrics.last_token_time
+                if gap > metrics.max_token_gap:
+                    metrics.max_token_gap = gap
+                metrics.last_token_time = now
+                metrics.num_generated_tokens += 1
+                if deltas:
+                    _add_delta(results, req, index, tokens)
+                params = req.sampling
+                if no_length_limit and len(outputs) < params.max_tokens and (
+                        tokens not in params.stop_token_ids):
+                    continue
+                if self._end_sample(seq, req, index, tokens, now, results):
                     finished.add(id(seq))
                 continue
             num_tokens = len(item.token_ids)
@@ -986,6 +995,13 @@ class Scheduler:
         if (len(outputs) < params.max_tokens and self.config.max_model_len is None
                 and token not in params.stop_token_ids):
             return False  # the common token: `_stop_reason` is None, decided inline
+        return self._end_sample(seq, req, index, token, now, results)
+
+    def _end_sample(
+        self, seq: _Seq, req: Request, index: int, token: int, now: float, results
+    ) -> bool:
+        """`_add_token`'s end: if sample `index` stops at its new `token`,
+        finish it (and its request when it was the last); True if it did."""
         reason = self._stop_reason(req, index, token)
         if reason is None:
             return False
@@ -1110,15 +1126,21 @@ def _decode_token(seq: _Seq) -> int | None:
     return outputs[-1]
 
 
-def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], list, list[int]]:
+def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, list, list[int], list]:
     """The decode rows of `running` from `start` on, up to the first other
     sequence and at most `limit`: sequences at a decode row (`_decode_token`)
-    whose store holds exactly their computed tokens; their ids and tokens."""
-    seqs: list[_Seq] = []
+    whose store holds exactly their computed tokens. Each is marked as
+    `_emit(seq, 1, out)` marks it (its token reserved, in flight) and gets its
+    `ScheduledSeq`, in this one pass: the store's `append_decode` of the
+    rows' ids and tokens almost never refuses, and `_unmark_decode_rows`
+    undoes the marks when it does. Returns (items, ids, tokens, the rows
+    that were in flight already)."""
+    items: list[ScheduledSeq] = []
     seq_ids: list = []
     tokens: list[int] = []
+    stale: list[_Seq] = []
     for seq in itertools.islice(running, start, start + limit):
-        # `_decode_token(seq)`, written out: this loop runs once per decoded token.
+        # `_decode_token(seq)` and `_emit`, written out: this loop runs once per decoded token.
         index = seq.index
         if index is None:
             break
@@ -1128,10 +1150,40 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq
         if (not outputs or num_computed != len(req.prompt_tokens) + len(outputs) - 1
                 or seq.num_reserved != num_computed):
             break
-        seqs.append(seq)
-        seq_ids.append(seq.seq_id)
-        tokens.append(outputs[-1])
-    return seqs, seq_ids, tokens
+        token = outputs[-1]
+        if seq.in_flight:
+            stale.append(seq)
+        seq.in_flight = True
+        seq.num_reserved = num_computed + 1
+        seq_id = seq.seq_id
+        items.append(ScheduledSeq(seq_id, req.request_id, [token], num_computed,
+                                  False, True, 1, index, req))
+        seq_ids.append(seq_id)
+        tokens.append(token)
+    return items, seq_ids, tokens, stale
+
+
+def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: list[_Seq]) -> None:
+    """Undo `_decode_rows`' marks on `running[start:start + num_rows]` (the
+    store refused their batch): each reserves its computed tokens again, and
+    is in flight only if it was before."""
+    for seq in itertools.islice(running, start, start + num_rows):
+        seq.num_reserved = seq.num_computed
+        seq.in_flight = False
+    for seq in stale:
+        seq.in_flight = True
+
+
+def _emit_decode_row(seq: _Seq, token: int, out: SchedulerOutput) -> None:
+    """`_emit(seq, 1, out)` of a decode row (its token reserved in the
+    store): one token, sampled."""
+    seq.num_reserved = seq.num_computed + 1
+    seq.in_flight = True
+    req = seq.request
+    out.seqs.append(ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
+                                 False, True, 1, seq.index, req))
+    out.num_batched_tokens += 1
+    out.num_decode_tokens += 1
 
 
 def _seq_key(seq: _Seq) -> tuple:

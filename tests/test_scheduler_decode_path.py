@@ -18,7 +18,9 @@ import pytest
 
 import scheduler.scheduler as scheduler_module
 from blockmgr import BlockManagerConfig
+from blockmgr.errors import OutOfBlocks
 from blockmgr.manager import BlockManager
+from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import SchedulerConfig
 from scheduler.simulator import SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.layout import layout_named
@@ -97,7 +99,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
-    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], []))
+    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], [], []))
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
     generic = _recorded(config)
@@ -107,3 +109,49 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     assert fast[0] == generic[0]
     assert _same_series(fast[1], generic[1])
     assert _same_series(fast[2], generic[2])
+
+
+class _RefusingDecodeStore(BlockManager):
+    """A store whose batched decode call always refuses (as a full pool
+    would), so every run of decode rows is gathered, refused and undone."""
+
+    num_refused = 0
+
+    def append_decode(self, seq_ids, tokens):
+        self.num_refused += 1
+        raise OutOfBlocks("refused for the test")
+
+
+def _drive(monkeypatch, batched: bool) -> list[tuple]:
+    """Steps of a small pressured run (forks, preemption) over a refusing
+    store; every step's scheduled work and the whole state after it."""
+    if not batched:
+        monkeypatch.setattr(scheduler_module, "_decode_rows",
+                            lambda running, start, limit: ([], [], [], []))
+    bm = _RefusingDecodeStore(BlockManagerConfig(num_blocks=40, block_size=4))
+    sched = scheduler_module.Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    for i in range(12):
+        prompt = [7 * i + j for j in range(5 + 3 * i)]
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=9 + i, n=1 + i % 3)))
+    history = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = {item.seq_id: [11] * item.num_samples if item.num_samples > 1 else 11
+                   for item in out.seqs if item.sample}
+        sched.update(out, sampled)
+        bm.check_integrity()
+        history.append(([(s.seq_id, s.token_ids, s.start_position) for s in out.seqs],
+                        out.preempted, sched.debug_state(), bm.debug_state()))
+    monkeypatch.undo()
+    return history, bm.num_refused
+
+
+def test_a_refused_decode_batch_leaves_every_row_as_it_was(monkeypatch):
+    """`_decode_rows` marks its rows before the store's call; when the store
+    refuses, `_unmark_decode_rows` must restore them exactly, so the row by
+    row path that follows does what it does with no batched path at all."""
+    batched, num_refused = _drive(monkeypatch, batched=True)
+    generic, _ = _drive(monkeypatch, batched=False)
+    assert num_refused > 20
+    assert any(preempted for _, preempted, _, _ in batched)
+    assert batched == generic

@@ -97,6 +97,7 @@ class Simulation:
         self._next_head: list[RequestSpec] | None = None
         self._free_clients = config.workload.concurrency
         self._live: dict[str, _Live] = {}
+        self._greedy: dict = {}  # output length -> shared one-sample SamplingParams
         self._num_added = 0
         self._num_done = 0
         self._steps = 0
@@ -159,7 +160,7 @@ class Simulation:
         request = Request(
             spec.request_id,
             prompt,
-            spec.sampling(),
+            self._sampling(spec),
             namespace=spec.namespace,
             arrival_time=when,
         )
@@ -173,6 +174,17 @@ class Simulation:
         except RequestTooLarge:  # it could never run: aborted on arrival
             request.metrics.arrival_time = when
             self._finish(spec.request_id, aborted=True)
+
+    def _sampling(self, spec: RequestSpec):
+        """`spec.sampling()`. A one-sample request's depends on its output
+        length alone, so requests of one length share one record (nothing
+        here changes it): building and validating one costs about 13 us."""
+        if spec.n != 1:
+            return spec.sampling()
+        params = self._greedy.get(spec.output_len)
+        if params is None:
+            params = self._greedy[spec.output_len] = spec.sampling()
+        return params
 
     # ----------------------------------------------------------------- loop
 
