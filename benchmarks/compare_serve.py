@@ -122,8 +122,10 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
             cmd += ["--prefill-batch", str(prefill_batch)]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-               "--port", str(port), "--decode-concurrency", str(concurrency),
-               "--prompt-concurrency", str(concurrency), "--log-level", "WARNING"]
+               "--port", str(port), "--log-level", "WARNING"]
+        if kind != "mlx_lm-default":  # mlx_lm.server tuned to the clients, else its defaults
+            cmd += ["--decode-concurrency", str(concurrency),
+                    "--prompt-concurrency", str(concurrency)]
     return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(root)})
 
@@ -189,7 +191,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--system-words", type=int, default=400,
                         help="words (= tokens) of the shared system prompt")
-    parser.add_argument("--servers", default="blockmgr,mlx_lm")
+    parser.add_argument("--servers", default="blockmgr,mlx_lm",
+                        help="blockmgr, mlx_lm (decode and prompt concurrency set to "
+                             "--concurrency), mlx_lm-default (mlx_lm.server's own defaults)")
     parser.add_argument("--kv-memory", default="256MiB", help="blockmgr serve's page pool")
     parser.add_argument("--prefill-batch", default="1",
                         help="blockmgr serve's prefill chunks per forward; several values "
@@ -213,8 +217,8 @@ def main() -> None:
         (Path(tmp) / "warm").mkdir()
         warmup = write_traces(Path(tmp) / "warm", 2, args.system_words, 4)
         print("| workload | server | output tok/s | TTFT p50 (s) | TTFT p99 (s) | "
-              "cached prompt tokens | peak RSS (MiB) |")
-        print("|---|---|---|---|---|---|---|")
+              "cached prompt tokens | peak RSS (MiB) | failed requests |")
+        print("|---|---|---|---|---|---|---|---|")
         kinds = args.servers.split(",")
         if args.baseline:
             kinds.insert(0, "blockmgr-baseline")
@@ -250,14 +254,17 @@ def main() -> None:
                     rates[label] = s["throughput"]["output_tokens_per_s"]
                     print(f"| {name} | {label} | {rates[label]:.1f} | "
                           f"{lat['p50']:.3f} | {lat['p99']:.3f} | "
-                          f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} |",
+                          f"{s['prefix_cache']['hit_rate'] * 100:.0f} % | {rss / 2**20:.0f} | "
+                          f"{s['requests']['aborted']} of {s['requests']['submitted']} |",
                           flush=True)
+                peers = [label for label in rates if label.startswith("mlx_lm")]
                 for label, rate in rates.items():
-                    if "mlx_lm" in rates and label != "mlx_lm":
-                        ratios.setdefault((name, label), []).append(rate / rates["mlx_lm"])
-        for (name, label), values in ratios.items():
+                    for peer in peers:
+                        if label not in peers:
+                            ratios.setdefault((name, label, peer), []).append(rate / rates[peer])
+        for (name, label, peer), values in ratios.items():
             each = ", ".join(f"{v:.2f}x" for v in values)
-            print(f"{name}: {label} / mlx_lm throughput, per repeat: {each}; "
+            print(f"{name}: {label} / {peer} throughput, per repeat: {each}; "
                   f"median {statistics.median(values):.2f}x")
 
 
