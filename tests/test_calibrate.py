@@ -197,23 +197,34 @@ def test_the_calibration_grid_pins_every_term():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
 
 
-def test_anchors_repeat_grid_points_and_drift_is_their_change():
+@pytest.mark.parametrize("window", [None, 32])
+def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     """Anchors are grid points measured again: the same labels and step
-    shapes as the calibration's; their drift against the profile is 0 for
-    the calibration's own steps and +100 % for steps that took twice as long."""
+    shapes as the calibration's, so the same hits and recomputed prompts
+    (a sliding-window model's decode point below the calibration's base
+    length recomputes its prompt there: the window group keeps no pages that
+    far behind the base's end, and the anchor must too); their drift against
+    the profile is 0 for the calibration's own steps and +100 % for steps
+    that took twice as long."""
     from scheduler.simulator.calibrate import QUICK_GRID, Anchors, calibrate, drift, measure_anchors
+    from scheduler.simulator.engine_models import ModelSpec, load_model
 
-    model, description = tiny_model()
+    preset = "qwen3-0.6b" if window is None else "qwen3-0.6b-sliding"
+    shape = TINY_SHAPE if window is None else TINY_SHAPE | {"sliding_window": window}
+    model, description = load_model(ModelSpec(preset=preset, layers=2, shape=shape))
     profile = calibrate(model, description, QUICK_GRID)
-    anchors = measure_anchors(model, description, QUICK_GRID, Anchors(16, ((4, 256),), (4, 64, 32)))
+    anchors = measure_anchors(model, description, QUICK_GRID,
+                              Anchors(16, ((1, 64), (4, 64)), (4, 64, 32)))
     labels = {s.label for s in anchors}
-    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=4 C=256",
-                      "mixed B=4 C=64 L=32"}
+    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=1 C=64",
+                      "decode B=4 C=64", "mixed B=4 C=64 L=32"}
     for label in labels:
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
         assert shapes(anchors) == shapes(profile.samples), label
+    recomputed = [s for s in anchors if s.label == "decode B=1 C=64" and s.shape.prefill_tokens]
+    assert bool(recomputed) == (window is not None)  # the window group cannot hit 64 tokens back
     points = profile.fit["points"]
     own = [s for s in profile.samples if s.label in labels]
     assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})

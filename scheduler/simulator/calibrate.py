@@ -296,8 +296,9 @@ class Anchors:
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
-    (same labels and shapes, `grid`'s engine settings). About 20 s of CPU
-    on Qwen3-0.6B's layers (4 of them)."""
+    (same labels and shapes, `grid`'s engine settings, the same base prompt:
+    the same hits and recomputations). About 25 s of CPU on Qwen3-0.6B's
+    layers (4 of them)."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
     if clock not in CLOCKS:
@@ -305,8 +306,10 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
-    longest = max([c for _, c in anchors.decode] + [anchors.mixed[1]])
-    engine, base = _decode_engine(model, grid, source, recorder, 0, longest)
+    # The calibration's base length, not the anchors' longest context: on a
+    # sliding-window model a shorter base would let a prompt hit whose
+    # window pages the calibration's base no longer holds (it recomputed).
+    engine, base = _decode_engine(model, grid, source, recorder, 0, grid.max_context)
     own = iter(range(1, 1 << 30))
     for batch, context in anchors.decode:
         _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
