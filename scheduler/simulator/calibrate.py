@@ -59,7 +59,7 @@ class CalibrationGrid:
     prefill_chunks: tuple[int, ...] = (16, 64, 256, 512)
     max_context: int = 2048
     decode_batches: tuple[int, ...] = (1, 4, 16, 32)
-    decode_contexts: tuple[int, ...] = (128, 1024, 2048)
+    decode_contexts: tuple[int, ...] = (128, 512, 1024, 2048)  # 16 x 512: an overloaded chat's rows
     decode_steps: int = 6
     mixed_chunks: tuple[int, ...] = (64, 256, 512)
     mixed_batches: tuple[int, ...] = (1, 2, 4, 32)
