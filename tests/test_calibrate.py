@@ -344,7 +344,9 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
         block_manager=BlockManagerConfig(num_blocks=20, block_size=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6),
     )
-    replayed = run_replay(cfg, model, description)
+    seen = []
+    replayed = run_replay(cfg, model, description, step_listener=lambda out, seconds: seen.append(
+        (sum(len(item.token_ids) for item in out.seqs), seconds)))
     expected = ModelLayout(full=1, sliding=1, window=32) if "sliding_window" in shape else ModelLayout()
     assert replayed.config.layout == expected
     real = replayed.summary
@@ -359,7 +361,10 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
         assert real[section][key] == sim[section][key], (section, key)
     assert sim["preemptions"]["total"] > 0  # the pool is small enough to matter
     assert real["checks"]["leaks"] == "ok"
-    assert real["engine"]["steps"] == real["steps"]["count"]
+    assert real["engine"]["steps"] == real["steps"]["count"] == len(seen)  # the listener saw every step
+    scheduled = sim["steps"]["mean_batch_tokens"] * sim["steps"]["count"]  # the simulator's tokens
+    assert sum(tokens for tokens, _ in seen) == pytest.approx(scheduled)
+    assert all(seconds > 0 for _, seconds in seen)
     pc = real["prefix_cache"]
     assert 0 < pc["first_admission_hit_rate"] <= pc["infinite_cache_hit_rate"]
 
