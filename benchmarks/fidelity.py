@@ -26,7 +26,7 @@ replay); the load average before and after each replay is recorded.
 right after the calibration and after every replay, and reports how far their
 step times have moved from the profile's (the drift): a workload whose mean
 step time is off by as much as the anchors drifted missed because the machine
-changed, not because the cost model is wrong. About 25 s of CPU per set.
+changed, not because the cost model is wrong. About 30 s of CPU per set.
 
 Each replay's own steps (shape and seconds) and each request's arrival,
 queueing and TTFT, real and simulated, are kept in the output. The profile

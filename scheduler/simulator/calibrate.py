@@ -289,7 +289,9 @@ class Anchors:
     the machine's speed has moved since (`drift`)."""
 
     prefill_chunk: int = 256
-    decode: tuple[tuple[int, int], ...] = ((1, 1024), (16, 1024))  # (rows, context)
+    # (rows, context), in the calibration's order: 16 rows at 512 read 8k keys,
+    # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it
+    decode: tuple[tuple[int, int], ...] = ((1, 512), (16, 512), (1, 1024), (16, 1024))
     mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
 
 
@@ -297,7 +299,7 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
     (same labels and shapes, `grid`'s engine settings, the same base prompt:
-    the same hits and recomputations). About 25 s of CPU on Qwen3-0.6B's
+    the same hits and recomputations). About 30 s of CPU on Qwen3-0.6B's
     layers (4 of them)."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
