@@ -36,6 +36,12 @@ without the queue; and the per-request TTFT difference by arrival quarter
 shows whether the simulated queue drifts away step by step (an overloaded
 queue adds up every step's error until it drains) or at one step. With
 `--real`, the earlier run's steps are priced by the new profile.
+
+With anchors, a second table repeats each simulation with every coefficient
+scaled by the anchors' mean drift over the replay (the mean of the drift
+before and after it): what is left of a miss once the machine's change of
+speed, as the anchors saw it, is taken out. The first table is the
+prediction; the second only says which misses the machine explains.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from dataclasses import asdict  # noqa: E402
 from blockmgr import BlockManagerConfig  # noqa: E402
 from scheduler.scheduler import SchedulerConfig  # noqa: E402
 from scheduler.simulator import SimulationConfig, WorkloadConfig, parse_length, run_simulation  # noqa: E402
-from scheduler.simulator.cost_model import CostModel, StepShape, step_shape  # noqa: E402
+from scheduler.simulator.cost_model import COEFFICIENTS, CostModel, StepShape, step_shape  # noqa: E402
 from scheduler.simulator.report import comparison_rows, format_comparison  # noqa: E402
 
 #: Metrics held to the target, by comparison-row label.
@@ -147,6 +153,15 @@ def print_diagnosis(name: str, entry: dict, cost: CostModel) -> None:
               + ", ".join(f"{value:+.2f} s" for value in lag))
 
 
+def drift_corrected(name: str, entry: dict, cost: CostModel, layout, args) -> None:
+    """Add to `entry` (with "drift" [before, after]) the comparison rows of a
+    simulation whose coefficients are scaled by 1 + the mean drift."""
+    factor = 1 + sum(entry["drift"]) / len(entry["drift"])
+    scaled = CostModel(**{**cost.to_dict(), **{n: getattr(cost, n) * factor for n in COEFFICIENTS}})
+    sim = run_simulation(workload_config(name, scaled, layout, args.num_slots, args.max_requests)).summary
+    entry["drift_corrected"] = {"factor": factor, "rows": comparison_rows(entry["real"], sim)}
+
+
 def request_times(result) -> dict[str, list[float]]:
     arrays = result.metrics.request_arrays()
     return {key: arrays[key].tolist() for key in ("arrival", "queue", "ttft")}
@@ -236,6 +251,7 @@ def main() -> int:
         drift_after = anchors(name)
         if drift_after is not None:
             results["workloads"][name]["drift"] = [drift_before, drift_after]
+            drift_corrected(name, results["workloads"][name], cost, layout, args)
             drift_before = drift_after
         Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
     print_targets(results)
@@ -254,6 +270,8 @@ def simulate_only(args, cost, layout) -> int:
         sim = simulated.summary
         rows = comparison_rows(entry["real"], sim)
         results["workloads"][name] = {**entry, "rows": rows, "simulated": sim}
+        if "drift" in entry:
+            drift_corrected(name, results["workloads"][name], cost, layout, args)
         if "requests" in entry:
             results["workloads"][name]["requests"] = {"real": entry["requests"]["real"],
                                                       "simulated": request_times(simulated)}
@@ -268,13 +286,24 @@ def simulate_only(args, cost, layout) -> int:
 def print_targets(results: dict) -> None:
     """The summary table: each targeted metric's relative error, the mean
     step time's (the cost model without queueing), the anchors' drift
-    before and after the replay when measured, and the verdict."""
-    drifted = any("drift" in entry for entry in results["workloads"].values())
+    before and after the replay when measured, and the verdict; then the
+    same for the drift-corrected simulations, when there are any."""
+    print_table(results["workloads"], "rows")
+    corrected = {name: {**entry, **entry["drift_corrected"]} for name, entry in results["workloads"].items()
+                 if "drift_corrected" in entry}
+    if corrected:
+        print("\nWith every coefficient scaled by 1 + the anchors' mean drift over the replay "
+              "(the machine's change taken out):")
+        print_table(corrected, "rows")
+
+
+def print_table(workloads: dict, key: str) -> None:
+    drifted = any("drift" in entry for entry in workloads.values())
     extra = [STEP] + (["anchor drift before -> after"] if drifted else [])
     print("\n| workload | " + " | ".join(TARGETED + tuple(extra)) + " | within 10 % |")
     print("|---|" + "---|" * (len(TARGETED) + len(extra) + 1))
-    for name, entry in results["workloads"].items():
-        diffs = {label: diff for label, _, _, diff in entry["rows"]}
+    for name, entry in workloads.items():
+        diffs = {label: diff for label, _, _, diff in entry[key]}
         cells = [f"{diffs[m] * 100:+.1f} %" if diffs.get(m) is not None else "n/a"
                  for m in TARGETED + (STEP,)]
         if drifted:
