@@ -11,13 +11,16 @@ computed from the decode rows and sampling chunks; the decode rows' keys
 start the chunk's token pairs give. The layout is the profile's (none:
 full). The knee is refitted with the rest. A step that cannot be rebuilt
 (a decode row beside several chunks, recorded without its decode keys) is
-left out, and counted.
+left out, and counted. `--without` holds coefficients at 0: the same steps
+fitted in an older form, to compare forms on one calibration.
 
-    python benchmarks/refit_profile.py old-profile.json new-profile.json
+    python benchmarks/refit_profile.py old-profile.json new-profile.json \
+        [--without decode_attention_per_context_token,decode_attention_beyond_knee]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import fields
@@ -25,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.simulator.cost_model import CostModel, StepShape  # noqa: E402
+from scheduler.simulator.cost_model import COEFFICIENTS, CostModel, StepShape  # noqa: E402
 from scheduler.simulator.layout import ModelLayout  # noqa: E402
 from scheduler.simulator.profile import (  # noqa: E402
     CostProfile,
@@ -91,7 +94,16 @@ def _chunk_keys(t: dict, layout: ModelLayout) -> float:
 
 
 def main() -> int:
-    source, target = sys.argv[1:3]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source")
+    parser.add_argument("target")
+    parser.add_argument("--without", default="", help="comma-separated coefficients held at 0")
+    args = parser.parse_args()
+    source, target = args.source, args.target
+    without = [name for name in args.without.split(",") if name]
+    unknown = sorted(set(without) - set(COEFFICIENTS))
+    if unknown:
+        parser.error(f"--without: not a cost coefficient: {', '.join(unknown)}")
     data = json.loads(Path(source).read_text())
     names = data.get("step_fields") or [f.name for f in fields(CostModel)][:len(data["steps"][0][2])]
     layout = read_layout(source)
@@ -105,8 +117,10 @@ def main() -> int:
     if skipped:
         print(f"left out {len(skipped)} of {len(data['steps'])} steps: {skipped[0]}", file=sys.stderr)
     copy = data["grid"]["copy_per_page_measured_s"]
-    cost, fit = fit_cost_model(samples, {"copy_per_page": copy, "swap_per_page": copy})
-    profile = CostProfile(cost, fit, data["machine"], data["model"], {**data["grid"], "refitted_from": source},
+    held = {name: 0.0 for name in without}
+    cost, fit = fit_cost_model(samples, {"copy_per_page": copy, "swap_per_page": copy, **held})
+    grid = {**data["grid"], "refitted_from": source} | ({"refitted_without": without} if without else {})
+    profile = CostProfile(cost, fit, data["machine"], data["model"], grid,
                           data["created"], tuple(samples), layout)
     write_profile(target, profile)
     print(format_fit(fit))
