@@ -219,19 +219,21 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     preset = "qwen3-0.6b" if window is None else "qwen3-0.6b-sliding"
     shape = TINY_SHAPE if window is None else TINY_SHAPE | {"sliding_window": window}
     model, description = load_model(ModelSpec(preset=preset, layers=2, shape=shape))
-    profile = calibrate(model, description, QUICK_GRID)
-    anchors = measure_anchors(model, description, QUICK_GRID,
-                              Anchors(16, ((1, 64), (4, 64)), (4, 64, 32)))
+    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256))  # 64 after 32, as 512 after 128
+    profile = calibrate(model, description, grid)
+    anchors = measure_anchors(model, description, grid, Anchors(16, ((1, 32), (4, 64), (4, 256)), (4, 64, 32)))
     labels = {s.label for s in anchors}
-    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=1 C=64",
-                      "decode B=4 C=64", "mixed B=4 C=64 L=32"}
+    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=1 C=32",
+                      "decode B=4 C=64", "decode B=4 C=256", "mixed B=4 C=64 L=32"}
     for label in labels:
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
         assert shapes(anchors) == shapes(profile.samples), label
-    recomputed = [s for s in anchors if s.label == "decode B=1 C=64" and s.shape.prefill_tokens]
-    assert bool(recomputed) == (window is not None)  # the window group cannot hit 64 tokens back
+    recomputed = [s for s in anchors if s.label == "decode B=1 C=32" and s.shape.prefill_tokens]
+    assert bool(recomputed) == (window is not None)  # the window group cannot hit the base that far back
+    with pytest.raises(ValueError, match="one row only at 32"):
+        measure_anchors(model, description, grid, Anchors(16, ((1, 64),), (4, 64, 32)))
     points = profile.fit["points"]
     own = [s for s in profile.samples if s.label in labels]
     assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})

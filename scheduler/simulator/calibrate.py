@@ -290,21 +290,34 @@ class Anchors:
 
     prefill_chunk: int = 256
     # (rows, context), in the calibration's order: 16 rows at 512 read 8k keys,
-    # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it
-    decode: tuple[tuple[int, int], ...] = ((1, 512), (16, 512), (1, 1024), (16, 1024))
+    # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it.
+    # One row only at the grid's smallest context (see `measure_anchors`).
+    decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (16, 512), (16, 1024))
     mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
 
 
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
-    (same labels and shapes, `grid`'s engine settings, the same base prompt:
-    the same hits and recomputations). About 30 s of CPU on Qwen3-0.6B's
-    layers (4 of them)."""
+    (same labels and shapes, `grid`'s engine settings, the same base prompt
+    and, before a decode anchor, the prompts the calibration computed before
+    that point: the same hits and recomputations). About 30 s of CPU on
+    Qwen3-0.6B's layers (4 of them).
+
+    A decode anchor of one row must be at the grid's smallest decode
+    context (raises ValueError): at a larger one the calibration's 1-row
+    point is the one that computes its prompt past the shorter contexts'
+    hits on a sliding-window model, and its chunk boundaries there depend
+    on what else the trie held."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    smallest = min(grid.decode_contexts)
+    for batch, context in anchors.decode:
+        if context not in grid.decode_contexts or (batch == 1 and context != smallest):
+            raise ValueError(f"decode anchor ({batch}, {context}): contexts must be the grid's "
+                             f"{grid.decode_contexts}, one row only at {smallest}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
@@ -313,7 +326,15 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
     # window pages the calibration's base no longer holds (it recomputed).
     engine, base = _decode_engine(model, grid, source, recorder, 0, grid.max_context)
     own = iter(range(1, 1 << 30))
+    warmed: set[int] = set()
     for batch, context in anchors.decode:
+        # Before this point the calibration computed the prompts of every
+        # shorter decode context and, in its 1-row point, of this one: on a
+        # sliding-window model hits end there, not at the base.
+        for earlier in sorted(c for c in grid.decode_contexts if c < context or (c == context and batch > 1)):
+            if earlier not in warmed:
+                _run(engine, recorder, "warmup", [base[:earlier] + [next(own) % source.vocab_size]], 1)
+                warmed.add(earlier)
         _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
     batch, context, chunk = anchors.mixed
     _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
