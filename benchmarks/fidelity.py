@@ -26,7 +26,22 @@ replay); the load average before and after each replay is recorded.
 right after the calibration and after every replay, and reports how far their
 step times have moved from the profile's (the drift): a workload whose mean
 step time is off by as much as the anchors drifted missed because the machine
-changed, not because the cost model is wrong. About 20 s of CPU per set.
+changed, not because the cost model is wrong. About 30 s of CPU per set.
+
+Each replay's own steps (shape and seconds) and each request's arrival,
+queueing and TTFT, real and simulated, are kept in the output. The profile
+prices the replay's steps by kind (decode rows only, chunks beside decode
+rows, chunks alone): the cost model's error on the steps the engine ran,
+without the queue; and the per-request TTFT difference by arrival quarter
+shows whether the simulated queue drifts away step by step (an overloaded
+queue adds up every step's error until it drains) or at one step. With
+`--real`, the earlier run's steps are priced by the new profile.
+
+With anchors, a second table repeats each simulation with every coefficient
+scaled by the anchors' mean drift over the replay (the mean of the drift
+before and after it): what is left of a miss once the machine's change of
+speed, as the anchors saw it, is taken out. The first table is the
+prediction; the second only says which misses the machine explains.
 """
 
 from __future__ import annotations
@@ -40,9 +55,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataclasses import asdict  # noqa: E402
+
 from blockmgr import BlockManagerConfig  # noqa: E402
 from scheduler.scheduler import SchedulerConfig  # noqa: E402
 from scheduler.simulator import SimulationConfig, WorkloadConfig, parse_length, run_simulation  # noqa: E402
+from scheduler.simulator.cost_model import COEFFICIENTS, CostModel, StepShape, step_shape  # noqa: E402
 from scheduler.simulator.report import comparison_rows, format_comparison  # noqa: E402
 
 #: Metrics held to the target, by comparison-row label.
@@ -89,6 +107,64 @@ def workload_config(name: str, cost, layout, num_slots: int,
         data["workload"]["num_requests"] = min(data["workload"]["num_requests"], max_requests)
     data["layout"] = layout.to_dict()
     return SimulationConfig.from_dict({**data, "cost": cost.to_dict()})
+
+
+def step_kind(shape: StepShape) -> str:
+    if not shape.prefill_chunks:
+        return "decode rows only"
+    return "chunks beside decode rows" if shape.decode_rows else "chunks alone"
+
+
+def priced_steps(cost: CostModel, steps: list[dict]) -> list[tuple[str, int, float, float]]:
+    """(kind, steps, measured s, predicted s) of a replay's `steps` ({"shape",
+    "seconds"}) priced by `cost`, per `step_kind` and over all."""
+    totals: dict[str, list[float]] = {}
+    for step in steps:
+        shape = StepShape(**step["shape"])
+        for kind in (step_kind(shape), "all"):
+            entry = totals.setdefault(kind, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += step["seconds"]
+            entry[2] += cost.time_of(shape)
+    return [(kind, int(n), measured, predicted) for kind, (n, measured, predicted) in sorted(
+        totals.items(), key=lambda item: item[0] == "all")]
+
+
+def ttft_lag(real: dict, sim: dict, parts: int = 4) -> list[float]:
+    """Mean simulated minus real TTFT (s) per arrival quarter (`parts`):
+    requests matched by arrival order."""
+    import numpy as np
+
+    order_real, order_sim = np.argsort(real["arrival"]), np.argsort(sim["arrival"])
+    lag = np.asarray(sim["ttft"])[order_sim] - np.asarray(real["ttft"])[order_real]
+    return [float(part.mean()) for part in np.array_split(lag, parts) if len(part)]
+
+
+def print_diagnosis(name: str, entry: dict, cost: CostModel) -> None:
+    """The cost model on the replay's own steps, and the TTFT lag by arrival quarter."""
+    if "steps" in entry:
+        print(f"\n{name}: the profile on the replay's own steps")
+        print("| steps | count | measured, s | predicted, s | error |\n|---|---|---|---|---|")
+        for kind, n, measured, predicted in priced_steps(cost, entry["steps"]):
+            print(f"| {kind} | {n} | {measured:.2f} | {predicted:.2f} | {(predicted / measured - 1) * 100:+.1f} % |")
+    if "requests" in entry:
+        lag = ttft_lag(entry["requests"]["real"], entry["requests"]["simulated"])
+        print(f"{name}: simulated - real TTFT by arrival quarter: "
+              + ", ".join(f"{value:+.2f} s" for value in lag))
+
+
+def drift_corrected(name: str, entry: dict, cost: CostModel, layout, args) -> None:
+    """Add to `entry` (with "drift" [before, after]) the comparison rows of a
+    simulation whose coefficients are scaled by 1 + the mean drift."""
+    factor = 1 + sum(entry["drift"]) / len(entry["drift"])
+    scaled = CostModel(**{**cost.to_dict(), **{n: getattr(cost, n) * factor for n in COEFFICIENTS}})
+    sim = run_simulation(workload_config(name, scaled, layout, args.num_slots, args.max_requests)).summary
+    entry["drift_corrected"] = {"factor": factor, "rows": comparison_rows(entry["real"], sim)}
+
+
+def request_times(result) -> dict[str, list[float]]:
+    arrays = result.metrics.request_arrays()
+    return {key: arrays[key].tolist() for key in ("arrival", "queue", "ttft")}
 
 
 def main() -> int:
@@ -155,21 +231,27 @@ def main() -> int:
         config = workload_config(name, cost, layout, args.num_slots, args.max_requests)
         load_before = os.getloadavg()
         start = time.perf_counter()
-        real = run_replay(config, model, description, clock=args.clock).summary
+        steps: list[dict] = []
+        replayed = run_replay(config, model, description, clock=args.clock, step_listener=lambda out, seconds:
+                              steps.append({"seconds": seconds, "shape": asdict(step_shape(out, layout.attended))}))
         wall = time.perf_counter() - start
         load_after = os.getloadavg()
-        sim = run_simulation(config).summary
+        simulated = run_simulation(config)
+        real, sim = replayed.summary, simulated.summary
         rows = comparison_rows(real, sim)
         results["workloads"][name] = {
             "rows": rows, "replay_wall_s": wall,
             "load_average_before": load_before, "load_average_after": load_after,
-            "real": real, "simulated": sim,
+            "real": real, "simulated": sim, "steps": steps,
+            "requests": {"real": request_times(replayed), "simulated": request_times(simulated)},
         }
         print(f"\n### {name} (replay {wall:.0f} s wall, load {load_before[0]:.1f} -> {load_after[0]:.1f})")
         print(format_comparison(rows, "real", "simulated"))
+        print_diagnosis(name, results["workloads"][name], cost)
         drift_after = anchors(name)
         if drift_after is not None:
             results["workloads"][name]["drift"] = [drift_before, drift_after]
+            drift_corrected(name, results["workloads"][name], cost, layout, args)
             drift_before = drift_after
         Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
     print_targets(results)
@@ -184,11 +266,18 @@ def simulate_only(args, cost, layout) -> int:
                "workloads": {}}
     for name in names:
         entry = earlier["workloads"][name]
-        sim = run_simulation(workload_config(name, cost, layout, args.num_slots)).summary
+        simulated = run_simulation(workload_config(name, cost, layout, args.num_slots, args.max_requests))
+        sim = simulated.summary
         rows = comparison_rows(entry["real"], sim)
         results["workloads"][name] = {**entry, "rows": rows, "simulated": sim}
+        if "drift" in entry:
+            drift_corrected(name, results["workloads"][name], cost, layout, args)
+        if "requests" in entry:
+            results["workloads"][name]["requests"] = {"real": entry["requests"]["real"],
+                                                      "simulated": request_times(simulated)}
         print(f"\n### {name} (real from {args.real})")
         print(format_comparison(rows, "real", "simulated"))
+        print_diagnosis(name, results["workloads"][name], cost)
     Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
     print_targets(results)
     return 0
@@ -197,13 +286,24 @@ def simulate_only(args, cost, layout) -> int:
 def print_targets(results: dict) -> None:
     """The summary table: each targeted metric's relative error, the mean
     step time's (the cost model without queueing), the anchors' drift
-    before and after the replay when measured, and the verdict."""
-    drifted = any("drift" in entry for entry in results["workloads"].values())
+    before and after the replay when measured, and the verdict; then the
+    same for the drift-corrected simulations, when there are any."""
+    print_table(results["workloads"], "rows")
+    corrected = {name: {**entry, **entry["drift_corrected"]} for name, entry in results["workloads"].items()
+                 if "drift_corrected" in entry}
+    if corrected:
+        print("\nWith every coefficient scaled by 1 + the anchors' mean drift over the replay "
+              "(the machine's change taken out):")
+        print_table(corrected, "rows")
+
+
+def print_table(workloads: dict, key: str) -> None:
+    drifted = any("drift" in entry for entry in workloads.values())
     extra = [STEP] + (["anchor drift before -> after"] if drifted else [])
     print("\n| workload | " + " | ".join(TARGETED + tuple(extra)) + " | within 10 % |")
     print("|---|" + "---|" * (len(TARGETED) + len(extra) + 1))
-    for name, entry in results["workloads"].items():
-        diffs = {label: diff for label, _, _, diff in entry["rows"]}
+    for name, entry in workloads.items():
+        diffs = {label: diff for label, _, _, diff in entry[key]}
         cells = [f"{diffs[m] * 100:+.1f} %" if diffs.get(m) is not None else "n/a"
                  for m in TARGETED + (STEP,)]
         if drifted:

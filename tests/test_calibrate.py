@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from scheduler.cli import main
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from scheduler.simulator import CostModel, SimulationConfig, WorkloadConfig, run_simulation
-from scheduler.simulator.cost_model import StepShape, step_shape
+from scheduler.simulator.cost_model import COEFFICIENTS, KNEES, StepShape, step_shape
 from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.profile import (
     CostProfile,
@@ -52,14 +52,17 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
         prefill_tokens=42, decode_rows=3, context_tokens=41 + 8 + 100 + 30 + 62,
         prefill_chunks=2, sampled_chunks=1, prefill_token_pairs=30 * 15 + 12 * (50 + 6),
         longest_decode_context=100, random_samples=1 + 4, page_copies=2, slot_copies=1, swaps=0,
-        prefill_token_squares=30 * 30 + 12 * 12,
+        prefill_token_squares=30 * 30 + 12 * 12, decode_context_tokens=41 + 8 + 100,
     )
-    cost = CostModel(**{f.name: float(i + 1) for i, f in enumerate(fields(CostModel))})
+    cost = CostModel(**{name: float(i + 1) for i, name in enumerate(COEFFICIENTS)}, decode_context_knee=100)
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
-               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044 + 15 * 1)
+               + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044 + 15 * 1
+               + 16 * 149 + 17 * (149 - 100))
     assert cost.time_of(shape) == pytest.approx(by_hand)
-    terms = shape.terms()  # what the fit multiplies: the same sum
+    terms = shape.terms(100)  # what the fit multiplies: the same sum
     assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
+    beyond = replace(cost, decode_context_knee=149)  # no key past the knee: no second slope
+    assert beyond.time_of(shape) == pytest.approx(by_hand - 17 * 49)
 
 
 def test_the_decode_forward_runs_for_decode_rows_or_a_sampling_chunk():
@@ -87,6 +90,7 @@ def test_step_shape_counts_the_keys_each_layer_reads():
                                         seq(30, 0, False), seq(100, 200, True)])
     shape = step_shape(out, layout.attended)
     assert shape.context_tokens == pytest.approx(keys(41) + keys(151) + keys(30) + keys(300))
+    assert shape.decode_context_tokens == pytest.approx(keys(41) + keys(151))
     assert shape.longest_decode_context == pytest.approx(keys(151))
     assert shape.prefill_token_pairs == pytest.approx(30 * (keys(0) + 15) + 100 * (keys(200) + 50))
     assert keys(151) < 151 and keys(200) < 200  # the window does cut them
@@ -168,9 +172,12 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
                       prefill_sample_overhead=0.12, prefill_attention_per_token_pair=1e-8,
                       decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
                       random_sample_per_row=0.004, prefill_chunk_token_square=3e-7,
-                      decode_forward_overhead=0.17)
+                      decode_forward_overhead=0.17, decode_attention_per_context_token=1.5e-6,
+                      decode_attention_beyond_knee=4e-6, decode_context_knee=6144)
     samples = simulated_samples(truth)
     assert len(samples) > 200
+    keys = [s.shape.decode_context_tokens for s in samples]
+    assert min(keys) < 6144 < max(keys) and 6144 in KNEES  # steps on both slopes
     fitted, fit = fit_cost_model(samples, {"copy_per_page": 3e-4})
     for name, value in truth.to_dict().items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
@@ -190,30 +197,43 @@ def test_the_calibration_grid_pins_every_term():
     shapes = [s for s in calibrate(model, description, QUICK_GRID).samples]
     names = [f.name for f in fields(CostModel)]
     truth = CostModel(**{name: 0.0 if name in ("copy_per_slot", "swap_per_page") else (i + 1) * 1e-3
-                         for i, name in enumerate(names)})
+                         for i, name in enumerate(COEFFICIENTS)}, decode_context_knee=512)
     samples = [StepSample(s.label, s.shape, truth.time_of(s.shape)) for s in shapes]
     fitted, _ = fit_cost_model(samples, {"copy_per_page": truth.copy_per_page})
     for name in names:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
 
 
-def test_anchors_repeat_grid_points_and_drift_is_their_change():
+@pytest.mark.parametrize("window", [None, 32])
+def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     """Anchors are grid points measured again: the same labels and step
-    shapes as the calibration's; their drift against the profile is 0 for
-    the calibration's own steps and +100 % for steps that took twice as long."""
+    shapes as the calibration's, so the same hits and recomputed prompts
+    (a sliding-window model's decode point below the calibration's base
+    length recomputes its prompt there: the window group keeps no pages that
+    far behind the base's end, and the anchor must too); their drift against
+    the profile is 0 for the calibration's own steps and +100 % for steps
+    that took twice as long."""
     from scheduler.simulator.calibrate import QUICK_GRID, Anchors, calibrate, drift, measure_anchors
+    from scheduler.simulator.engine_models import ModelSpec, load_model
 
-    model, description = tiny_model()
-    profile = calibrate(model, description, QUICK_GRID)
-    anchors = measure_anchors(model, description, QUICK_GRID, Anchors(16, ((4, 256),), (4, 64, 32)))
+    preset = "qwen3-0.6b" if window is None else "qwen3-0.6b-sliding"
+    shape = TINY_SHAPE if window is None else TINY_SHAPE | {"sliding_window": window}
+    model, description = load_model(ModelSpec(preset=preset, layers=2, shape=shape))
+    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256))  # 64 after 32, as 512 after 128
+    profile = calibrate(model, description, grid)
+    anchors = measure_anchors(model, description, grid, Anchors(16, ((1, 32), (4, 64), (4, 256)), (4, 64, 32)))
     labels = {s.label for s in anchors}
-    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=4 C=256",
-                      "mixed B=4 C=64 L=32"}
+    assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=1 C=32",
+                      "decode B=4 C=64", "decode B=4 C=256", "mixed B=4 C=64 L=32"}
     for label in labels:
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
         assert shapes(anchors) == shapes(profile.samples), label
+    recomputed = [s for s in anchors if s.label == "decode B=1 C=32" and s.shape.prefill_tokens]
+    assert bool(recomputed) == (window is not None)  # the window group cannot hit the base that far back
+    with pytest.raises(ValueError, match="one row only at 32"):
+        measure_anchors(model, description, grid, Anchors(16, ((1, 64),), (4, 64, 32)))
     points = profile.fit["points"]
     own = [s for s in profile.samples if s.label in labels]
     assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})
@@ -326,7 +346,9 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
         block_manager=BlockManagerConfig(num_blocks=20, block_size=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=6),
     )
-    replayed = run_replay(cfg, model, description)
+    seen = []
+    replayed = run_replay(cfg, model, description, step_listener=lambda out, seconds: seen.append(
+        (sum(len(item.token_ids) for item in out.seqs), seconds)))
     expected = ModelLayout(full=1, sliding=1, window=32) if "sliding_window" in shape else ModelLayout()
     assert replayed.config.layout == expected
     real = replayed.summary
@@ -341,7 +363,10 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
         assert real[section][key] == sim[section][key], (section, key)
     assert sim["preemptions"]["total"] > 0  # the pool is small enough to matter
     assert real["checks"]["leaks"] == "ok"
-    assert real["engine"]["steps"] == real["steps"]["count"]
+    assert real["engine"]["steps"] == real["steps"]["count"] == len(seen)  # the listener saw every step
+    scheduled = sim["steps"]["mean_batch_tokens"] * sim["steps"]["count"]  # the simulator's tokens
+    assert sum(tokens for tokens, _ in seen) == pytest.approx(scheduled)
+    assert all(seconds > 0 for _, seconds in seen)
     pc = real["prefix_cache"]
     assert 0 < pc["first_admission_hit_rate"] <= pc["infinite_cache_hit_rate"]
 

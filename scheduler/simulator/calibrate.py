@@ -59,7 +59,7 @@ class CalibrationGrid:
     prefill_chunks: tuple[int, ...] = (16, 64, 256, 512)
     max_context: int = 2048
     decode_batches: tuple[int, ...] = (1, 4, 16, 32)
-    decode_contexts: tuple[int, ...] = (128, 1024, 2048)
+    decode_contexts: tuple[int, ...] = (128, 512, 1024, 2048)  # 16 x 512: an overloaded chat's rows
     decode_steps: int = 6
     mixed_chunks: tuple[int, ...] = (64, 256, 512)
     mixed_batches: tuple[int, ...] = (1, 2, 4, 32)
@@ -289,26 +289,52 @@ class Anchors:
     the machine's speed has moved since (`drift`)."""
 
     prefill_chunk: int = 256
-    decode: tuple[tuple[int, int], ...] = ((1, 1024), (16, 1024))  # (rows, context)
+    # (rows, context), in the calibration's order: 16 rows at 512 read 8k keys,
+    # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it.
+    # One row only at the grid's smallest context (see `measure_anchors`).
+    decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (16, 512), (16, 1024))
     mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
 
 
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
-    (same labels and shapes, `grid`'s engine settings). About 20 s of CPU
-    on Qwen3-0.6B's layers (4 of them)."""
+    (same labels and shapes, `grid`'s engine settings, the same base prompt
+    and, before a decode anchor, the prompts the calibration computed before
+    that point: the same hits and recomputations). About 30 s of CPU on
+    Qwen3-0.6B's layers (4 of them).
+
+    A decode anchor of one row must be at the grid's smallest decode
+    context (raises ValueError): at a larger one the calibration's 1-row
+    point is the one that computes its prompt past the shorter contexts'
+    hits on a sliding-window model, and its chunk boundaries there depend
+    on what else the trie held."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    smallest = min(grid.decode_contexts)
+    for batch, context in anchors.decode:
+        if context not in grid.decode_contexts or (batch == 1 and context != smallest):
+            raise ValueError(f"decode anchor ({batch}, {context}): contexts must be the grid's "
+                             f"{grid.decode_contexts}, one row only at {smallest}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
-    longest = max([c for _, c in anchors.decode] + [anchors.mixed[1]])
-    engine, base = _decode_engine(model, grid, source, recorder, 0, longest)
+    # The calibration's base length, not the anchors' longest context: on a
+    # sliding-window model a shorter base would let a prompt hit whose
+    # window pages the calibration's base no longer holds (it recomputed).
+    engine, base = _decode_engine(model, grid, source, recorder, 0, grid.max_context)
     own = iter(range(1, 1 << 30))
+    warmed: set[int] = set()
     for batch, context in anchors.decode:
+        # Before this point the calibration computed the prompts of every
+        # shorter decode context and, in its 1-row point, of this one: on a
+        # sliding-window model hits end there, not at the base.
+        for earlier in sorted(c for c in grid.decode_contexts if c < context or (c == context and batch > 1)):
+            if earlier not in warmed:
+                _run(engine, recorder, "warmup", [base[:earlier] + [next(own) % source.vocab_size]], 1)
+                warmed.add(earlier)
         _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
     batch, context, chunk = anchors.mixed
     _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)

@@ -27,6 +27,16 @@ by `CostModel.time_of(StepShape)`:
                               of the decode rows and the last token of every
                               sampling chunk, so a chunk beside decode rows
                               adds a row to that forward, not a forward)
+    + decode_attention_per_context_token * decode keys (the keys all decode
+                              rows read, summed: the part of the context
+                              term the decode forward reads)
+    + decode_attention_beyond_knee * max(0, decode keys - decode_context_knee)
+                              (past a few thousand keys per step the paged
+                              attention's per-page partial results outgrow
+                              the CPU's caches and every further key costs
+                              more: convex, piecewise linear; measured on a
+                              2-core EPYC with a 32 MB L3, the slope more than
+                              doubles past ~12-16k keys)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
 
@@ -74,6 +84,7 @@ class StepShape:
     slot_copies: int = 0
     swaps: int = 0
     prefill_token_squares: int = 0
+    decode_context_tokens: float = 0.0  # keys the decode rows read, summed
 
     @property
     def runs_decode_forward(self) -> bool:
@@ -81,8 +92,9 @@ class StepShape:
         last token of a chunk that samples."""
         return bool(self.decode_rows or self.sampled_chunks)
 
-    def terms(self) -> tuple[float, ...]:
-        """The multiplier of each `CostModel` field, in field order."""
+    def terms(self, knee: float = 0.0) -> tuple[float, ...]:
+        """The multiplier of each `CostModel` coefficient (`COEFFICIENTS`, in
+        field order), the decode keys past `knee` for the one past the knee."""
         return (
             1.0,
             float(self.prefill_tokens),
@@ -99,6 +111,8 @@ class StepShape:
             float(self.random_samples),
             float(self.prefill_token_squares),
             1.0 if self.runs_decode_forward else 0.0,
+            float(self.decode_context_tokens),
+            max(0.0, self.decode_context_tokens - knee),
         )
 
 
@@ -112,16 +126,18 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     the longest decode row's keys.
     """
     prefill = decode = context = chunks = sampled = drawn = squares = last_end = 0
-    pairs = 0.0
+    pairs = decode_keys = 0.0
     for item in out.seqs:  # once per step per sequence: no call per row for full attention
         start = item.start_position
         n = len(item.token_ids)
         end = start + n
-        context += end if attended is None else attended(end)
+        keys = end if attended is None else attended(end)
+        context += keys
         if item.sample and item.request is not None and item.request.sampling.temperature > 0:
             drawn += item.num_samples
         if n == 1:
             decode += 1
+            decode_keys += keys
             if end > last_end:
                 last_end = end
         else:
@@ -133,7 +149,7 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     longest = last_end if attended is None or not decode else attended(last_end)  # monotone
     copies, slots, swaps = count_ops(out.ops)
     return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
-                     copies, slots, swaps, squares)
+                     copies, slots, swaps, squares, decode_keys)
 
 
 def count_ops(ops) -> tuple[int, int, int]:
@@ -154,7 +170,9 @@ def count_ops(ops) -> tuple[int, int, int]:
 class CostModel:
     """Per-step time in simulated seconds; every field finite and >= 0.
 
-    The field order is the order of `StepShape.terms()`.
+    Every field but the last is a coefficient (`COEFFICIENTS`), in the order
+    of `StepShape.terms()`; `decode_context_knee` (keys) is where the decode
+    keys' second slope starts (the fit picks it among `KNEES`).
     """
 
     step_overhead: float = 0.020
@@ -172,6 +190,9 @@ class CostModel:
     random_sample_per_row: float = 0.0
     prefill_chunk_token_square: float = 0.0
     decode_forward_overhead: float = 0.0
+    decode_attention_per_context_token: float = 0.0
+    decode_attention_beyond_knee: float = 0.0
+    decode_context_knee: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -205,6 +226,9 @@ class CostModel:
             + self.random_sample_per_row * s.random_samples
             + self.prefill_chunk_token_square * s.prefill_token_squares
             + (self.decode_forward_overhead if s.decode_rows or s.sampled_chunks else 0.0)
+            + self.decode_attention_per_context_token * s.decode_context_tokens
+            + (self.decode_attention_beyond_knee * (s.decode_context_tokens - self.decode_context_knee)
+               if s.decode_context_tokens > self.decode_context_knee else 0.0)
         )
 
     def step_time(
@@ -225,7 +249,18 @@ class CostModel:
         ))
 
     def coefficients(self) -> tuple[float, ...]:
-        return tuple(getattr(self, item.name) for item in fields(self))
+        """The `COEFFICIENTS`' values: `time_of(shape)` is their dot product
+        with `shape.terms(self.decode_context_knee)`."""
+        return tuple(getattr(self, name) for name in COEFFICIENTS)
 
     def to_dict(self) -> dict:
         return {item.name: getattr(self, item.name) for item in fields(self)}
+
+
+#: The `CostModel` fields that multiply a `StepShape.terms()` entry, in order.
+COEFFICIENTS = tuple(item.name for item in fields(CostModel) if item.name != "decode_context_knee")
+
+#: The knees the fit tries (decode keys per step): powers of two and their
+#: halfway points from 256 to 96k (the step from one to the next is 1.5x or
+#: 1.33x), and 0 (no second slope).
+KNEES = (0.0,) + tuple(float(base << shift) for shift in range(9) for base in (256, 384))

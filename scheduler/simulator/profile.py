@@ -8,8 +8,8 @@ fits and where it was measured, as a JSON file.
                          "rel_error"}, ...]},
      "machine": {...}, "mlx_version": "...", "blas": {...}, "model": {...},
      "layout": {ModelLayout}, "grid": {...}, "created": "ISO time",
-     "step_fields": [CostModel field names],
-     "steps": [[label, seconds, [the multiplier of each field]], ...]}
+     "step_fields": [CostModel coefficient names],
+     "steps": [[label, seconds, [the multiplier of each coefficient]], ...]}
 
 `blockmgr calibrate` writes one; `blockmgr simulate --profile FILE` reads it.
 The layout is the calibrated model's: the context terms count the keys its
@@ -20,7 +20,8 @@ least-squares fit of the per-step times on `StepShape.terms()`, each step's erro
 its grid point's mean step time: short decode steps weigh as much as long
 prefill steps, and within a point the fit matches the mean (timing noise on
 a shared machine is skewed; a fit of per-step relative errors would
-under-predict the mean).
+under-predict the mean). The decode keys' knee is the one of `KNEES` whose
+fit has the least weighted residual.
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.simulator.cost_model import CostModel, StepShape
+from scheduler.simulator.cost_model import COEFFICIENTS, KNEES, CostModel, StepShape
 from scheduler.simulator.json_file import read_json
 from scheduler.simulator.layout import ModelLayout
 
-_TERM_NAMES = tuple(f.name for f in fields(CostModel))
 PROFILE_TYPE = "blockmgr-cost-profile"
 PROFILE_VERSION = 1
 
@@ -57,20 +57,31 @@ class StepSample:
 def fit_cost_model(samples: Sequence[StepSample], fixed: dict[str, float] | None = None):
     """(CostModel, fit dict). `fixed`: coefficients measured elsewhere (copies,
     swaps); they are subtracted before the fit and kept as given. Terms no
-    sample exercises get 0 unless fixed. O(samples x terms^2)."""
+    sample exercises get 0 unless fixed. The knee: each of `KNEES` up to the
+    most decode keys a sample has, the least residual wins.
+    O(knees x samples x terms^2)."""
     fixed = dict(fixed or {})
-    names = [f.name for f in fields(CostModel)]
-    terms = np.array([s.shape.terms() for s in samples], dtype=np.float64)
+    most = max((s.shape.decode_context_tokens for s in samples), default=0.0)
+    fits = [_fit_at_knee(samples, fixed, knee) for knee in KNEES if knee < most or knee == 0.0]
+    residual, coefficients, knee = min(fits, key=lambda fit: fit[0])
+    values = dict(zip(COEFFICIENTS, (float(c) for c in coefficients)))
+    model = CostModel(**values, decode_context_knee=knee if values["decode_attention_beyond_knee"] else 0.0)
+    return model, fit_report(model, samples)
+
+
+def _fit_at_knee(samples: Sequence[StepSample], fixed: dict[str, float], knee: float):
+    """(weighted residual norm, coefficients, knee) of the fit with `knee`."""
+    terms = np.array([s.shape.terms(knee) for s in samples], dtype=np.float64)
     seconds = np.array([s.seconds for s in samples], dtype=np.float64)
-    known = np.array([fixed.get(n, 0.0) for n in names])
-    free = [i for i, n in enumerate(names) if n not in fixed and terms[:, i].any()]
+    known = np.array([fixed.get(n, 0.0) for n in COEFFICIENTS])
+    free = [i for i, n in enumerate(COEFFICIENTS) if n not in fixed and terms[:, i].any()]
     target = seconds - terms @ known
     weights = 1.0 / _label_means(samples)
-    solution = nnls(terms[:, free] * weights[:, None], target * weights)
+    a, b = terms[:, free] * weights[:, None], target * weights
+    solution = nnls(a, b)
     coefficients = known.copy()
     coefficients[free] = solution
-    model = CostModel(**dict(zip(names, (float(c) for c in coefficients))))
-    return model, fit_report(model, samples)
+    return float(np.linalg.norm(a @ solution - b)), coefficients, knee
 
 
 def _label_means(samples: Sequence[StepSample]) -> np.ndarray:
@@ -164,8 +175,9 @@ class CostProfile:
             "layout": self.layout.to_dict(),
             "grid": self.grid,
             "created": self.created,
-            "step_fields": list(_TERM_NAMES),
-            "steps": [[s.label, s.seconds, list(s.shape.terms())] for s in self.samples],
+            "step_fields": list(COEFFICIENTS),
+            "steps": [[s.label, s.seconds, list(s.shape.terms(self.cost.decode_context_knee))]
+                      for s in self.samples],
         }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -74,7 +75,8 @@ class Replay:
     """One replay. `run()` once."""
 
     def __init__(self, config: SimulationConfig, model: Any, description: dict,
-                 progress: ProgressFn | None = None, clock: str = "wall") -> None:
+                 progress: ProgressFn | None = None, clock: str = "wall",
+                 step_listener: Callable[[Any, float], None] | None = None) -> None:
         from scheduler.engine import Engine
         from scheduler.simulator.calibrate import CLOCKS
         from scheduler.simulator.engine_models import model_layout, vocab_size
@@ -112,11 +114,14 @@ class Replay:
         self._next_head: list[RequestSpec] | None = None
         self._live: dict[str, tuple[RequestSpec, list[RequestSpec], int, Any]] = {}
         self._last_step: tuple[Any, float] | None = None
+        self._step_listener = step_listener
         self._num_added = self._num_done = self._steps = 0
         self._schedule_seconds = 0.0
 
     def _on_step(self, out, seconds: float) -> None:
         self._last_step = (out, seconds)
+        if self._step_listener is not None:
+            self._step_listener(out, seconds)
 
     # ------------------------------------------------------------- arrivals
 
@@ -259,7 +264,9 @@ class Replay:
 
 
 def run_replay(config: SimulationConfig, model: Any, description: dict,
-               progress: ProgressFn | None = None, clock: str = "wall") -> SimulationResult:
+               progress: ProgressFn | None = None, clock: str = "wall",
+               step_listener: Callable[[Any, float], None] | None = None) -> SimulationResult:
     """Replay `config`'s workload on the real engine (see `Replay`); `clock`
-    is "wall" or "cpu" (`calibrate.CLOCKS`)."""
-    return Replay(config, model, description, progress, clock).run()
+    is "wall" or "cpu" (`calibrate.CLOCKS`). `step_listener(out, seconds)`
+    also sees every engine step (its `SchedulerOutput` and duration)."""
+    return Replay(config, model, description, progress, clock, step_listener).run()
