@@ -117,7 +117,8 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
           kv_memory: str, prefill_batch: int = 1, root: Path = ROOT) -> subprocess.Popen:
     if kind.startswith("blockmgr"):
         cmd = [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--kv-memory", kv_memory, "--max-num-seqs", "64"]
+               "--port", str(port), "--kv-memory", kv_memory,
+               "--max-num-seqs", str(max(64, concurrency))]  # a row for every client
         if kind == "blockmgr" or prefill_batch != 1:  # (a baseline may not have the option)
             cmd += ["--prefill-batch", str(prefill_batch)]
     else:
