@@ -122,11 +122,14 @@ def start(kind: str, model_dir: Path, port: int, concurrency: int,
         if kind == "blockmgr" or prefill_batch != 1:  # (a baseline may not have the option)
             cmd += ["--prefill-batch", str(prefill_batch)]
     else:
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-               "--port", str(port), "--log-level", "WARNING"]
-        if kind != "mlx_lm-default":  # mlx_lm.server tuned to the clients, else its defaults
-            cmd += ["--decode-concurrency", str(concurrency),
-                    "--prompt-concurrency", str(concurrency)]
+        options = ["--model", str(model_dir), "--port", str(port), "--log-level", "WARNING"]
+        if kind == "mlx_lm-default":  # mlx_lm.server's own defaults
+            cmd = [sys.executable, "-m", "mlx_lm", "server", *options]
+        else:  # tuned to the clients: rows, prompts and a listen backlog for every client
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "mlx_lm_server_backlog.py"),
+                   str(max(128, 2 * concurrency)), *options,
+                   "--decode-concurrency", str(concurrency),
+                   "--prompt-concurrency", str(concurrency)]
     return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(root)})
 
@@ -194,7 +197,9 @@ def main() -> None:
                         help="words (= tokens) of the shared system prompt")
     parser.add_argument("--servers", default="blockmgr,mlx_lm",
                         help="blockmgr, mlx_lm (decode and prompt concurrency set to "
-                             "--concurrency), mlx_lm-default (mlx_lm.server's own defaults)")
+                             "--concurrency, a listen backlog for every client: "
+                             "benchmarks/mlx_lm_server_backlog.py), mlx_lm-default "
+                             "(mlx_lm.server's own defaults)")
     parser.add_argument("--kv-memory", default="256MiB", help="blockmgr serve's page pool")
     parser.add_argument("--prefill-batch", default="1",
                         help="blockmgr serve's prefill chunks per forward; several values "
