@@ -8,9 +8,10 @@ It answers over HTTP/1.0, so every request opens a new connection; when
 more than 5 clients connect before its accept loop runs, the kernel's
 accept queue overflows and the client reads a reset (`ReadError` in
 `blockmgr bench`) on a request the server never saw. At 64-128 clients
-that dropped 3-37 % of the requests (57 % on the tiny test model). `benchmarks/compare_serve.py` starts
-the tuned peer through this launcher so that it serves every request; its
-`mlx_lm-default` server keeps the stock backlog.
+that dropped 3-37 % of the requests (57 % on the tiny test model).
+`benchmarks/compare_serve.py` starts the tuned peer through this launcher
+so that it serves every request; its `mlx_lm-default` server keeps the
+stock backlog.
 """
 
 from __future__ import annotations
