@@ -204,6 +204,32 @@ def test_the_calibration_grid_pins_every_term():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
 
 
+def test_mixed_and_drawn_points_are_spread_over_the_decode_points():
+    """The calibration measures each decode context's points followed by a
+    share of the mixed (chunk beside decode rows) and drawn points, not all
+    of them in one block at the end: the machine's speed moves between
+    minutes, and one block would take one minute's speed for one step
+    kind. Every grid point is still measured once per repeat."""
+    from scheduler.simulator.calibrate import QUICK_GRID, calibrate
+
+    model, description = tiny_model()
+    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256), mixed_batches=(1, 2, 4), mixed_contexts=(32, 64))
+    labels = [s.label for s in calibrate(model, description, grid).samples]
+    contexts = grid.decode_contexts
+    starts = [min(i for i, label in enumerate(labels) if label in (f"decode B=1 C={c}", f"decode spread B=1 C<={c}"))
+              for c in contexts] + [len(labels)]
+    for kind in ("mixed B=", "decode drawn"):
+        steps = [i for i, label in enumerate(labels) if label.startswith(kind)]
+        shares = [sum(start < i < end for i in steps) for start, end in zip(starts, starts[1:])]
+        assert shares[0] and shares[1], (kind, shares)  # after the first and second contexts' points
+    assert sum(starts[2] < i for i, label in enumerate(labels) if label.startswith("mixed B=")) == 2
+    mixed = [label for label in labels if label.startswith("mixed B=")]
+    assert sorted(mixed) == sorted({f"mixed B={b} C={c} L={n}" for b in grid.mixed_batches
+                                    for c in grid.mixed_contexts for n in grid.mixed_chunks})
+    assert {label for label in labels if label.startswith("decode drawn")} == {
+        f"decode drawn B={b} C=32" for b in grid.decode_batches}
+
+
 @pytest.mark.parametrize("window", [None, 32])
 def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     """Anchors are grid points measured again: the same labels and step

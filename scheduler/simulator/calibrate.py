@@ -18,7 +18,10 @@ with its `StepShape`. The grid:
 * mixed steps: for each decode batch B and context C of the mixed axes,
   B decodes at context C run while a prefill chunk of each length L starts
   after a hit of C tokens and samples, one step each (the engine runs the
-  chunk's last token as one more row of the decode forward);
+  chunk's last token as one more row of the decode forward). The drawn and
+  mixed points are spread among the decode contexts' points
+  (`decode_order`), so a minute of a slower machine is not one step
+  kind's bias;
 * page copies and swaps: a batched copy of pages of this model's layout
   between two MLX pools (the storage's copy-on-write and host swap are such
   copies on a CPU), timed per page.
@@ -228,20 +231,34 @@ def _decode_engine(model, grid, source, recorder, repeat, context):
 
 def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
     """Decode batches over a cached base prompt; spread contexts; drawn
-    tokens; mixed steps."""
+    tokens; mixed steps, in `decode_order`."""
     engine, base = _decode_engine(model, grid, source, recorder, repeat, grid.max_context)
     own = iter(range(1, 1 << 30))
-    for context in grid.decode_contexts:
-        for batch in grid.decode_batches:
-            for kind in ("", "spread"):
-                tick(_decode_point(engine, recorder, source, base, batch, context,
-                                   grid.decode_steps, own, kind))
-    for batch in grid.decode_batches:
-        tick(_decode_point(engine, recorder, source, base, batch, min(grid.decode_contexts),
-                           grid.decode_steps, own, "drawn"))
-    for batch in grid.mixed_batches:
-        for context in grid.mixed_contexts:
+    for kind, batch, context in decode_order(grid):
+        if kind == "mixed":
             _measure_mixed(engine, recorder, source, base[:context], batch, grid.mixed_chunks, own, tick)
+        else:
+            tick(_decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own, kind))
+
+
+def decode_order(grid: CalibrationGrid) -> list[tuple[str, int, int]]:
+    """The decode engine's points as (kind, rows, context), kind "" (one
+    context), "spread", "drawn" or "mixed": each decode context's points,
+    each followed by its share of the drawn and mixed points, taken with a
+    stride (block i gets points i, i + n, ...) so every share mixes rows and
+    contexts. The machine's speed here moves 15-25 % between minutes at the
+    same engine state; measured in one block at the end, the mixed points
+    all took one minute's speed (10-20 % slow in one calibration), which
+    the fit put into every chunk's price. Spread over the engine's life,
+    such a drift is noise the fit averages, not a bias of one step kind."""
+    blocks = len(grid.decode_contexts)
+    drawn = [("drawn", batch, min(grid.decode_contexts)) for batch in grid.decode_batches]
+    mixed = [("mixed", batch, context) for batch in grid.mixed_batches for context in grid.mixed_contexts]
+    order: list[tuple[str, int, int]] = []
+    for i, context in enumerate(grid.decode_contexts):
+        order += [(kind, batch, context) for batch in grid.decode_batches for kind in ("", "spread")]
+        order += drawn[i::blocks] + mixed[i::blocks]
+    return order
 
 
 def _decode_point(engine, recorder, source, base, batch, context, steps, own, kind="") -> str:
