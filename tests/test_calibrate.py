@@ -256,10 +256,16 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
         assert shapes(anchors) == shapes(profile.samples), label
+    def order(samples):  # labels by first step, in the order measured
+        return list(dict.fromkeys(s.label for s in samples))
+    calibrated = [label for label in order(profile.samples) if label in labels]
+    assert order(anchors) == calibrated  # the mixed anchor where the calibration measured it
     recomputed = [s for s in anchors if s.label == "decode B=1 C=32" and s.shape.prefill_tokens]
     assert bool(recomputed) == (window is not None)  # the window group cannot hit the base that far back
     with pytest.raises(ValueError, match="one row only at 32"):
         measure_anchors(model, description, grid, Anchors(16, ((1, 64),), (4, 64, 32)))
+    with pytest.raises(ValueError, match="mixed anchor"):  # not a grid point: it would never run
+        measure_anchors(model, description, grid, Anchors(16, ((4, 64),), (2, 64, 32)))
     points = profile.fit["points"]
     own = [s for s in profile.samples if s.label in labels]
     assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})

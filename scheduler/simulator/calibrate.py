@@ -306,7 +306,7 @@ class Anchors:
     the machine's speed has moved since (`drift`)."""
 
     prefill_chunk: int = 256
-    # (rows, context), in the calibration's order: 16 rows at 512 read 8k keys,
+    # (rows, context), measured in the calibration's order: 16 rows at 512 read 8k keys,
     # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it.
     # One row only at the grid's smallest context (see `measure_anchors`).
     decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (16, 512), (16, 1024))
@@ -316,10 +316,11 @@ class Anchors:
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
-    (same labels and shapes, `grid`'s engine settings, the same base prompt
-    and, before a decode anchor, the prompts the calibration computed before
-    that point: the same hits and recomputations). About 30 s of CPU on
-    Qwen3-0.6B's layers (4 of them).
+    (same labels and shapes, `grid`'s engine settings, the same base prompt,
+    the points in the calibration's `decode_order` and, before each, the
+    prompts the calibration computed before that point: the same hits and
+    recomputations). About 30 s of CPU on Qwen3-0.6B's layers (4 of them).
+    Anchors off the grid raise ValueError.
 
     A decode anchor of one row must be at the grid's smallest decode
     context (raises ValueError): at a larger one the calibration's 1-row
@@ -332,9 +333,14 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     smallest = min(grid.decode_contexts)
     for batch, context in anchors.decode:
-        if context not in grid.decode_contexts or (batch == 1 and context != smallest):
-            raise ValueError(f"decode anchor ({batch}, {context}): contexts must be the grid's "
-                             f"{grid.decode_contexts}, one row only at {smallest}")
+        if context not in grid.decode_contexts or batch not in grid.decode_batches \
+                or (batch == 1 and context != smallest):
+            raise ValueError(f"decode anchor ({batch}, {context}): rows and contexts must be the grid's "
+                             f"{grid.decode_batches} and {grid.decode_contexts}, one row only at {smallest}")
+    rows, context, chunk = anchors.mixed
+    if rows not in grid.mixed_batches or context not in grid.mixed_contexts or chunk not in grid.mixed_chunks:
+        raise ValueError(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the grid's "
+                         f"{grid.mixed_batches}, {grid.mixed_contexts} and {grid.mixed_chunks}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
@@ -344,17 +350,27 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
     engine, base = _decode_engine(model, grid, source, recorder, 0, grid.max_context)
     own = iter(range(1, 1 << 30))
     warmed: set[int] = set()
-    for batch, context in anchors.decode:
-        # Before this point the calibration computed the prompts of every
+
+    def computed_before(context: int, inclusive: bool) -> None:
+        # Before a point the calibration computed the prompts of every
         # shorter decode context and, in its 1-row point, of this one: on a
         # sliding-window model hits end there, not at the base.
-        for earlier in sorted(c for c in grid.decode_contexts if c < context or (c == context and batch > 1)):
+        for earlier in sorted(c for c in grid.decode_contexts if c < context or (inclusive and c == context)):
             if earlier not in warmed:
                 _run(engine, recorder, "warmup", [base[:earlier] + [next(own) % source.vocab_size]], 1)
                 warmed.add(earlier)
-        _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
-    batch, context, chunk = anchors.mixed
-    _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
+
+    mixed_rows, mixed_context, chunk = anchors.mixed
+    block = min(grid.decode_contexts)  # the decode context whose points precede a drawn or mixed point
+    for kind, batch, context in decode_order(grid):  # in the calibration's order
+        if kind in ("", "spread"):
+            block = context
+        if kind == "" and (batch, context) in anchors.decode:
+            computed_before(context, batch > 1)
+            _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
+        elif kind == "mixed" and (batch, context) == (mixed_rows, mixed_context):
+            computed_before(block, True)
+            _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
     return recorder.samples
 
 
