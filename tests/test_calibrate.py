@@ -255,7 +255,9 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
-        assert shapes(anchors) == shapes(profile.samples), label
+        calibrated = shapes(profile.samples)  # the mixed anchor repeats its step, one token later each
+        assert shapes(anchors)[:len(calibrated)] == calibrated, label
+    assert len([s for s in anchors if s.label == "mixed B=4 C=64 L=32"]) == Anchors().mixed_steps
     def order(samples):  # labels by first step, in the order measured
         return list(dict.fromkeys(s.label for s in samples))
     calibrated = [label for label in order(profile.samples) if label in labels]

@@ -311,6 +311,9 @@ class Anchors:
     # One row only at the grid's smallest context (see `measure_anchors`).
     decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (16, 512), (16, 1024))
     mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
+    # Steps of the mixed anchor, one after the other beside the same rows (the
+    # grid measures it once a repeat): one step's spread here is ~10 %.
+    mixed_steps: int = 3
 
 
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
@@ -370,7 +373,8 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
             _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
         elif kind == "mixed" and (batch, context) == (mixed_rows, mixed_context):
             computed_before(block, True)
-            _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
+            _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,) * anchors.mixed_steps, own,
+                           lambda label: None)
     return recorder.samples
 
 
