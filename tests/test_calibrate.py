@@ -204,6 +204,32 @@ def test_the_calibration_grid_pins_every_term():
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
 
 
+def test_mixed_and_drawn_points_are_spread_over_the_decode_points():
+    """The calibration measures each decode context's points followed by a
+    share of the mixed (chunk beside decode rows) and drawn points, not all
+    of them in one block at the end: the machine's speed moves between
+    minutes, and one block would take one minute's speed for one step
+    kind. Every grid point is still measured once per repeat."""
+    from scheduler.simulator.calibrate import QUICK_GRID, calibrate
+
+    model, description = tiny_model()
+    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256), mixed_batches=(1, 2, 4), mixed_contexts=(32, 64))
+    labels = [s.label for s in calibrate(model, description, grid).samples]
+    contexts = grid.decode_contexts
+    starts = [min(i for i, label in enumerate(labels) if label in (f"decode B=1 C={c}", f"decode spread B=1 C<={c}"))
+              for c in contexts] + [len(labels)]
+    for kind in ("mixed B=", "decode drawn"):
+        steps = [i for i, label in enumerate(labels) if label.startswith(kind)]
+        shares = [sum(start < i < end for i in steps) for start, end in zip(starts, starts[1:])]
+        assert shares[0] and shares[1], (kind, shares)  # after the first and second contexts' points
+    assert sum(starts[2] < i for i, label in enumerate(labels) if label.startswith("mixed B=")) == 2
+    mixed = [label for label in labels if label.startswith("mixed B=")]
+    assert sorted(mixed) == sorted({f"mixed B={b} C={c} L={n}" for b in grid.mixed_batches
+                                    for c in grid.mixed_contexts for n in grid.mixed_chunks})
+    assert {label for label in labels if label.startswith("decode drawn")} == {
+        f"decode drawn B={b} C=32" for b in grid.decode_batches}
+
+
 @pytest.mark.parametrize("window", [None, 32])
 def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     """Anchors are grid points measured again: the same labels and step
@@ -229,11 +255,19 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
-        assert shapes(anchors) == shapes(profile.samples), label
+        calibrated = shapes(profile.samples)  # the mixed anchor repeats its step, one token later each
+        assert shapes(anchors)[:len(calibrated)] == calibrated, label
+    assert len([s for s in anchors if s.label == "mixed B=4 C=64 L=32"]) == Anchors().mixed_steps
+    def order(samples):  # labels by first step, in the order measured
+        return list(dict.fromkeys(s.label for s in samples))
+    calibrated = [label for label in order(profile.samples) if label in labels]
+    assert order(anchors) == calibrated  # the mixed anchor where the calibration measured it
     recomputed = [s for s in anchors if s.label == "decode B=1 C=32" and s.shape.prefill_tokens]
     assert bool(recomputed) == (window is not None)  # the window group cannot hit the base that far back
     with pytest.raises(ValueError, match="one row only at 32"):
         measure_anchors(model, description, grid, Anchors(16, ((1, 64),), (4, 64, 32)))
+    with pytest.raises(ValueError, match="mixed anchor"):  # not a grid point: it would never run
+        measure_anchors(model, description, grid, Anchors(16, ((4, 64),), (2, 64, 32)))
     points = profile.fit["points"]
     own = [s for s in profile.samples if s.label in labels]
     assert drift(points, own) == pytest.approx({label: 0.0 for label in labels})

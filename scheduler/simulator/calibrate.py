@@ -18,7 +18,10 @@ with its `StepShape`. The grid:
 * mixed steps: for each decode batch B and context C of the mixed axes,
   B decodes at context C run while a prefill chunk of each length L starts
   after a hit of C tokens and samples, one step each (the engine runs the
-  chunk's last token as one more row of the decode forward);
+  chunk's last token as one more row of the decode forward). The drawn and
+  mixed points are spread among the decode contexts' points
+  (`decode_order`), so a minute of a slower machine is not one step
+  kind's bias;
 * page copies and swaps: a batched copy of pages of this model's layout
   between two MLX pools (the storage's copy-on-write and host swap are such
   copies on a CPU), timed per page.
@@ -228,20 +231,34 @@ def _decode_engine(model, grid, source, recorder, repeat, context):
 
 def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
     """Decode batches over a cached base prompt; spread contexts; drawn
-    tokens; mixed steps."""
+    tokens; mixed steps, in `decode_order`."""
     engine, base = _decode_engine(model, grid, source, recorder, repeat, grid.max_context)
     own = iter(range(1, 1 << 30))
-    for context in grid.decode_contexts:
-        for batch in grid.decode_batches:
-            for kind in ("", "spread"):
-                tick(_decode_point(engine, recorder, source, base, batch, context,
-                                   grid.decode_steps, own, kind))
-    for batch in grid.decode_batches:
-        tick(_decode_point(engine, recorder, source, base, batch, min(grid.decode_contexts),
-                           grid.decode_steps, own, "drawn"))
-    for batch in grid.mixed_batches:
-        for context in grid.mixed_contexts:
+    for kind, batch, context in decode_order(grid):
+        if kind == "mixed":
             _measure_mixed(engine, recorder, source, base[:context], batch, grid.mixed_chunks, own, tick)
+        else:
+            tick(_decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own, kind))
+
+
+def decode_order(grid: CalibrationGrid) -> list[tuple[str, int, int]]:
+    """The decode engine's points as (kind, rows, context), kind "" (one
+    context), "spread", "drawn" or "mixed": each decode context's points,
+    each followed by its share of the drawn and mixed points, taken with a
+    stride (block i gets points i, i + n, ...) so every share mixes rows and
+    contexts. The machine's speed here moves 15-25 % between minutes at the
+    same engine state; measured in one block at the end, the mixed points
+    all took one minute's speed (10-20 % slow in one calibration), which
+    the fit put into every chunk's price. Spread over the engine's life,
+    such a drift is noise the fit averages, not a bias of one step kind."""
+    blocks = len(grid.decode_contexts)
+    drawn = [("drawn", batch, min(grid.decode_contexts)) for batch in grid.decode_batches]
+    mixed = [("mixed", batch, context) for batch in grid.mixed_batches for context in grid.mixed_contexts]
+    order: list[tuple[str, int, int]] = []
+    for i, context in enumerate(grid.decode_contexts):
+        order += [(kind, batch, context) for batch in grid.decode_batches for kind in ("", "spread")]
+        order += drawn[i::blocks] + mixed[i::blocks]
+    return order
 
 
 def _decode_point(engine, recorder, source, base, batch, context, steps, own, kind="") -> str:
@@ -289,20 +306,24 @@ class Anchors:
     the machine's speed has moved since (`drift`)."""
 
     prefill_chunk: int = 256
-    # (rows, context), in the calibration's order: 16 rows at 512 read 8k keys,
+    # (rows, context), measured in the calibration's order: 16 rows at 512 read 8k keys,
     # below the knee, as an overloaded chat's rows do; at 1024, 16k, past it.
     # One row only at the grid's smallest context (see `measure_anchors`).
     decode: tuple[tuple[int, int], ...] = ((1, 128), (4, 512), (16, 512), (16, 1024))
     mixed: tuple[int, int, int] = (2, 768, 256)  # rows, context, chunk length
+    # Steps of the mixed anchor, one after the other beside the same rows (the
+    # grid measures it once a repeat): one step's spread here is ~10 %.
+    mixed_steps: int = 3
 
 
 def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
                     clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
-    (same labels and shapes, `grid`'s engine settings, the same base prompt
-    and, before a decode anchor, the prompts the calibration computed before
-    that point: the same hits and recomputations). About 30 s of CPU on
-    Qwen3-0.6B's layers (4 of them).
+    (same labels and shapes, `grid`'s engine settings, the same base prompt,
+    the points in the calibration's `decode_order` and, before each, the
+    prompts the calibration computed before that point: the same hits and
+    recomputations). About 30 s of CPU on Qwen3-0.6B's layers (4 of them).
+    Anchors off the grid raise ValueError.
 
     A decode anchor of one row must be at the grid's smallest decode
     context (raises ValueError): at a larger one the calibration's 1-row
@@ -315,9 +336,14 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     smallest = min(grid.decode_contexts)
     for batch, context in anchors.decode:
-        if context not in grid.decode_contexts or (batch == 1 and context != smallest):
-            raise ValueError(f"decode anchor ({batch}, {context}): contexts must be the grid's "
-                             f"{grid.decode_contexts}, one row only at {smallest}")
+        if context not in grid.decode_contexts or batch not in grid.decode_batches \
+                or (batch == 1 and context != smallest):
+            raise ValueError(f"decode anchor ({batch}, {context}): rows and contexts must be the grid's "
+                             f"{grid.decode_batches} and {grid.decode_contexts}, one row only at {smallest}")
+    rows, context, chunk = anchors.mixed
+    if rows not in grid.mixed_batches or context not in grid.mixed_contexts or chunk not in grid.mixed_chunks:
+        raise ValueError(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the grid's "
+                         f"{grid.mixed_batches}, {grid.mixed_contexts} and {grid.mixed_chunks}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
@@ -327,17 +353,28 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
     engine, base = _decode_engine(model, grid, source, recorder, 0, grid.max_context)
     own = iter(range(1, 1 << 30))
     warmed: set[int] = set()
-    for batch, context in anchors.decode:
-        # Before this point the calibration computed the prompts of every
+
+    def computed_before(context: int, inclusive: bool) -> None:
+        # Before a point the calibration computed the prompts of every
         # shorter decode context and, in its 1-row point, of this one: on a
         # sliding-window model hits end there, not at the base.
-        for earlier in sorted(c for c in grid.decode_contexts if c < context or (c == context and batch > 1)):
+        for earlier in sorted(c for c in grid.decode_contexts if c < context or (inclusive and c == context)):
             if earlier not in warmed:
                 _run(engine, recorder, "warmup", [base[:earlier] + [next(own) % source.vocab_size]], 1)
                 warmed.add(earlier)
-        _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
-    batch, context, chunk = anchors.mixed
-    _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,), own, lambda label: None)
+
+    mixed_rows, mixed_context, chunk = anchors.mixed
+    block = min(grid.decode_contexts)  # the decode context whose points precede a drawn or mixed point
+    for kind, batch, context in decode_order(grid):  # in the calibration's order
+        if kind in ("", "spread"):
+            block = context
+        if kind == "" and (batch, context) in anchors.decode:
+            computed_before(context, batch > 1)
+            _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
+        elif kind == "mixed" and (batch, context) == (mixed_rows, mixed_context):
+            computed_before(block, True)
+            _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,) * anchors.mixed_steps, own,
+                           lambda label: None)
     return recorder.samples
 
 
