@@ -144,7 +144,10 @@ class GroupedStore:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free pages of the group with the fewest (the binding one)."""
+        """Free pages of the group with the fewest (the binding one). O(groups):
+        the scheduler reads it once per step."""
+        if len(self._managers) == 1:
+            return self._first.num_free_blocks
         return min(m.num_free_blocks for m in self._managers)
 
     @property

@@ -145,10 +145,12 @@ class RefCountedPool:
         free = self._free
         if len(set(free)) != len(free):
             raise IntegrityError(f"a {what} id is on the free list twice")
-        for item in free:
-            if self._refcounts[item] != 0:
-                raise IntegrityError(f"{what} {item} is free but referenced")
-        num_zero = sum(1 for count in self._refcounts if count == 0)
+        refcounts = self._refcounts
+        if any(map(refcounts.__getitem__, free)):  # at C speed; the loop names the id
+            for item in free:
+                if refcounts[item] != 0:
+                    raise IntegrityError(f"{what} {item} is free but referenced")
+        num_zero = refcounts.count(0)
         if num_zero != len(free):
             raise IntegrityError(
                 f"{num_zero} {what}s have refcount 0 but {len(free)} are on the free list"

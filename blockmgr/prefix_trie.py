@@ -1075,8 +1075,9 @@ class PrefixTrie:
     ) -> None:
         """Add the trie's page and slot references to the given counters
         (`more_page_refs`: one counter list per further page group)."""
+        whole = self._window is None  # `_present` would copy every node's pages
         for node in self._nodes.values():
-            for page in self._present(node.blocks):
+            for page in node.blocks if whole else self._present(node.blocks):
                 page_refs[page] += 1
             if node.slot is not None:
                 slot_refs[node.slot] += 1
@@ -1109,7 +1110,7 @@ class PrefixTrie:
         for g, (group, refs) in enumerate(zip(self._groups, held_refs)):
             if refs != group.trie_refs:
                 raise IntegrityError(f"per-page trie reference counts of group {g} are wrong")
-            if group.num_pages_held != sum(1 for count in refs if count):
+            if group.num_pages_held != len(refs) - refs.count(0):
                 raise IntegrityError(f"num_pages_held of group {g} is wrong")
         if self.num_slots_held != sum(1 for n in self._nodes.values() if n.slot is not None):
             raise IntegrityError("num_slots_held is wrong")
@@ -1126,57 +1127,61 @@ class PrefixTrie:
         held_refs: list[list[int]],
     ) -> None:
         parent = node.parent
-        where = f"node {node.node_id} [{node.start}, {node.end})"
         if not node.tokens:
-            raise IntegrityError(f"{where} has no tokens")
+            raise IntegrityError(f"{_node_where(node)} has no tokens")
         if node.namespace is not namespace and node.namespace != namespace:  # NaN
-            raise IntegrityError(f"{where} is in the wrong namespace")
+            raise IntegrityError(f"{_node_where(node)} is in the wrong namespace")
         if parent.children.get(node.tokens[0]) is not node:
-            raise IntegrityError(f"{where} is not filed under its first token")
+            raise IntegrityError(f"{_node_where(node)} is not filed under its first token")
         if node.start != parent.end:
-            raise IntegrityError(f"{where} does not start where its parent ends")
+            raise IntegrityError(f"{_node_where(node)} does not start where its parent ends")
         if node.end != node.start + len(node.tokens):
-            raise IntegrityError(f"{where} has a stale end")
+            raise IntegrityError(f"{_node_where(node)} has a stale end")
         if node.packed != pack_tokens(node.tokens):
-            raise IntegrityError(f"{where} has stale packed tokens")
+            raise IntegrityError(f"{_node_where(node)} has stale packed tokens")
         block_size = self._block_size
         num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
         if (node.more is None) != (self._num_more == 0) or (
             node.more is not None and len(node.more) != self._num_more
         ):
-            raise IntegrityError(f"{where} holds pages of other groups than the trie's")
+            raise IntegrityError(f"{_node_where(node)} holds pages of other groups than the trie's")
         for g, (blocks, group) in enumerate(zip([node.blocks, *(node.more or ())], self._groups)):
             if len(blocks) != num_blocks:
                 raise IntegrityError(
-                    f"{where} holds {len(blocks)} pages of group {g}, needs {num_blocks}"
+                    f"{_node_where(node)} holds {len(blocks)} pages of group {g}, needs {num_blocks}"
                 )
             if group.window is None and None in blocks:
-                raise IntegrityError(f"{where} lacks a page of group {g} without a sliding window")
+                raise IntegrityError(f"{_node_where(node)} lacks a page of group {g} without a sliding window")
             if None in blocks[blocks.count(None) :]:
-                raise IntegrityError(f"{where} holds a page of group {g} before a hole")
+                raise IntegrityError(f"{_node_where(node)} holds a page of group {g} before a hole")
             refs = held_refs[g]
             for page in blocks:
                 if page is not None:
                     refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
             raise IntegrityError(
-                f"{where} lock count {node.lock_count}, "
+                f"{_node_where(node)} lock count {node.lock_count}, "
                 f"expected {expected_locks.get(node.node_id, 0)}"
             )
         if self._hybrid and not node.children and node.slot is None:
-            raise IntegrityError(f"{where} is a tombstone leaf")
+            raise IntegrityError(f"{_node_where(node)} is a tombstone leaf")
         if not self._hybrid and node.slot is not None:
-            raise IntegrityError(f"{where} holds a slot without recurrent state")
+            raise IntegrityError(f"{_node_where(node)} holds a slot without recurrent state")
         if node.slot is None and len(node.children) == 1 and not self._windowed:
             (child,) = node.children.values()
             if child.lock_count == node.lock_count:
-                raise IntegrityError(f"{where} should have been merged into its child")
+                raise IntegrityError(f"{_node_where(node)} should have been merged into its child")
         key = (node.last_access, node.node_id)
         unlocked = node.lock_count == 0
         want_leaf = key if unlocked and not node.children else None
         want_slot = key if unlocked and node.slot is not None else None
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
-            raise IntegrityError(f"{where} has stale LRU keys")
+            raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
+
+
+def _node_where(node: TrieNode) -> str:
+    """How an integrity error names `node` (built only for the error)."""
+    return f"node {node.node_id} [{node.start}, {node.end})"
 
 
 def _last_none(pages: list[int | None], first: int, last: int) -> int | None:

@@ -912,6 +912,7 @@ class Scheduler:
         if not isinstance(sampled, Mapping):
             raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
         plan = []
+        add_step, sampled_value = plan.append, sampled.get  # bound once: a call per row
         seqs_of = self._seqs_of
         for item in output.seqs:
             seqs = seqs_of.get(item.request_id)  # `_live_seq`, inline for a single sequence
@@ -922,7 +923,7 @@ class Scheduler:
                 continue  # aborted, or unscheduled after a failed forward: ignored
             tokens = None
             if item.sample:
-                value = sampled.get(item.seq_id, _MISSING)
+                value = sampled_value(item.seq_id, _MISSING)
                 if value is _MISSING:
                     raise InvalidArgument(f"sampled has no token for {item.seq_id!r}")
                 if type(value) is int and value >= 0 and item.num_samples == 1:
@@ -931,7 +932,7 @@ class Scheduler:
                     tokens = _checked_accepted(item, seq, value)
                 else:
                     tokens = _sampled_tokens(item, value)
-            plan.append((item, seq, tokens))
+            add_step((item, seq, tokens))
         return plan
 
     def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
@@ -1139,6 +1140,7 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, lis
     seq_ids: list = []
     tokens: list[int] = []
     stale: list[_Seq] = []
+    add_item, add_id, add_token = items.append, seq_ids.append, tokens.append  # bound once
     for seq in itertools.islice(running, start, start + limit):
         # `_decode_token(seq)` and `_emit`, written out: this loop runs once per decoded token.
         index = seq.index
@@ -1156,10 +1158,10 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, lis
         seq.in_flight = True
         seq.num_reserved = num_computed + 1
         seq_id = seq.seq_id
-        items.append(ScheduledSeq(seq_id, req.request_id, [token], num_computed,
-                                  False, True, 1, index, req))
-        seq_ids.append(seq_id)
-        tokens.append(token)
+        add_item(ScheduledSeq(seq_id, req.request_id, [token], num_computed,
+                              False, True, 1, index, req))
+        add_id(seq_id)
+        add_token(token)
     return items, seq_ids, tokens, stale
 
 

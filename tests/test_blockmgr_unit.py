@@ -25,6 +25,7 @@ from blockmgr import (
     ZeroSlot,
 )
 from blockmgr.pool import RefCountedPool
+from blockmgr.prefix_trie import pack_tokens
 from tests.shadow import ShadowStorage
 
 
@@ -415,6 +416,59 @@ def test_check_integrity_catches_a_page_both_free_and_used():
     bm._pages._free.append(bm.block_table("a")[0])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
+
+
+def test_pool_check_names_each_broken_count():
+    """Each of the pool's own checks, alone: the refcounts match the
+    references the caller counted, and the free list is wrong."""
+    def broken(change) -> RefCountedPool:
+        pool = RefCountedPool(6)
+        pool.take(2)
+        change(pool)
+        return pool
+
+    pool = broken(lambda p: None)
+    pool.check_integrity(pool.refcounts(), "page")
+    cases = (
+        (lambda p: p._free.append(p._free[0]), "on the free list twice"),
+        (lambda p: p._refcounts.__setitem__(p._free[1], 1), "is free but referenced"),
+        (lambda p: p._free.pop(), "4 pages have refcount 0 but 3 are on the free list"),
+    )
+    for change, message in cases:
+        pool = broken(change)
+        with pytest.raises(IntegrityError, match=message):
+            pool.check_integrity(pool.refcounts(), "page")
+
+
+def test_check_integrity_catches_a_wrong_count_of_trie_pages():
+    bm = make(block_size=4)
+    bm.allocate("a", range(9))
+    bm.free("a")
+    bm.check_integrity()
+    bm._trie._groups[0].num_pages_held -= 1
+    with pytest.raises(IntegrityError, match="num_pages_held of group 0"):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_a_locked_path_that_spells_other_tokens():
+    """A sequence that hit the trie is anchored at its locked node and
+    borrows the full pages it matched: its tokens must spell that path."""
+    for anchored, message in ((True, "anchored at a node that spells other tokens"),
+                              (False, "borrows pages that hold other tokens")):
+        bm = make(block_size=4)
+        bm.allocate("a", range(13))
+        bm.free("a")
+        bm.allocate("c", [*range(8), 50, 51, 52])  # splits the cached path at 8
+        bm.free("c")
+        bm.allocate("b", [*range(13), 99])  # locks 13 tokens (two nodes), borrows 3 pages
+        bm.check_integrity()
+        seq = bm._seqs["b"]
+        seq.anchored = anchored  # not anchored: as after a truncate, borrowing still
+        bm.check_integrity()
+        seq.tokens[9] += 1000
+        seq.packed = pack_tokens(seq.tokens)  # the packed copy agrees with the change
+        with pytest.raises(IntegrityError, match=message):
+            bm.check_integrity()
 
 
 def test_check_integrity_catches_a_table_that_does_not_cover_the_tokens():

@@ -351,6 +351,26 @@ def test_token_texts_are_stable_prefixes_and_distinct():
     assert source.expand([]) == [] and source.expand([(key, 0)]) == []
 
 
+def test_kept_texts_expand_as_fresh_ones(monkeypatch):
+    """Texts seen twice are kept expanded (few kept, sightings forgotten past
+    a bound, here tiny): every prompt equals its segments' texts from a
+    source that keeps nothing, and a caller's edit of a prompt reaches no
+    later one."""
+    from scheduler.simulator import tokens as tokens_module
+
+    monkeypatch.setattr(tokens_module, "NUM_KEPT_TEXTS", 3)
+    monkeypatch.setattr(tokens_module, "NUM_REMEMBERED_SIGHTINGS", 5)
+    source, reference = TokenSource(500), TokenSource(500)
+    rng = np.random.default_rng(5)
+    texts = [(derive_key(9, i), int(n)) for i, n in enumerate(rng.integers(0, 40, 12))]
+    for _ in range(400):
+        segments = [texts[i] for i in rng.integers(0, len(texts), rng.integers(0, 5))]
+        prompt = source.expand(segments)
+        assert prompt == [t for key, n in segments for t in reference.text(key, n)]
+        if prompt:
+            prompt[0] = -1  # a caller's own list
+
+
 def test_config_round_trips_through_json():
     cfg = small_config()
     again = _Cfg.from_dict(json.loads(json.dumps(cfg.to_dict())))

@@ -254,12 +254,16 @@ class Simulation:
         for item in out.seqs:
             if not item.sample:
                 continue
-            position = item.start_position + len(item.token_ids) - len(item.request.prompt_tokens)
             outputs = live[item.request_id].outputs
-            if item.sample_index is None:
+            index = item.sample_index
+            if index is None:
+                position = item.start_position + len(item.token_ids) - len(item.request.prompt_tokens)
                 sampled[item.seq_id] = [o[min(position, len(o) - 1)] for o in outputs]
             else:
-                o = outputs[item.sample_index]
+                # A sampling chunk ends at the sample's last token: the next
+                # output's position is the count of outputs it has.
+                position = len(item.request.outputs[index])
+                o = outputs[index]
                 sampled[item.seq_id] = o[position] if position < len(o) else o[-1]
         return sampled
 

@@ -23,10 +23,21 @@ _TABLE_SIZE = 1 << TABLE_BITS
 _TABLE_SEED = 0x5EED_B10C
 
 
-class TokenSource:
-    """Expands `(key, length)` pairs into token ids in [0, vocab_size)."""
+#: Texts a `TokenSource` keeps expanded (those seen twice: shared system
+#: prompts, a session's earlier turns), and sightings it remembers.
+NUM_KEPT_TEXTS = 256
+NUM_REMEMBERED_SIGHTINGS = 4096
 
-    __slots__ = ("vocab_size", "_table")
+
+class TokenSource:
+    """Expands `(key, length)` pairs into token ids in [0, vocab_size).
+
+    A text asked for a second time is kept expanded (up to `NUM_KEPT_TEXTS`
+    of them): a workload's few system prompts recur in most prompts, and a
+    prompt's `tolist()` of Python ints is most of its expansion's cost.
+    """
+
+    __slots__ = ("vocab_size", "_table", "_kept", "_seen")
 
     def __init__(self, vocab_size: int = 32000) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
@@ -36,6 +47,8 @@ class TokenSource:
         # Twice the size so any slice of length <= table size is contiguous.
         table = rng.integers(0, 1 << SALT_BITS, size=_TABLE_SIZE, dtype=np.int64)
         self._table = np.concatenate([table, table])
+        self._kept: dict[tuple[int, int], list[int]] = {}
+        self._seen: set[tuple[int, int]] = set()
 
     def text(self, key: int, length: int) -> list[int]:
         """The `length` tokens of text `key`. O(length)."""
@@ -45,11 +58,46 @@ class TokenSource:
 
     def expand(self, segments) -> list[int]:
         """Concatenate the texts of `(key, length)` segments. O(total length):
-        one numpy remainder and one `tolist` for the whole prompt."""
-        parts = [self._salted(key, length) for key, length in segments if length > 0]
-        if not parts:
-            return []
-        return (np.concatenate(parts) % self.vocab_size).tolist()
+        a kept text is copied; each run of the others takes one numpy
+        remainder and one `tolist`."""
+        tokens: list[int] = []
+        run: list[np.ndarray] = []  # salted slices not yet converted
+        for key, length in segments:
+            if length <= 0:
+                continue
+            kept = self._kept_text(key, length)
+            if kept is None:
+                run.append(self._salted(key, length))
+                continue
+            if run:
+                tokens += self._converted(run)
+                run = []
+            tokens += kept
+        if run:
+            tokens += self._converted(run)
+        return tokens
+
+    def _kept_text(self, key: int, length: int) -> list[int] | None:
+        """Text `(key, length)` if it is kept; kept from its second sighting
+        on while there is room. The sightings remembered are bounded: past
+        `NUM_REMEMBERED_SIGHTINGS` they are forgotten."""
+        segment = (key, length)
+        kept = self._kept.get(segment)
+        if kept is not None or len(self._kept) >= NUM_KEPT_TEXTS:
+            return kept
+        if segment not in self._seen:
+            if len(self._seen) >= NUM_REMEMBERED_SIGHTINGS:
+                self._seen.clear()
+            self._seen.add(segment)
+            return None
+        self._seen.discard(segment)
+        kept = self._kept[segment] = self.text(key, length)
+        return kept
+
+    def _converted(self, run: list[np.ndarray]) -> list[int]:
+        """Token ids of salted slices, in order: one remainder, one `tolist`."""
+        salted = run[0] if len(run) == 1 else np.concatenate(run)
+        return (salted % self.vocab_size).tolist()
 
     def _salted(self, key: int, length: int) -> np.ndarray:
         """Text `key`'s table slice XOR its salt (`length` >= 1), before the
