@@ -510,3 +510,23 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
         rows["TTFT p50, s"]["second"] / rows["TTFT p50, s"]["first"] - 1)
     assert main(["replay", "--preset", "nope", *workload, "--out", str(real)]) == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().err
+
+
+def test_a_fit_priced_by_forward_overheads_alone_is_a_cost_model():
+    """A small model's steps can be all per-forward cost: the fit then
+    gives step_overhead, prefill_per_token and decode_per_token 0 (seen on
+    the tiny model's calibrations). Every step still costs time (a chunk
+    pays `prefill_chunk_overhead`, a decode forward
+    `decode_forward_overhead`), so the fit must return that model instead
+    of raising."""
+    truth = CostModel(step_overhead=0.0, prefill_per_token=0.0, decode_per_token=0.0,
+                      prefill_chunk_overhead=2e-3, decode_forward_overhead=1.5e-3)
+    shapes = [StepShape(prefill_tokens=n, prefill_chunks=c) for n, c in ((16, 1), (64, 1), (64, 2))]
+    shapes += [StepShape(decode_rows=r, sampled_chunks=0) for r in (1, 4, 8)]
+    samples = [StepSample(f"p{i}", s, truth.time_of(s)) for i, s in enumerate(shapes)]
+    fitted, _ = fit_cost_model(samples, {"copy_per_page": 0.0})
+    for shape in shapes + [StepShape(decode_rows=2), StepShape(prefill_tokens=32, prefill_chunks=3)]:
+        assert fitted.time_of(shape) == pytest.approx(truth.time_of(shape), rel=1e-6), shape
+    assert fitted.step_overhead + fitted.prefill_per_token + fitted.decode_per_token == 0.0
+    with pytest.raises(ValueError):  # a model that prices no step at all
+        CostModel(step_overhead=0.0, prefill_per_token=0.0, decode_per_token=0.0)

@@ -201,9 +201,13 @@ class CostModel:
                 raise ValueError(f"cost {item.name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost {item.name} must be finite and >= 0, got {value}")
-        if self.step_overhead + self.prefill_per_token + self.decode_per_token <= 0:
-            raise ValueError("a step must cost some time: step_overhead, prefill_per_token "
-                             "and decode_per_token cannot all be 0")
+        # A fit can price a small model's steps by their forwards alone (every
+        # chunk and every decode forward pays an overhead), so those count too.
+        if (self.step_overhead + self.prefill_per_token + self.decode_per_token
+                + self.prefill_chunk_overhead + self.decode_forward_overhead) <= 0:
+            raise ValueError("a step must cost some time: step_overhead, prefill_per_token, "
+                             "decode_per_token, prefill_chunk_overhead and "
+                             "decode_forward_overhead cannot all be 0")
 
     def time_of(self, shape: StepShape) -> float:
         """Seconds the step of this shape takes: the sum over fields of field
