@@ -40,7 +40,6 @@ O(log n) per touched node (sortedcontainers).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,6 +48,7 @@ from sortedcontainers import SortedList
 
 from blockmgr.errors import IntegrityError
 from blockmgr.pool import RefCountedPool
+from blockmgr.validation import as_words
 
 
 class PrefixCacheListener(Protocol):
@@ -139,8 +139,8 @@ TOKEN_BYTES = 8
 
 
 def pack_tokens(tokens: list[int]) -> bytes:
-    """Token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
-    return array("Q", tokens).tobytes()
+    """A list of token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
+    return as_words(tokens).tobytes()
 
 
 def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
