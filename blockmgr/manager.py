@@ -990,11 +990,7 @@ class BlockManager:
         if seq.slot is not None:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
-        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
-        node, took_slot = trie.insert(
-            seq.namespace, tokens, seq.block_table, snapshot, self._insert_start(seq, num_tokens),
-            seq.packed, seq.more_tables,
-        )
+        node, took_slot = self._insert(seq, num_tokens, snapshot)
         ops = NO_OPS
         if snapshot is not None:
             self._slots.release(snapshot)  # the trie holds its own reference
@@ -1004,6 +1000,21 @@ class BlockManager:
         if self._events:
             self._deliver_events()
         return ops
+
+    def _insert(self, seq: Sequence, num_tokens: int, slot: int | None):
+        """Store the sequence's first `num_tokens` tokens (state `slot`) in the
+        trie; the caller then drops the sequence's lock or moves it to the
+        returned node. From the sequence's own unshared leaf the trie extends
+        that leaf (`PrefixTrie.extend`: what the insert and that lock change
+        give, at once). Returns `insert`'s (node, took_slot)."""
+        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
+        start = self._insert_start(seq, num_tokens)
+        trie = self._trie
+        if start is not None and trie.can_extend(start, num_tokens, slot):
+            return trie.extend(start, tokens, seq.block_table, seq.packed), False
+        return trie.insert(
+            seq.namespace, tokens, seq.block_table, slot, start, seq.packed, seq.more_tables,
+        )
 
     @staticmethod
     def _insert_start(seq: Sequence, num_tokens: int):
@@ -1048,11 +1059,7 @@ class BlockManager:
         trie = self._trie
         node = seq.locked_node
         if trie is not None and num_computed:
-            tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
-            trie.insert(
-                seq.namespace, tokens, seq.block_table, seq.slot,
-                self._insert_start(seq, num_computed), seq.packed, seq.more_tables,
-            )
+            self._insert(seq, num_computed, seq.slot)
         if node is not None:
             trie.unlock(node)
         table = seq.block_table

@@ -667,6 +667,57 @@ class PrefixTrie:
         self.touch(path)
         return (node if node.parent is not None else None), took_slot
 
+    def can_extend(self, node: TrieNode, num_tokens: int, slot: int | None) -> bool:
+        """Can `extend` store the first `num_tokens` tokens from `node` with
+        recurrent state `slot`? True when `node` is a leaf locked once (by
+        the caller), holds no snapshot, the insert adds tokens and takes no
+        slot, and the trie merges nodes (no window, no further page group).
+        Pure; O(1)."""
+        return (
+            num_tokens > node.end
+            and node.lock_count == 1
+            and not node.children
+            and node.slot is None
+            and slot is None
+            and not self._windowed
+            and not self._num_more
+        )
+
+    def extend(self, node: TrieNode, tokens: list[int], pages: list[int], packed: bytes = b"") -> TrieNode:
+        """`insert(node.namespace, tokens, pages, start=node)` followed by the
+        caller's release of its lock on `node` or the move of that lock to the
+        insert's end, when `can_extend` says so.
+
+        The insert would add one leaf below `node` and the release would merge
+        `node` into it; here `node` takes the tokens past its end, their pages
+        and the leaf's node id at once (one node built and dropped less per
+        cached sequence). The result, the LRU order and the events are the
+        same; `node` stays locked until the caller's release. O(len(tokens)
+        + depth).
+        """
+        self.version += 1
+        block_size = self._block_size
+        pos, num_tokens = node.end, len(tokens)
+        blocks = pages[pos // block_size : -(-num_tokens // block_size)]
+        self._hold_pages(blocks)  # before the drop below: the first may be the same page
+        tail = tokens[pos:]
+        if self._listener is not None:
+            self.events.append(("stored", list(blocks), tail))
+        if pos % block_size:
+            self._drop_pages(node.blocks[-1:])  # the sequence's page supersedes it
+            node.blocks = node.blocks[:-1] + blocks
+        else:
+            node.blocks = node.blocks + blocks
+        node.tokens = node.tokens + tail  # a new list: listeners may hold the old one
+        node.packed = node.packed + _packed_run(tokens, packed, pos)
+        node.end = num_tokens
+        del self._nodes[node.node_id]
+        node.node_id = self._next_node_id  # the merged leaf's id, as `insert` + merge give
+        self._next_node_id += 1
+        self._nodes[node.node_id] = node
+        self.touch(self._path_to(node))
+        return node
+
     def _kept_pages(
         self, table: list[int | None], first: int, end: int, num_tokens: int, window: int | None
     ) -> list[int | None]:

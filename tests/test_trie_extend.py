@@ -1,0 +1,117 @@
+"""`PrefixTrie.extend` against what it replaces: `insert` from the node
+followed by the lock change that merges that node into the new leaf.
+
+Two tries are driven into the same state; one takes the insert path, the
+other `extend`; their whole state (nodes, ids, LRU keys, reference counts),
+their pools and the listener events must then be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from blockmgr.pool import RefCountedPool
+from blockmgr.prefix_trie import PrefixTrie, pack_tokens
+
+BLOCK = 4
+SYSTEM = list(range(100, 110))  # 10 tokens: a shared node ending inside page 2
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def stored(self, pages, tokens):
+        self.calls.append(("stored", list(pages), list(tokens)))
+
+    def removed(self, pages):
+        self.calls.append(("removed", list(pages)))
+
+
+class World:
+    """A trie with a cached system prompt, a cached sibling, and one
+    sequence whose first `prefix` tokens are cached and locked by it."""
+
+    def __init__(self, prefix: int, total: int, listener: bool) -> None:
+        self.pool = RefCountedPool(64)
+        self.recorder = Recorder() if listener else None
+        self.trie = PrefixTrie(BLOCK, self.pool, None, self.recorder)
+        sibling = SYSTEM + [1, 2, 3, 4, 5]
+        self._cache(sibling)
+        self.tokens = SYSTEM + list(range(500, 500 + total - len(SYSTEM)))
+        self.table = self.pool.take(-(-total // BLOCK))
+        node, _ = self.trie.insert(None, self.tokens[:prefix], self.table, packed=pack_tokens(self.tokens[:prefix]))
+        self.trie.lock(node)
+        self.node = node
+        self.packed = pack_tokens(self.tokens[:prefix])
+
+    def _cache(self, tokens):
+        table = self.pool.take(-(-len(tokens) // BLOCK))
+        self.trie.insert(None, tokens, table)
+        self.pool.release_all(table)
+
+    def state(self):
+        events = None if self.recorder is None else self.recorder.calls + [
+            ("pending", name, list(pages), None if tokens is None else list(tokens))
+            for name, pages, tokens in self.trie.events
+        ]
+        return self.trie.debug_state(), self.pool.refcounts(), self.pool.free_items(), events
+
+
+@pytest.mark.parametrize("listener", [False, True])
+@pytest.mark.parametrize("prefix,total", [(14, 23), (16, 23), (14, 24), (13, 14)])
+@pytest.mark.parametrize("then", ["unlock", "move_lock"])
+def test_extend_equals_insert_and_the_merge_that_follows(prefix, total, listener, then):
+    insert_path, extend_path = World(prefix, total, listener), World(prefix, total, listener)
+    assert extend_path.trie.can_extend(extend_path.node, total, None)
+
+    node_a, took = insert_path.trie.insert(
+        None, insert_path.tokens, insert_path.table, None, insert_path.node, insert_path.packed)
+    assert not took
+    node_b = extend_path.trie.extend(
+        extend_path.node, extend_path.tokens, extend_path.table, extend_path.packed)
+    if then == "unlock":  # `free`: the sequence's lock goes
+        insert_path.trie.unlock(insert_path.node)
+        extend_path.trie.unlock(node_b)
+    else:  # `cache_prefix`: the lock moves to the new end
+        insert_path.trie.lock(node_a)
+        insert_path.trie.unlock(insert_path.node)
+        extend_path.trie.lock(node_b)
+        extend_path.trie.unlock(node_b)
+    if listener:
+        insert_path.trie.deliver_events()
+        extend_path.trie.deliver_events()
+
+    assert extend_path.state() == insert_path.state()
+    for world, node in ((insert_path, node_a), (extend_path, node_b)):
+        world.pool.release_all(world.table)
+        world.trie.check_integrity({} if then == "unlock" else _locks_on_path(node))
+    assert extend_path.state() == insert_path.state()
+
+
+def _locks_on_path(node) -> dict[int, int]:
+    """One lock on each node from `node` up (the moved lock)."""
+    locks = {}
+    while node.parent is not None:
+        locks[node.node_id] = 1
+        node = node.parent
+    return locks
+
+
+def test_can_extend_only_a_leaf_the_caller_alone_locks():
+    world = World(14, 23, False)
+    trie, node = world.trie, world.node
+    assert trie.can_extend(node, 23, None)
+    assert not trie.can_extend(node, 14, None)  # nothing to add
+    assert not trie.can_extend(node, 23, 3)  # a snapshot to take
+    trie.lock(node)
+    assert not trie.can_extend(node, 23, None)  # another sequence locks it too
+    trie.unlock(node)
+    shared = World(14, 23, False)
+    assert not shared.trie.can_extend(shared.node.parent, 23, None)  # the shared system prompt
+    pool = RefCountedPool(16)
+    windowed = PrefixTrie(BLOCK, pool, None, window=8)
+    table = pool.take(3)
+    leaf, _ = windowed.insert(None, list(range(9)), table)
+    windowed.lock(leaf)
+    assert not windowed.can_extend(leaf, 12, None)  # a windowed trie never merges
