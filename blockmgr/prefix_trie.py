@@ -603,6 +603,8 @@ class PrefixTrie:
         start: TrieNode | None = None,
         packed: bytes = b"",
         more_pages: list[list[int | None]] | None = None,
+        *,
+        lock: bool = False,
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -620,7 +622,10 @@ class PrefixTrie:
         kept (`None` entries of `pages`, released pages, are skipped), and
         they also fill the holes of the nodes the insert walks through, so
         the new end is a hit point. `more_pages`: the other page groups'
-        tables, one per group (required with such groups).
+        tables, one per group (required with such groups). `lock`: lock the
+        node returned (as `lock(node)`, when it is not None) before the LRU
+        update; the same state as locking it after, without moving a new leaf
+        into the LRU list and out again.
         """
         self.version += 1
         windowed = self._windowed
@@ -664,8 +669,11 @@ class PrefixTrie:
             self._slots.incref(slot)
             node.slot = slot
             self.num_slots_held += 1
+        result = node if node.parent is not None else None
+        if lock and result is not None:
+            self.lock(result)  # first: a locked new leaf never enters the LRU list
         self.touch(path)
-        return (node if node.parent is not None else None), took_slot
+        return result, took_slot
 
     def can_extend(self, node: TrieNode, num_tokens: int, slot: int | None) -> bool:
         """Can `extend` store the first `num_tokens` tokens from `node` with
@@ -683,7 +691,10 @@ class PrefixTrie:
             and not self._num_more
         )
 
-    def extend(self, node: TrieNode, tokens: list[int], pages: list[int], packed: bytes = b"") -> TrieNode:
+    def extend(
+        self, node: TrieNode, tokens: list[int], pages: list[int], packed: bytes = b"",
+        *, lock: bool = False,
+    ) -> TrieNode:
         """`insert(node.namespace, tokens, pages, start=node)` followed by the
         caller's release of its lock on `node` or the move of that lock to the
         insert's end, when `can_extend` says so.
@@ -692,8 +703,8 @@ class PrefixTrie:
         `node` into it; here `node` takes the tokens past its end, their pages
         and the leaf's node id at once (one node built and dropped less per
         cached sequence). The result, the LRU order and the events are the
-        same; `node` stays locked until the caller's release. O(len(tokens)
-        + depth).
+        same; `node` stays locked until the caller's release. `lock` as in
+        `insert`. O(len(tokens) + depth).
         """
         self.version += 1
         block_size = self._block_size
@@ -715,6 +726,8 @@ class PrefixTrie:
         node.node_id = self._next_node_id  # the merged leaf's id, as `insert` + merge give
         self._next_node_id += 1
         self._nodes[node.node_id] = node
+        if lock:
+            self.lock(node)
         self.touch(self._path_to(node))
         return node
 

@@ -1,9 +1,11 @@
-"""`PrefixTrie.extend` against what it replaces: `insert` from the node
-followed by the lock change that merges that node into the new leaf.
+"""The trie's shortcuts against the calls they replace: `PrefixTrie.extend`
+against `insert` from the node followed by the lock change that merges that
+node into the new leaf; `insert(..., lock=True)` against `insert` then
+`lock`.
 
-Two tries are driven into the same state; one takes the insert path, the
-other `extend`; their whole state (nodes, ids, LRU keys, reference counts),
-their pools and the listener events must then be equal.
+Two tries are driven into the same state; one takes the long path, the
+other the shortcut; their whole state (nodes, ids, LRU keys, reference
+counts), their pools and the listener events must then be equal.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class World:
 
 @pytest.mark.parametrize("listener", [False, True])
 @pytest.mark.parametrize("prefix,total", [(14, 23), (16, 23), (14, 24), (13, 14)])
-@pytest.mark.parametrize("then", ["unlock", "move_lock"])
+@pytest.mark.parametrize("then", ["unlock", "move_lock", "locked_move"])
 def test_extend_equals_insert_and_the_merge_that_follows(prefix, total, listener, then):
     insert_path, extend_path = World(prefix, total, listener), World(prefix, total, listener)
     assert extend_path.trie.can_extend(extend_path.node, total, None)
@@ -69,14 +71,16 @@ def test_extend_equals_insert_and_the_merge_that_follows(prefix, total, listener
         None, insert_path.tokens, insert_path.table, None, insert_path.node, insert_path.packed)
     assert not took
     node_b = extend_path.trie.extend(
-        extend_path.node, extend_path.tokens, extend_path.table, extend_path.packed)
+        extend_path.node, extend_path.tokens, extend_path.table, extend_path.packed,
+        lock=then == "locked_move")
     if then == "unlock":  # `free`: the sequence's lock goes
         insert_path.trie.unlock(insert_path.node)
         extend_path.trie.unlock(node_b)
     else:  # `cache_prefix`: the lock moves to the new end
         insert_path.trie.lock(node_a)
         insert_path.trie.unlock(insert_path.node)
-        extend_path.trie.lock(node_b)
+        if then == "move_lock":
+            extend_path.trie.lock(node_b)
         extend_path.trie.unlock(node_b)
     if listener:
         insert_path.trie.deliver_events()
@@ -115,3 +119,27 @@ def test_can_extend_only_a_leaf_the_caller_alone_locks():
     leaf, _ = windowed.insert(None, list(range(9)), table)
     windowed.lock(leaf)
     assert not windowed.can_extend(leaf, 12, None)  # a windowed trie never merges
+
+
+@pytest.mark.parametrize("listener", [False, True])
+@pytest.mark.parametrize("tokens", [
+    SYSTEM + [7, 8, 9],  # a new leaf below the shared prompt
+    SYSTEM + [1, 2],  # ends inside the sibling: nothing new, the node above is returned
+    SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8],  # continues the sibling
+    [9, 9, 9, 9, 9],  # a new leaf below the root
+    SYSTEM[:6],  # ends inside the first node: the root, None, is returned
+])
+def test_insert_locking_first_equals_insert_then_lock(tokens, listener):
+    after, first = World(14, 23, listener), World(14, 23, listener)
+    table_a = after.pool.take(-(-len(tokens) // BLOCK))
+    table_b = first.pool.take(-(-len(tokens) // BLOCK))
+    node_a, _ = after.trie.insert(None, tokens, table_a)
+    if node_a is not None:
+        after.trie.lock(node_a)
+    node_b, _ = first.trie.insert(None, tokens, table_b, lock=True)
+    assert (node_a is None) == (node_b is None)
+    assert first.state() == after.state()
+    if node_a is not None:
+        after.trie.unlock(node_a)
+        first.trie.unlock(node_b)
+    assert first.state() == after.state()
