@@ -169,7 +169,8 @@ def _as_int(value: object, name: str) -> int:
 def check_int(name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> int:
     """`value` as an int in [minimum, maximum] (None: unbounded). Numpy
     integers are accepted and converted; bools and floats are refused."""
-    value = _as_int(value, name)
+    if type(value) is not int:  # an exact int is its own int: skip the conversion
+        value = _as_int(value, name)
     if minimum is not None and value < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:

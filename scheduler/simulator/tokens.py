@@ -54,7 +54,9 @@ class TokenSource:
         """The `length` tokens of text `key`. O(length)."""
         if length <= 0:
             return []
-        return (self._salted(key, length) % self.vocab_size).tolist()
+        salted = self._salted(key, length)
+        salted %= self.vocab_size  # in place: `_salted` returns a fresh array
+        return salted.tolist()
 
     def expand(self, segments) -> list[int]:
         """Concatenate the texts of `(key, length)` segments. O(total length):
@@ -97,11 +99,13 @@ class TokenSource:
     def _converted(self, run: list[np.ndarray]) -> list[int]:
         """Token ids of salted slices, in order: one remainder, one `tolist`."""
         salted = run[0] if len(run) == 1 else np.concatenate(run)
-        return (salted % self.vocab_size).tolist()
+        salted %= self.vocab_size  # in place: every array of `run` is `_salted`'s own
+        return salted.tolist()
 
     def _salted(self, key: int, length: int) -> np.ndarray:
         """Text `key`'s table slice XOR its salt (`length` >= 1), before the
-        remainder that maps it into the vocabulary."""
+        remainder that maps it into the vocabulary: a new array, the
+        caller's own."""
         offset = key & (_TABLE_SIZE - 1)
         salt = (key >> TABLE_BITS) & ((1 << SALT_BITS) - 1)
         if length <= _TABLE_SIZE:
