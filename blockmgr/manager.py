@@ -1014,10 +1014,12 @@ class BlockManager:
         sequence's own unshared leaf the trie extends that leaf
         (`PrefixTrie.extend`: what the insert and that lock change give, at
         once). Returns `insert`'s (node, took_slot)."""
-        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
         trie = self._trie
-        if start is not None and trie.can_extend(start, num_tokens, slot):
-            return trie.extend(start, tokens, seq.block_table, seq.packed, lock=lock), False
+        if start is not None and trie.can_extend(start, num_tokens, slot):  # reads no copy
+            return trie.extend(
+                start, seq.tokens, num_tokens, seq.block_table, seq.packed, lock=lock
+            ), False
+        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
         return trie.insert(
             seq.namespace, tokens, seq.block_table, slot, start, seq.packed, seq.more_tables,
             lock=lock,

@@ -163,15 +163,17 @@ def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
     return lo
 
 
-def _packed_run(tokens: list[int], packed: bytes, pos: int) -> bytes:
-    """`pack_tokens(tokens[pos:])`, from `packed` (the first
+def _packed_run(tokens: list[int], packed: bytes, pos: int, end: int | None = None) -> bytes:
+    """`pack_tokens(tokens[pos:end])`, from `packed` (the first
     `len(packed) // 8` tokens, packed) as far as it reaches."""
+    if end is None:
+        end = len(tokens)
     num_packed = len(packed) // TOKEN_BYTES
-    if num_packed >= len(tokens):
-        return packed[pos * TOKEN_BYTES : len(tokens) * TOKEN_BYTES]
+    if num_packed >= end:
+        return packed[pos * TOKEN_BYTES : end * TOKEN_BYTES]
     if num_packed <= pos:
-        return pack_tokens(tokens[pos:])
-    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:])
+        return pack_tokens(tokens[pos:end])
+    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:end])
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -692,26 +694,27 @@ class PrefixTrie:
         )
 
     def extend(
-        self, node: TrieNode, tokens: list[int], pages: list[int], packed: bytes = b"",
-        *, lock: bool = False,
+        self, node: TrieNode, tokens: list[int], num_tokens: int, pages: list[int],
+        packed: bytes = b"", *, lock: bool = False,
     ) -> TrieNode:
-        """`insert(node.namespace, tokens, pages, start=node)` followed by the
-        caller's release of its lock on `node` or the move of that lock to the
-        insert's end, when `can_extend` says so.
+        """`insert(node.namespace, tokens[:num_tokens], pages, start=node)`
+        followed by the caller's release of its lock on `node` or the move of
+        that lock to the insert's end, when `can_extend` says so (`tokens`
+        may run past `num_tokens`: only the tokens past `node.end` are read).
 
         The insert would add one leaf below `node` and the release would merge
         `node` into it; here `node` takes the tokens past its end, their pages
         and the leaf's node id at once (one node built and dropped less per
         cached sequence). The result, the LRU order and the events are the
         same; `node` stays locked until the caller's release. `lock` as in
-        `insert`. O(len(tokens) + depth).
+        `insert`. O(num_tokens - node.end + depth).
         """
         self.version += 1
         block_size = self._block_size
-        pos, num_tokens = node.end, len(tokens)
+        pos = node.end
         blocks = pages[pos // block_size : -(-num_tokens // block_size)]
         self._hold_pages(blocks)  # before the drop below: the first may be the same page
-        tail = tokens[pos:]
+        tail = tokens[pos:num_tokens]
         if self._listener is not None:
             self.events.append(("stored", list(blocks), tail))
         if pos % block_size:
@@ -720,7 +723,7 @@ class PrefixTrie:
         else:
             node.blocks = node.blocks + blocks
         node.tokens = node.tokens + tail  # a new list: listeners may hold the old one
-        node.packed = node.packed + _packed_run(tokens, packed, pos)
+        node.packed = node.packed + _packed_run(tokens, packed, pos, num_tokens)
         node.end = num_tokens
         del self._nodes[node.node_id]
         node.node_id = self._next_node_id  # the merged leaf's id, as `insert` + merge give

@@ -71,8 +71,8 @@ def test_extend_equals_insert_and_the_merge_that_follows(prefix, total, listener
         None, insert_path.tokens, insert_path.table, None, insert_path.node, insert_path.packed)
     assert not took
     node_b = extend_path.trie.extend(
-        extend_path.node, extend_path.tokens, extend_path.table, extend_path.packed,
-        lock=then == "locked_move")
+        extend_path.node, extend_path.tokens + [77, 78], total, extend_path.table,
+        extend_path.packed, lock=then == "locked_move")  # tokens past `total` are not read
     if then == "unlock":  # `free`: the sequence's lock goes
         insert_path.trie.unlock(insert_path.node)
         extend_path.trie.unlock(node_b)
