@@ -70,8 +70,9 @@ class PrefixCacheListener(Protocol):
 class TrieNode:
     """One edge of the trie: a token run and the pages (and slot) holding it.
 
-    `end` is `start + len(tokens)`, stored: it never changes (a split keeps
-    the lower part, a merge the child, and with it the end).
+    `end` is `start + len(tokens)`, stored: a split keeps the lower part, a
+    merge the child, and with it the end; only `extend` moves it, on a leaf
+    that one sequence alone locks (its own cached tokens).
     """
 
     node_id: int
