@@ -33,7 +33,8 @@ num_requests = int(sys.argv[1])
 random.seed(0)
 bm = BlockManager(BlockManagerConfig(num_blocks=4096, block_size=16))
 systems = [[random.randrange(32000) for _ in range(600)] for _ in range(8)]
-prompts = [systems[i % 8] + [random.randrange(32000) for _ in range(120)] for i in range(num_requests)]
+prompts = [systems[i % 8] + [random.randrange(32000) for _ in range(120)]
+           for i in range(num_requests)]
 answers = [[random.randrange(32000) for _ in range(100)] for _ in range(200)]
 spent = dict.fromkeys(("allocate", "cache_prefix", "free"), 0.0)
 clock = time.process_time
@@ -77,8 +78,8 @@ def main() -> None:
     for call in (*CALLS, "total"):
         b = base[call] if call != "total" else [sum(v) for v in zip(*base.values())]
         t = this[call] if call != "total" else [sum(v) for v in zip(*this.values())]
-        print(f"{call:13s} best base {min(b):6.1f} us  this {min(t):6.1f} us  ratio {min(t) / min(b):.2f}"
-              f"   median base {statistics.median(b):6.1f}  this {statistics.median(t):6.1f}"
+        print(f"{call:13s} best base {min(b):6.1f} us  this {min(t):6.1f} us"
+              f"  ratio {min(t) / min(b):.2f}   median base {statistics.median(b):6.1f}  this {statistics.median(t):6.1f}"
               f"  ratio {statistics.median(t) / statistics.median(b):.2f}")
 
 

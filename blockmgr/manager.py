@@ -1006,7 +1006,9 @@ class BlockManager:
             self._deliver_events()
         return ops
 
-    def _insert(self, seq: Sequence, num_tokens: int, slot: int | None, start, *, lock: bool = False):
+    def _insert(
+        self, seq: Sequence, num_tokens: int, slot: int | None, start, *, lock: bool = False
+    ):
         """Store the sequence's first `num_tokens` tokens (state `slot`) in the
         trie from `start` (`_insert_start`); the caller then drops the
         sequence's lock or moves it to the returned node (`lock`: the trie

@@ -42,10 +42,10 @@ class World:
         self._cache(sibling)
         self.tokens = SYSTEM + list(range(500, 500 + total - len(SYSTEM)))
         self.table = self.pool.take(-(-total // BLOCK))
-        node, _ = self.trie.insert(None, self.tokens[:prefix], self.table, packed=pack_tokens(self.tokens[:prefix]))
+        self.packed = pack_tokens(self.tokens[:prefix])
+        node, _ = self.trie.insert(None, self.tokens[:prefix], self.table, packed=self.packed)
         self.trie.lock(node)
         self.node = node
-        self.packed = pack_tokens(self.tokens[:prefix])
 
     def _cache(self, tokens):
         table = self.pool.take(-(-len(tokens) // BLOCK))
