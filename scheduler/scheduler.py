@@ -668,7 +668,9 @@ class Scheduler:
             seq.swapped = False
             self._num_swapped -= 1
             return True
-        tokens = seq.tokens(0, seq.num_tokens)
+        num_tokens, prompt = seq.num_tokens, seq.request.prompt_tokens
+        # The prompt itself when that is all: `allocate` checks and copies what it keeps.
+        tokens = prompt if num_tokens == len(prompt) else seq.tokens(0, num_tokens)
         try:  # refused (nothing changed) exactly when `can_allocate` says no: one trie match
             alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace)
         except (OutOfBlocks, OutOfSlots):

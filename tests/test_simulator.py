@@ -371,6 +371,34 @@ def test_kept_texts_expand_as_fresh_ones(monkeypatch):
             prompt[0] = -1  # a caller's own list
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_texts_are_the_documented_table_slices_as_exact_ints(monkeypatch, shared):
+    """A text is (table[offset:offset + n] ^ salt) % vocab, both from the key
+    (the module docstring), recomputed here from the table's seed; with
+    shared int objects (small vocabularies) equal ids are one object."""
+    from scheduler.simulator import tokens as tokens_module
+
+    if not shared:
+        monkeypatch.setattr(tokens_module, "MAX_SHARED_IDS", 10)
+    vocab = 3000
+    source = TokenSource(vocab)
+    bits, salt_bits = tokens_module.TABLE_BITS, tokens_module.SALT_BITS
+    table = np.random.default_rng(tokens_module._TABLE_SEED).integers(
+        0, 1 << salt_bits, size=1 << bits, dtype=np.int64)
+    for index in range(5):
+        key = derive_key(11, index)
+        offset, salt = key % (1 << bits), (key >> bits) % (1 << salt_bits)
+        want = [int(t ^ salt) % vocab for t in table[offset : offset + 700]]
+        got = source.text(key, 700)
+        assert got == want and {type(t) for t in got} == {int}
+        assert source.expand([(key, 300), (derive_key(key, 1), 5)])[:300] == want[:300]
+    first = source.text(derive_key(1, 0), 2000)
+    # ids above 256: CPython caches the small ints, shared or not
+    second = {t: t for t in source.text(derive_key(2, 0), 2000) if t > 256}
+    pairs = [(t, second[t]) for t in first if t in second]
+    assert len(pairs) > 20 and all((a is b) == shared for a, b in pairs)
+
+
 def test_config_round_trips_through_json():
     cfg = small_config()
     again = _Cfg.from_dict(json.loads(json.dumps(cfg.to_dict())))

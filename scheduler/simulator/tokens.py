@@ -9,8 +9,8 @@ conversation's next prompt can contain the previous answer verbatim.
 
 Expansion slices a fixed random table (2**20 entries) at an offset taken from
 the key and XORs a 15-bit salt, also from the key: two different keys give the
-same text with probability 2**-35. Cost: O(length), a numpy slice and
-`tolist()`, about 10 ns per token.
+same text with probability 2**-35. Cost: O(length), a numpy slice, an
+index into the shared int objects and `tolist()`, about 10 ns per token.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ _TABLE_SEED = 0x5EED_B10C
 #: prompts, a session's earlier turns), and sightings it remembers.
 NUM_KEPT_TEXTS = 256
 NUM_REMEMBERED_SIGHTINGS = 4096
+#: Vocabularies up to this size get one shared int object per token id
+#: (40 bytes an id: 10.5 MB at this size).
+MAX_SHARED_IDS = 1 << 18
 
 
 class TokenSource:
@@ -35,9 +38,16 @@ class TokenSource:
     A text asked for a second time is kept expanded (up to `NUM_KEPT_TEXTS`
     of them): a workload's few system prompts recur in most prompts, and a
     prompt's `tolist()` of Python ints is most of its expansion's cost.
+
+    Every list holds the source's own int object of each id (up to
+    `MAX_SHARED_IDS` ids; an object array indexed at C speed), not a fresh
+    int per token: the same values, but the prompts and outputs of a run
+    share a few thousand objects that stay in cache, instead of allocating
+    one per token and freeing it, cold, when the prefix cache evicts the
+    text thousands of requests later.
     """
 
-    __slots__ = ("vocab_size", "_table", "_kept", "_seen")
+    __slots__ = ("vocab_size", "_table", "_kept", "_seen", "_ids")
 
     def __init__(self, vocab_size: int = 32000) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
@@ -49,12 +59,16 @@ class TokenSource:
         self._table = np.concatenate([table, table])
         self._kept: dict[tuple[int, int], list[int]] = {}
         self._seen: set[tuple[int, int]] = set()
+        # id -> its int object (`astype(object)` makes Python ints); None: fresh ints.
+        self._ids = np.arange(vocab_size).astype(object) if vocab_size <= MAX_SHARED_IDS else None
 
     def text(self, key: int, length: int) -> list[int]:
         """The `length` tokens of text `key`. O(length)."""
         if length <= 0:
             return []
-        return (self._salted(key, length) % self.vocab_size).tolist()
+        salted = self._salted(key, length)
+        salted %= self.vocab_size  # in place: `_salted` returns a fresh array
+        return self._as_list(salted)
 
     def expand(self, segments) -> list[int]:
         """Concatenate the texts of `(key, length)` segments. O(total length):
@@ -97,11 +111,19 @@ class TokenSource:
     def _converted(self, run: list[np.ndarray]) -> list[int]:
         """Token ids of salted slices, in order: one remainder, one `tolist`."""
         salted = run[0] if len(run) == 1 else np.concatenate(run)
-        return (salted % self.vocab_size).tolist()
+        salted %= self.vocab_size  # in place: every array of `run` is `_salted`'s own
+        return self._as_list(salted)
+
+    def _as_list(self, ids: np.ndarray) -> list[int]:
+        """`ids.tolist()`, made of the shared int objects when there are some."""
+        if self._ids is None:
+            return ids.tolist()
+        return self._ids[ids].tolist()
 
     def _salted(self, key: int, length: int) -> np.ndarray:
         """Text `key`'s table slice XOR its salt (`length` >= 1), before the
-        remainder that maps it into the vocabulary."""
+        remainder that maps it into the vocabulary: a new array, the
+        caller's own."""
         offset = key & (_TABLE_SIZE - 1)
         salt = (key >> TABLE_BITS) & ((1 << SALT_BITS) - 1)
         if length <= _TABLE_SIZE:

@@ -223,6 +223,11 @@ class _Generator:
         self.tenant_p = _Choice(_zipf(cfg.num_tenants))
         self.clock = 0.0
         self.num_sessions = 0
+        self._builders = {
+            "chat": self._chat, "multiturn": self._multiturn, "agent": self._agent,
+            "parallel": self._parallel, "tenants": self._tenants,
+        }
+        self._mean_gap = 1.0 / cfg.rate if cfg.arrival == "poisson" else None
 
     def _texts(self, family: int, count: int, dist: LengthDist) -> list[Segment]:
         lengths = dist.sample(self.rng, count)
@@ -234,16 +239,15 @@ class _Generator:
 
     def session(self, budget: int) -> list[RequestSpec]:
         """The next session, at most `budget` requests long."""
-        cfg = self.cfg
-        kind = self.kinds[self.kind_p.draw(self.rng)]
+        rng = self.rng
+        kind = self.kinds[self.kind_p.draw(rng)]
         index = self.num_sessions
         self.num_sessions += 1
         arrival = None
-        if cfg.arrival == "poisson":
-            self.clock += float(self.rng.exponential(1.0 / cfg.rate))
+        if self._mean_gap is not None:
+            self.clock += float(rng.exponential(self._mean_gap))
             arrival = self.clock
-        build = getattr(self, f"_{kind}")
-        specs = build(f"{kind}-{index}", budget)
+        specs = self._builders[kind](f"{kind}-{index}", budget)
         specs[0].arrival = arrival
         return specs
 
