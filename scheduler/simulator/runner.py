@@ -215,7 +215,7 @@ class Simulation:
         t0 = perf()
         out = sched.schedule()
         t1 = perf()
-        if not out.seqs:
+        if out.is_empty:
             self._idle_steps += 1
             if self._unstick(self._idle_steps):
                 return
@@ -251,7 +251,13 @@ class Simulation:
         """The tokens the model would sample."""
         sampled = {}
         live = self._live
-        for item in out.seqs:
+        rows = out.rows
+        for seq_id, req, index in zip(rows.seq_ids, rows.requests, rows.sample_indices):
+            # A decode row samples the next output: its position is the count of outputs it has.
+            o = live[req.request_id].outputs[index]
+            position = len(req.outputs[index])
+            sampled[seq_id] = o[position] if position < len(o) else o[-1]
+        for item in out.items:
             if not item.sample:
                 continue
             outputs = live[item.request_id].outputs
