@@ -1219,6 +1219,9 @@ class Scheduler:
         del self._seqs_of[req.request_id]
 
     def _rebuild_running(self, forks: dict[int, list[_Seq]], finished: set[int]) -> None:
+        if not forks:  # the common case: sequences ended, none forked
+            self._running = [seq for seq in self._running if not seq.done]
+            return
         running = []
         for seq in self._running:
             children = forks.get(id(seq))
