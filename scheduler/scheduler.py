@@ -923,11 +923,16 @@ class Scheduler:
         sampled: Mapping[Hashable, int | Sequence[int]],
         *,
         deltas: bool = True,
+        row_tokens: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Record a computed step: `sampled[seq_id]` for every scheduled seq
         with `sample` set (an int, or `num_samples` ints for a prompt with
         n > 1 samples; numpy integers accepted). Returns one output per
         request that gained tokens or finished. O(scheduled + running).
+
+        `row_tokens`: the tokens of `output.rows`, one per row in row order
+        (as a batched decode forward yields them), standing for those rows'
+        entries in `sampled`, which are then not read.
 
         `deltas=False`: only the outputs of requests a sample of which ended
         in this step, with no `new_tokens` (a caller that reads the tokens
@@ -939,7 +944,7 @@ class Scheduler:
         is checked (`InvalidArgument`, naming it) before anything changes.
         """
         self._check_output(output, sampled)
-        rows = self._plan_rows(output, sampled)
+        rows, sampled = self._plan_rows(output, sampled, row_tokens)
         if rows is None:  # every row goes through the generic checks, as a record
             row_seqs, row_tokens, plan = [], [], self._plan_items(output.seqs, None, sampled)
         else:
@@ -1045,24 +1050,38 @@ class Scheduler:
         if not isinstance(sampled, Mapping):
             raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
 
-    def _plan_rows(self, output: SchedulerOutput, sampled: Mapping) -> tuple[list, list] | None:
+    def _plan_rows(self, output: SchedulerOutput, sampled: Mapping,
+                   row_tokens: Sequence[int] | None) -> tuple[tuple[list, list] | None, Mapping]:
         """The decode rows of the last `schedule()`'s own output with their
-        sampled tokens, checked at C speed: (sequences, tokens). None when
-        `_plan_items` must check them one by one as records: the output is
-        another object, an abort, stop or `unschedule` since `schedule()`
-        may have dropped a row, or a value is missing or not a plain token
-        id (`_plan_items` then raises, naming it, or takes an accepted
-        speculative row). Changes nothing."""
-        if output is not self._scheduled or self._rows_disturbed:
-            return None
+        sampled tokens, checked at C speed: ((sequences, tokens), sampled).
+        None in place of the rows when `_plan_items` must check them one by
+        one as records (with `sampled` then holding `row_tokens` too): the
+        output is another object, an abort, stop or `unschedule` since
+        `schedule()` may have dropped a row, or a value is missing or not a
+        plain token id (`_plan_items` then raises, naming it, or takes an
+        accepted speculative row). Raises only for a `row_tokens` that is
+        not one token per row. Changes nothing."""
         seq_ids = output.rows.seq_ids
-        try:
-            tokens = list(map(sampled.__getitem__, seq_ids))
-        except (KeyError, TypeError):
-            return None
-        if tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):
-            return None
-        return self._row_seqs, tokens
+        own = output is self._scheduled and not self._rows_disturbed
+        if row_tokens is not None:
+            if not isinstance(row_tokens, (list, tuple)):
+                raise WrongArgumentType(f"row_tokens must be a list of token ids, got {row_tokens!r:.80}")
+            if len(row_tokens) != len(seq_ids):
+                raise InvalidArgument(
+                    f"row_tokens needs one token per row ({len(seq_ids)}), got {len(row_tokens)}")
+            tokens = row_tokens
+        elif own:
+            try:
+                tokens = list(map(sampled.__getitem__, seq_ids))
+            except (KeyError, TypeError):
+                own = False
+        if own and tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):
+            own = False
+        if own:
+            return (self._row_seqs, tokens), sampled
+        if row_tokens is not None:
+            sampled = {**sampled, **dict(zip(seq_ids, row_tokens))}
+        return None, sampled
 
     def _plan_items(self, items: Sequence[ScheduledSeq], item_rows: Sequence[int] | None,
                     sampled: Mapping) -> list[tuple]:
