@@ -59,12 +59,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from blockmgr import CopyBlock, CopySlot, ZeroSlot
-from blockmgr import ops as bm_ops
+from blockmgr.ops import SwapIn, SwapInSlot, SwapOut, SwapOutSlot
 
-_SWAP_OPS = tuple(
-    getattr(bm_ops, name) for name in ("SwapOut", "SwapIn", "SwapOutSlot", "SwapInSlot")
-    if hasattr(bm_ops, name)
-)
+_SWAP_OPS = (SwapOut, SwapIn, SwapOutSlot, SwapInSlot)
 _SLOT_OPS = (CopySlot, ZeroSlot)
 
 
