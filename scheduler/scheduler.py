@@ -1417,6 +1417,7 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 
 __all__ = [
     "AcceptedTokens",
+    "DecodeRows",
     "RequestOutput",
     "RequestTooLarge",
     "StaleSchedulerOutput",
