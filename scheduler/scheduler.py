@@ -659,7 +659,6 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(budget, out, stats, ops)
         out.ops = tuple(ops)
-        _close_rows(out.rows, self._row_seqs)
         self._finish_stats(stats, out)
         return out
 
@@ -669,14 +668,18 @@ class Scheduler:
         batched = True  # runs of decode rows take one store call, until one is refused
         while i < len(running) and budget > 0:
             if batched:
-                seqs, tokens, stale = _decode_rows(running, i, budget)
+                seqs, tokens, positions, indices, reqs, stale = _decode_rows(running, i, budget)
                 if seqs:
                     num_rows = len(seqs)
                     seq_ids = list(map(_SEQ_ID, seqs))
                     if self._reserve_decode_rows(seq_ids, tokens, ops):
                         self._row_seqs += seqs
-                        out.rows.seq_ids += seq_ids
-                        out.rows.tokens += tokens
+                        rows = out.rows
+                        rows.seq_ids += seq_ids
+                        rows.tokens += tokens
+                        rows.positions += positions
+                        rows.sample_indices += indices
+                        rows.requests += reqs
                         out.num_batched_tokens += num_rows
                         out.num_decode_tokens += num_rows
                         budget -= num_rows
@@ -883,6 +886,9 @@ class Scheduler:
         self._row_seqs.append(seq)
         out.rows.seq_ids.append(seq.seq_id)
         out.rows.tokens.append(token)
+        out.rows.positions.append(seq.num_computed)
+        out.rows.sample_indices.append(seq.index)
+        out.rows.requests.append(seq.request)
         out.num_batched_tokens += 1
         out.num_decode_tokens += 1
 
@@ -1310,19 +1316,21 @@ def _decode_token(seq: _Seq) -> int | None:
     return outputs[-1]
 
 
-def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq], list[int], list[_Seq]]:
+def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...]:
     """The decode rows of `running` from `start` on, up to the first other
     sequence and at most `limit`: sequences at a decode row (`_decode_token`)
     whose store holds exactly their computed tokens. Each is marked as
     `_emit_decode_row` marks it (its token reserved, in flight), in this one
     pass: the store's `append_decode` of the rows' ids and tokens almost
     never refuses, and `_unmark_decode_rows` undoes the marks when it does.
-    Returns (the rows' sequences, their tokens, the rows that were in
-    flight already)."""
+    Returns the rows' sequences, tokens, positions, sample indices and
+    requests, and the rows that were in flight already."""
     seqs: list[_Seq] = []
     tokens: list[int] = []
     stale: list[_Seq] = []
+    positions, indices, reqs = [], [], []
     add_seq, add_token = seqs.append, tokens.append  # bound once
+    add_position, add_index, add_req = positions.append, indices.append, reqs.append
     for seq in itertools.islice(running, start, start + limit):
         # `_decode_token(seq)` and the marks, written out: this loop runs once per decoded token.
         index = seq.index
@@ -1340,22 +1348,13 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list[_Seq
         seq.num_reserved = num_computed + 1
         add_seq(seq)
         add_token(outputs[-1])
-    return seqs, tokens, stale
-
-
-def _close_rows(rows: DecodeRows, seqs: list[_Seq]) -> None:
-    """Fill the rows' positions, sample indices and requests from their
-    sequences (`seqs`, in row order), at C speed, once the step is
-    scheduled: none of them changes before `update`."""
-    rows.positions = list(map(_NUM_COMPUTED, seqs))
-    rows.sample_indices = list(map(_INDEX, seqs))
-    rows.requests = list(map(_REQUEST, seqs))
+        add_position(num_computed)
+        add_index(index)
+        add_req(req)
+    return seqs, tokens, positions, indices, reqs, stale
 
 
 _SEQ_ID = operator.attrgetter("seq_id")
-_NUM_COMPUTED = operator.attrgetter("num_computed")
-_INDEX = operator.attrgetter("index")
-_REQUEST = operator.attrgetter("request")
 
 
 def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: list[_Seq]) -> None:

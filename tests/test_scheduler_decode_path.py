@@ -56,6 +56,11 @@ def _recorded(config: SimulationConfig) -> tuple[dict, dict, dict]:
     return summary, steps, metrics.request_arrays()
 
 
+def _no_decode_rows(running, start, limit) -> tuple[list, ...]:
+    """`_decode_rows` finding no row: the batched path off."""
+    return [], [], [], [], [], []
+
+
 def _same_series(a: dict, b: dict) -> bool:
     """Equal keys and arrays (NaN equal to NaN: a TPOT of one token)."""
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
@@ -99,7 +104,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
-    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], []))
+    monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
     generic = _recorded(config)
@@ -126,8 +131,7 @@ def _drive(monkeypatch, batched: bool) -> list[tuple]:
     """Steps of a small pressured run (forks, preemption) over a refusing
     store; every step's scheduled work and the whole state after it."""
     if not batched:
-        monkeypatch.setattr(scheduler_module, "_decode_rows",
-                            lambda running, start, limit: ([], [], []))
+        monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     bm = _RefusingDecodeStore(BlockManagerConfig(num_blocks=40, block_size=4))
     sched = scheduler_module.Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
     for i in range(12):
@@ -165,7 +169,7 @@ def _scheduled_work(monkeypatch, as_records: bool) -> tuple[list, int]:
     scheduled as a record (the generic path, no columns). Also returns the
     number of steps with a record between two rows."""
     if as_records:
-        monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], []))
+        monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
         monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     bm = BlockManager(BlockManagerConfig(num_blocks=48, block_size=4))
     sched = scheduler_module.Scheduler(
