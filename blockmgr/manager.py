@@ -602,7 +602,7 @@ class BlockManager:
         if not isinstance(seq_ids, (list, tuple)):
             raise WrongArgumentType(f"seq_ids must be a list or tuple of ids, got {seq_ids!r:.80}")
         try:
-            seqs = [self._seqs[seq_id] for seq_id in seq_ids]  # the common case, at C speed
+            seqs = list(map(self._seqs.__getitem__, seq_ids))  # the common case, at C speed
         except (KeyError, TypeError):
             seqs = [self._resident(seq_id) for seq_id in seq_ids]  # raises, naming the id
         if len(set(map(id, seqs))) != len(seqs):

@@ -10,6 +10,7 @@
 
 from scheduler.request import RequestMetrics, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import (
+    DecodeRows,
     RequestOutput,
     RequestTooLarge,
     ScheduledSeq,
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 __all__ = [
     "AsyncEngine",
     "AutoRequestId",
+    "DecodeRows",
     "Engine",
     "EngineConfig",
     "EngineStopped",

@@ -474,7 +474,7 @@ class Engine:
         failed = [item for item in out.seqs if item.seq_id not in ran]
         if failed:
             self.scheduler.unschedule(failed)
-        results = self.scheduler.update(replace(out, seqs=run.done), run.sampled)
+        results = self.scheduler.update(out.with_seqs(run.done), run.sampled)
         for request_id, error in run.aborts:
             request = self.scheduler.get_request(request_id)
             if request is not None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -147,22 +148,105 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes. `ops`: the `BlockManager` plans of this step's
-    bookkeeping (and of the previous `update`), in call order, to apply
-    before the forward pass (empty over a `PagedCache`, which applies its own)."""
+class DecodeRows:
+    """A step's decode rows in columns, with no record per row.
 
-    step: int
-    seqs: list[ScheduledSeq]
-    num_batched_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    preempted: list[Hashable] = field(default_factory=list)
-    ops: tuple = ()
+    Row i computes `tokens[i]`, the last sampled token of sample
+    `sample_indices[i]` of `requests[i]` (sequence `seq_ids[i]`), at
+    position `positions[i]`, and samples that sample's next token: the
+    `ScheduledSeq(seq_ids[i], requests[i].request_id, [tokens[i]],
+    positions[i], False, True, 1, sample_indices[i], requests[i])`
+    (`record(i)`). Read-only for consumers.
+    """
+
+    seq_ids: list[Hashable] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def record(self, i: int) -> ScheduledSeq:
+        """Row i as a `ScheduledSeq`. O(1)."""
+        req = self.requests[i]
+        return ScheduledSeq(self.seq_ids[i], req.request_id, [self.tokens[i]], self.positions[i],
+                            False, True, 1, self.sample_indices[i], req)
+
+
+class SchedulerOutput:
+    """What one step computes.
+
+    `seqs`: every scheduled sequence's work as `ScheduledSeq`s, in running
+    order. The scheduler keeps its decode rows in columns (`rows`, a
+    `DecodeRows`) and the rest as records (`items`: prefill chunks,
+    recomputes); `item_rows[k]` rows come before `items[k]` in running
+    order. `seqs` builds the rows' records when first read (O(rows), once);
+    a consumer that handles many rows per step (the simulator,
+    `Scheduler.update`) reads `rows` and `items` instead. An output built
+    from records (`SchedulerOutput(step, seqs)`) has them all in `items`.
+
+    `ops`: the `BlockManager` plans of this step's bookkeeping (and of the
+    previous `update`), in call order, to apply before the forward pass
+    (empty over a `PagedCache`, which applies its own).
+    """
+
+    __slots__ = ("step", "items", "item_rows", "rows", "num_batched_tokens", "num_prefill_tokens",
+                 "num_decode_tokens", "preempted", "ops", "_seqs")
+
+    def __init__(
+        self,
+        step: int,
+        seqs: Sequence[ScheduledSeq] = (),
+        *,
+        num_batched_tokens: int = 0,
+        num_prefill_tokens: int = 0,
+        num_decode_tokens: int = 0,
+        preempted: list[Hashable] | None = None,
+        ops: tuple = (),
+    ) -> None:
+        self.step = step
+        self.items: list[ScheduledSeq] = list(seqs)
+        self.item_rows: list[int] = [0] * len(self.items)
+        self.rows = DecodeRows()
+        self.num_batched_tokens = num_batched_tokens
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_decode_tokens = num_decode_tokens
+        self.preempted: list[Hashable] = [] if preempted is None else preempted
+        self.ops = ops
+        self._seqs: list[ScheduledSeq] | None = None
+
+    @property
+    def seqs(self) -> list[ScheduledSeq]:
+        """Every scheduled sequence's work, in running order. O(rows + items)
+        on first read, O(1) after."""
+        if self._seqs is None:
+            rows, records, done = self.rows, [], 0
+            for item, mark in zip(self.items, self.item_rows):
+                records += map(rows.record, range(done, mark))
+                records.append(item)
+                done = mark
+            records += map(rows.record, range(done, len(rows)))
+            self._seqs = records
+        return self._seqs
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.items and not self.rows.seq_ids
+
+    def with_seqs(self, seqs: Sequence[ScheduledSeq]) -> SchedulerOutput:
+        """This step's output with only `seqs` as its work (every other field
+        as here), e.g. for `update` after some of the work did not run."""
+        return SchedulerOutput(self.step, seqs, num_batched_tokens=self.num_batched_tokens,
+                               num_prefill_tokens=self.num_prefill_tokens,
+                               num_decode_tokens=self.num_decode_tokens,
+                               preempted=self.preempted, ops=self.ops)
+
+    def __repr__(self) -> str:
+        return (f"SchedulerOutput(step={self.step}, rows={len(self.rows)}, "
+                f"items={len(self.items)}, num_batched_tokens={self.num_batched_tokens}, "
+                f"preempted={self.preempted!r})")
 
 
 @dataclass(slots=True)
@@ -374,6 +458,9 @@ class Scheduler:
         self._order = itertools.count()
         self._step = 0
         self._applied_step: int | None = None  # the step `update` last applied
+        self._scheduled: SchedulerOutput | None = None  # the last `schedule()`'s output
+        self._row_seqs: list[_Seq] = []  # the sequence of each of its decode rows
+        self._rows_disturbed = False  # a row of it may have been aborted, stopped or unscheduled
         self._num_swapped = 0
         self.stats = SchedulerStats()
         self._totals = SchedulerStats()
@@ -503,6 +590,7 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        self._rows_disturbed = True  # it may have a row in the step scheduled last
         seqs = self._seqs_of.pop(request_id)
         dropped = set()
         for seq in seqs:
@@ -542,6 +630,7 @@ class Scheduler:
         if seq is None:
             return None  # a prompt not forked yet has no sample to stop
         seq.done = True
+        self._rows_disturbed = True  # it may be a row of the step scheduled last
         self._waiting.remove(seq)
         self._release(seq)
         self._running = [s for s in self._running if s is not seq]
@@ -561,7 +650,8 @@ class Scheduler:
         self._step += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        out = SchedulerOutput(self._step, [])
+        out = SchedulerOutput(self._step)
+        self._scheduled, self._row_seqs, self._rows_disturbed = out, [], False
         stats = SchedulerStats(step=self._step)
         ops = self._pending_ops
         self._pending_ops = []
@@ -578,11 +668,18 @@ class Scheduler:
         batched = True  # runs of decode rows take one store call, until one is refused
         while i < len(running) and budget > 0:
             if batched:
-                items, seq_ids, tokens, stale = _decode_rows(running, i, budget)
-                if items:
-                    num_rows = len(items)
+                seqs, tokens, positions, indices, reqs, stale = _decode_rows(running, i, budget)
+                if seqs:
+                    num_rows = len(seqs)
+                    seq_ids = list(map(_SEQ_ID, seqs))
                     if self._reserve_decode_rows(seq_ids, tokens, ops):
-                        out.seqs += items
+                        self._row_seqs += seqs
+                        rows = out.rows
+                        rows.seq_ids += seq_ids
+                        rows.tokens += tokens
+                        rows.positions += positions
+                        rows.sample_indices += indices
+                        rows.requests += reqs
                         out.num_batched_tokens += num_rows
                         out.num_decode_tokens += num_rows
                         budget -= num_rows
@@ -602,7 +699,7 @@ class Scheduler:
             if token is None:
                 self._emit(seq, num_new, out)
             else:
-                _emit_decode_row(seq, token, out)
+                self._emit_decode_row(seq, token, out)
             budget -= num_new
             i += 1
         return budget
@@ -624,7 +721,7 @@ class Scheduler:
             if partial is not None and partial >= cfg.max_num_partial_prefills:
                 break
             if not self._admit(seq, stats, ops):
-                if running or out.seqs or not self._drop_prefix_cache():
+                if running or not out.is_empty or not self._drop_prefix_cache():
                     break
                 if not self._admit(seq, stats, ops):
                     break
@@ -763,7 +860,8 @@ class Scheduler:
         seq.in_flight = True
         prefill = seq.in_prefill
         req = seq.request
-        out.seqs.append(
+        out.item_rows.append(len(out.rows.seq_ids))
+        out.items.append(
             ScheduledSeq(
                 seq.seq_id,
                 req.request_id,
@@ -781,6 +879,20 @@ class Scheduler:
             out.num_prefill_tokens += num_new
         else:
             out.num_decode_tokens += num_new
+
+    def _emit_decode_row(self, seq: _Seq, token: int, out: SchedulerOutput) -> None:
+        """`_emit(seq, 1, out)` of a decode row (its token reserved in the
+        store): a row of `out.rows`."""
+        seq.num_reserved = seq.num_computed + 1
+        seq.in_flight = True
+        self._row_seqs.append(seq)
+        out.rows.seq_ids.append(seq.seq_id)
+        out.rows.tokens.append(token)
+        out.rows.positions.append(seq.num_computed)
+        out.rows.sample_indices.append(seq.index)
+        out.rows.requests.append(seq.request)
+        out.num_batched_tokens += 1
+        out.num_decode_tokens += 1
 
     def _preempt(self, seq: _Seq, out: SchedulerOutput, stats: SchedulerStats, ops: list) -> None:
         """Take a running sequence off the store (swap or recompute) and put
@@ -819,11 +931,16 @@ class Scheduler:
         sampled: Mapping[Hashable, int | Sequence[int]],
         *,
         deltas: bool = True,
+        row_tokens: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Record a computed step: `sampled[seq_id]` for every scheduled seq
         with `sample` set (an int, or `num_samples` ints for a prompt with
         n > 1 samples; numpy integers accepted). Returns one output per
         request that gained tokens or finished. O(scheduled + running).
+
+        `row_tokens`: the tokens of `output.rows`, one per row in row order
+        (as a batched decode forward yields them), standing for those rows'
+        entries in `sampled`, which are then not read.
 
         `deltas=False`: only the outputs of requests a sample of which ended
         in this step, with no `new_tokens` (a caller that reads the tokens
@@ -834,75 +951,102 @@ class Scheduler:
         applied (`StaleSchedulerOutput` otherwise), and every sampled value
         is checked (`InvalidArgument`, naming it) before anything changes.
         """
-        plan = self._plan_update(output, sampled)
+        self._check_output(output, sampled)
+        rows, sampled = self._plan_rows(output, sampled, row_tokens)
+        if rows is None:  # every row goes through the generic checks, as a record
+            row_seqs, row_tokens, plan = [], [], self._plan_items(output.seqs, None, sampled)
+        else:
+            row_seqs, row_tokens = rows
+            plan = self._plan_items(output.items, output.item_rows, sampled)
         self._applied_step = output.step
         now = self.clock()
         results: dict[Hashable, RequestOutput] = {}
         forks: dict[int, list[_Seq]] = {}
         finished: set[int] = set()
-        no_length_limit = self.config.max_model_len is None
-        for item, seq, tokens in plan:
-            seq.in_flight = False
-            if type(tokens) is int and not item.is_prefill:
-                # A decode row (one token, of a one-sample sequence): the generic
-                # steps below with what they test known, and `_add_token` written
-                # out up to its stop test (this runs once per decoded token).
-                seq.num_computed += 1
-                req = seq.request
-                metrics = req.metrics
-                metrics.num_computed_tokens += 1
-                index = seq.index
-                outputs = req.outputs[index]
-                outputs.append(tokens)
-                # The row's sample has a token already: its first token is stamped.
-                gap = now - metrics.last_token_time
-                if gap > metrics.max_token_gap:
-                    metrics.max_token_gap = gap
-                metrics.last_token_time = now
-                metrics.num_generated_tokens += 1
-                if deltas:
-                    _add_delta(results, req, index, tokens)
-                params = req.sampling
-                if no_length_limit and len(outputs) < params.max_tokens and (
-                        tokens not in params.stop_token_ids):
-                    continue
-                if self._end_sample(seq, req, index, tokens, now, results):
-                    finished.add(id(seq))
-                continue
-            num_tokens = len(item.token_ids)
-            seq.request.metrics.num_computed_tokens += num_tokens
-            if type(tokens) is AcceptedTokens:
-                if self._add_accepted(seq, tokens, now, results, deltas):
-                    finished.add(id(seq))
-                continue
-            seq.num_computed += num_tokens
-            if item.is_prefill:
-                self._checkpoint(seq)
-            if tokens is None:
-                continue
-            if seq.index is None:
-                children = self._fork(seq, tokens, now, results, deltas)
-                forks[id(seq)] = children
-                finished.update(id(c) for c in children if c.done)
-            elif self._add_token(seq, seq.index, tokens, now, results, deltas):
-                finished.add(id(seq))
+        done = 0  # rows applied: items and rows go in running order
+        for mark, item, seq, tokens in plan:
+            if mark > done:
+                self._apply_rows(row_seqs, row_tokens, done, mark, now, results, finished, deltas)
+                done = mark
+            if type(tokens) is int and not item.is_prefill:  # a decode row given as a record
+                self._apply_rows([seq], [tokens], 0, 1, now, results, finished, deltas)
+            else:
+                self._apply_item(item, seq, tokens, now, results, forks, finished, deltas)
+        self._apply_rows(row_seqs, row_tokens, done, len(row_seqs), now, results, finished, deltas)
         if forks or finished:
             self._rebuild_running(forks, finished)
         self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
         return list(results.values())
 
+    def _apply_rows(self, seqs: list[_Seq], tokens: list[int], start: int, stop: int, now: float,
+                    results: dict, finished: set[int], deltas: bool) -> None:
+        """Apply decode rows `start:stop` (checked: one sampled token each, of
+        a one-sample sequence): the generic steps of `_apply_item` with what
+        they test known, and `_add_token` written out up to its stop test
+        (this loop runs once per decoded token). O(stop - start)."""
+        no_length_limit = self.config.max_model_len is None
+        for seq, token in zip(itertools.islice(seqs, start, stop),
+                              itertools.islice(tokens, start, stop)):
+            seq.in_flight = False
+            seq.num_computed += 1
+            req = seq.request
+            metrics = req.metrics
+            metrics.num_computed_tokens += 1
+            index = seq.index
+            outputs = req.outputs[index]
+            outputs.append(token)
+            # The row's sample has a token already: its first token is stamped.
+            gap = now - metrics.last_token_time
+            if gap > metrics.max_token_gap:
+                metrics.max_token_gap = gap
+            metrics.last_token_time = now
+            metrics.num_generated_tokens += 1
+            if deltas:
+                _add_delta(results, req, index, token)
+            params = req.sampling
+            if no_length_limit and len(outputs) < params.max_tokens and (
+                    token not in params.stop_token_ids):
+                continue
+            if self._end_sample(seq, req, index, token, now, results):
+                finished.add(id(seq))
+
+    def _apply_item(self, item: ScheduledSeq, seq: _Seq, tokens, now: float, results: dict,
+                    forks: dict[int, list[_Seq]], finished: set[int], deltas: bool) -> None:
+        """Apply one checked record that is not a decode row: a prefill chunk
+        (checkpointed; its sample, or the forks of a prompt with n > 1
+        samples) or a speculative row (`AcceptedTokens`)."""
+        seq.in_flight = False
+        num_tokens = len(item.token_ids)
+        seq.request.metrics.num_computed_tokens += num_tokens
+        if type(tokens) is AcceptedTokens:
+            if self._add_accepted(seq, tokens, now, results, deltas):
+                finished.add(id(seq))
+            return
+        seq.num_computed += num_tokens
+        if item.is_prefill:
+            self._checkpoint(seq)
+        if tokens is None:
+            return
+        if seq.index is None:
+            children = self._fork(seq, tokens, now, results, deltas)
+            forks[id(seq)] = children
+            finished.update(id(c) for c in children if c.done)
+        elif self._add_token(seq, seq.index, tokens, now, results, deltas):
+            finished.add(id(seq))
+
     def unschedule(self, items: Sequence[ScheduledSeq]) -> None:
         """The forward of these scheduled items did not run (it raised): the
         next `schedule()` gives their sequences the same work again. Their
         pages stay reserved. O(len(items))."""
+        self._rows_disturbed = True
         for item in items:
             seq = self._live_seq(item)
             if seq is not None:
                 seq.in_flight = False
 
-    def _plan_update(self, output: SchedulerOutput, sampled) -> list[tuple]:
-        """Check an `update` call whole; (item, live seq, sampled tokens or
-        None) per scheduled sequence still live and in flight. Changes nothing."""
+    def _check_output(self, output: SchedulerOutput, sampled: object) -> None:
+        """`update`'s argument checks that need no row: the types, and the
+        output being the last `schedule()`'s, not applied yet."""
         if not isinstance(output, SchedulerOutput):
             raise WrongArgumentType(f"output must be a SchedulerOutput, got {output!r:.80}")
         if output.step != self._step or self._applied_step == output.step:
@@ -913,10 +1057,51 @@ class Scheduler:
             )
         if not isinstance(sampled, Mapping):
             raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
+
+    def _plan_rows(self, output: SchedulerOutput, sampled: Mapping,
+                   row_tokens: Sequence[int] | None) -> tuple[tuple[list, list] | None, Mapping]:
+        """The decode rows of the last `schedule()`'s own output with their
+        sampled tokens, checked at C speed: ((sequences, tokens), sampled).
+        None in place of the rows when `_plan_items` must check them one by
+        one as records (with `sampled` then holding `row_tokens` too): the
+        output is another object, an abort, stop or `unschedule` since
+        `schedule()` may have dropped a row, or a value is missing or not a
+        plain token id (`_plan_items` then raises, naming it, or takes an
+        accepted speculative row). Raises only for a `row_tokens` that is
+        not one token per row. Changes nothing."""
+        seq_ids = output.rows.seq_ids
+        own = output is self._scheduled and not self._rows_disturbed
+        if row_tokens is not None:
+            if not isinstance(row_tokens, (list, tuple)):
+                raise WrongArgumentType(f"row_tokens must be a list of token ids, got {row_tokens!r:.80}")
+            if len(row_tokens) != len(seq_ids):
+                raise InvalidArgument(
+                    f"row_tokens needs one token per row ({len(seq_ids)}), got {len(row_tokens)}")
+            tokens = row_tokens
+        elif own:
+            try:
+                tokens = list(map(sampled.__getitem__, seq_ids))
+            except (KeyError, TypeError):
+                own = False
+        if own and tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):
+            own = False
+        if own:
+            return (self._row_seqs, tokens), sampled
+        if row_tokens is not None:
+            sampled = {**sampled, **dict(zip(seq_ids, row_tokens))}
+        return None, sampled
+
+    def _plan_items(self, items: Sequence[ScheduledSeq], item_rows: Sequence[int] | None,
+                    sampled: Mapping) -> list[tuple]:
+        """Check records of an `update` call; (rows before it, item, live
+        seq, sampled tokens or None) per record whose sequence is still live
+        and in flight. `item_rows`: the output's, or None for records that
+        stand for every row themselves. Changes nothing."""
         plan = []
-        add_step, sampled_value = plan.append, sampled.get  # bound once: a call per row
+        add_step, sampled_value = plan.append, sampled.get  # bound once: a call per record
         seqs_of = self._seqs_of
-        for item in output.seqs:
+        marks = itertools.repeat(0) if item_rows is None else item_rows
+        for item, mark in zip(items, marks):
             seqs = seqs_of.get(item.request_id)  # `_live_seq`, inline for a single sequence
             seq = seqs[0] if seqs is not None and len(seqs) == 1 else None
             if seq is None or seq.seq_id != item.seq_id or seq.done:
@@ -934,7 +1119,7 @@ class Scheduler:
                     tokens = _checked_accepted(item, seq, value)
                 else:
                     tokens = _sampled_tokens(item, value)
-            add_step((item, seq, tokens))
+            add_step((mark, item, seq, tokens))
         return plan
 
     def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
@@ -1061,6 +1246,9 @@ class Scheduler:
         del self._seqs_of[req.request_id]
 
     def _rebuild_running(self, forks: dict[int, list[_Seq]], finished: set[int]) -> None:
+        if not forks:  # the common case: sequences ended, none forked
+            self._running = [seq for seq in self._running if not seq.done]
+            return
         running = []
         for seq in self._running:
             children = forks.get(id(seq))
@@ -1085,7 +1273,7 @@ class Scheduler:
         stats.num_waiting = len(self._waiting)
         stats.num_running = len(self._running)
         stats.num_swapped = self._num_swapped
-        stats.num_scheduled_seqs = len(out.seqs)
+        stats.num_scheduled_seqs = len(out.items) + len(out.rows.seq_ids)
         stats.num_scheduled_tokens = out.num_batched_tokens
         stats.num_prefill_tokens = out.num_prefill_tokens
         stats.num_decode_tokens = out.num_decode_tokens
@@ -1095,6 +1283,7 @@ class Scheduler:
 
 
 _MISSING = object()  # no entry in `sampled`
+_INT_TYPE = {int}  # the type of a plain sampled token id
 
 
 def _add_delta(results: dict, req: Request, index: int, token: int) -> None:
@@ -1129,22 +1318,23 @@ def _decode_token(seq: _Seq) -> int | None:
     return outputs[-1]
 
 
-def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, list, list[int], list]:
+def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...]:
     """The decode rows of `running` from `start` on, up to the first other
     sequence and at most `limit`: sequences at a decode row (`_decode_token`)
     whose store holds exactly their computed tokens. Each is marked as
-    `_emit(seq, 1, out)` marks it (its token reserved, in flight) and gets its
-    `ScheduledSeq`, in this one pass: the store's `append_decode` of the
-    rows' ids and tokens almost never refuses, and `_unmark_decode_rows`
-    undoes the marks when it does. Returns (items, ids, tokens, the rows
-    that were in flight already)."""
-    items: list[ScheduledSeq] = []
-    seq_ids: list = []
+    `_emit_decode_row` marks it (its token reserved, in flight), in this one
+    pass: the store's `append_decode` of the rows' ids and tokens almost
+    never refuses, and `_unmark_decode_rows` undoes the marks when it does.
+    Returns the rows' sequences, tokens, positions, sample indices and
+    requests, and the rows that were in flight already."""
+    seqs: list[_Seq] = []
     tokens: list[int] = []
     stale: list[_Seq] = []
-    add_item, add_id, add_token = items.append, seq_ids.append, tokens.append  # bound once
+    positions, indices, reqs = [], [], []
+    add_seq, add_token = seqs.append, tokens.append  # bound once
+    add_position, add_index, add_req = positions.append, indices.append, reqs.append
     for seq in itertools.islice(running, start, start + limit):
-        # `_decode_token(seq)` and `_emit`, written out: this loop runs once per decoded token.
+        # `_decode_token(seq)` and the marks, written out: this loop runs once per decoded token.
         index = seq.index
         if index is None:
             break
@@ -1154,17 +1344,19 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, lis
         if (not outputs or num_computed != len(req.prompt_tokens) + len(outputs) - 1
                 or seq.num_reserved != num_computed):
             break
-        token = outputs[-1]
         if seq.in_flight:
             stale.append(seq)
         seq.in_flight = True
         seq.num_reserved = num_computed + 1
-        seq_id = seq.seq_id
-        add_item(ScheduledSeq(seq_id, req.request_id, [token], num_computed,
-                              False, True, 1, index, req))
-        add_id(seq_id)
-        add_token(token)
-    return items, seq_ids, tokens, stale
+        add_seq(seq)
+        add_token(outputs[-1])
+        add_position(num_computed)
+        add_index(index)
+        add_req(req)
+    return seqs, tokens, positions, indices, reqs, stale
+
+
+_SEQ_ID = operator.attrgetter("seq_id")
 
 
 def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: list[_Seq]) -> None:
@@ -1176,18 +1368,6 @@ def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: l
         seq.in_flight = False
     for seq in stale:
         seq.in_flight = True
-
-
-def _emit_decode_row(seq: _Seq, token: int, out: SchedulerOutput) -> None:
-    """`_emit(seq, 1, out)` of a decode row (its token reserved in the
-    store): one token, sampled."""
-    seq.num_reserved = seq.num_computed + 1
-    seq.in_flight = True
-    req = seq.request
-    out.seqs.append(ScheduledSeq(seq.seq_id, req.request_id, [token], seq.num_computed,
-                                 False, True, 1, seq.index, req))
-    out.num_batched_tokens += 1
-    out.num_decode_tokens += 1
 
 
 def _seq_key(seq: _Seq) -> tuple:
@@ -1238,6 +1418,7 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 
 __all__ = [
     "AcceptedTokens",
+    "DecodeRows",
     "RequestOutput",
     "RequestTooLarge",
     "StaleSchedulerOutput",

@@ -327,6 +327,67 @@ def test_update_refuses_bad_sampled_values_before_changing_anything():
     bm.check_integrity()
 
 
+def test_update_refuses_bad_sampled_values_of_decode_rows_before_changing_anything():
+    """Decode rows are checked in one pass over their columns; a bad value
+    must still be refused, naming it, before any row or record changes."""
+    bm, s = make_scheduler()
+    first = scheduled(s, bm, request("a"), request("b"), request("c", n=2))
+    s.update(first, {"a": 1, "b": 2, "c": [3, 4]})
+    out = s.schedule()
+    assert len(out.rows) == 4 and not out.items  # every row in columns
+    good = {"a": 5, "b": 6, ("c", 0): 7, ("c", 1): 8}
+    for sampled in [
+        {k: v for k, v in good.items() if k != "b"},  # missing b
+        {**good, "b": 2.0},
+        {**good, "b": None},
+        {**good, "b": "2"},
+        {**good, "b": -1},
+        {**good, "b": True},
+        {**good, ("c", 1): [8, 9]},  # one sample: one token
+    ]:
+        error = refused(state(bm, s), InvalidArgument, lambda: s.update(out, sampled))
+        bad = next(k for k in good if sampled.get(k, "missing") != good[k])
+        assert repr(bad) in str(error)
+    ids = out.rows.seq_ids
+    for row_tokens, error in [
+        ([good[k] for k in ids][:-1], InvalidArgument),  # one token short
+        ("5678", WrongArgumentType),
+        ([-1 if k == "b" else good[k] for k in ids], InvalidArgument),
+        ([None if k == "b" else good[k] for k in ids], InvalidArgument),
+    ]:
+        refused(state(bm, s), error, lambda: s.update(out, {}, row_tokens=row_tokens))
+    results = s.update(out, {**good, "a": np.int64(5), "b": [6]})  # accepted like ints
+    assert {r.request_id: r.new_tokens for r in results} == {
+        "a": {0: [5]}, "b": {0: [6]}, "c": {0: [7], 1: [8]}}
+    assert s.get_request("c").outputs == [[3, 7], [4, 8]]
+    bm.check_integrity()
+
+
+def test_row_tokens_stand_for_the_rows_entries_in_sampled():
+    """`update(out, sampled, row_tokens=...)` gives the rows' tokens in row
+    order; the outcome equals the same values given in `sampled`, also
+    after an abort between schedule and update (the record-by-record path)."""
+    def run(by_rows: bool, abort: bool):
+        bm, s = make_scheduler()
+        first = scheduled(s, bm, request("a"), request("b"), request("c", n=2))
+        s.update(first, {"a": 1, "b": 2, "c": [3, 4]})
+        out = s.schedule()
+        if abort:
+            s.abort("b")
+        tokens = {"a": 5, "b": 6, ("c", 0): 7, ("c", 1): 8}
+        if by_rows:
+            results = s.update(out, {"b": 99}, row_tokens=[tokens[k] for k in out.rows.seq_ids])
+        else:
+            results = s.update(out, tokens)
+        bm.check_integrity()
+        return [(r.request_id, r.new_tokens, r.finished) for r in results], s.debug_state(), \
+            bm.debug_state()
+
+    for abort in (False, True):
+        assert run(True, abort) == run(False, abort)
+    assert run(True, False)[0][1] == ("b", {0: [6]}, False)
+
+
 def test_update_refuses_a_stale_or_repeated_output():
     bm, s = make_scheduler()
     out = scheduled(s, bm, request("a"))

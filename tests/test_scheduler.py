@@ -351,3 +351,23 @@ def test_time_per_output_token_is_per_sample():
             now[0] += 1.0
         tpot[n] = r.metrics.time_per_output_token
     assert tpot[1] is not None and tpot[3] == pytest.approx(tpot[1])
+
+
+def test_unscheduled_decode_rows_are_not_applied_and_run_again():
+    """`unschedule` between `schedule` and `update` (a forward that raised):
+    the update of that same output skips those rows, and the next step
+    schedules them again with the same token at the same position."""
+    bm, s = make(block_size=4)
+    for rid in "abcd":
+        s.add_request(req(rid, tokens=[ord(rid), 1, 2], max_tokens=8))
+    step(s, token=5)  # prompts: every sequence now at a decode row
+    out = s.schedule()
+    assert len(out.rows) == 4 and not out.items
+    failed = [item for item in out.seqs if item.request_id in ("b", "d")]
+    s.unschedule(failed)
+    s.update(out, {item.seq_id: 6 for item in out.seqs})
+    assert [s.get_request(rid).outputs[0] for rid in "abcd"] == [[5, 6], [5], [5, 6], [5]]
+    again = {item.seq_id: (item.token_ids, item.start_position) for item in s.schedule().seqs}
+    assert again["b"] == again["d"] == ([5], 3)
+    assert again["a"] == again["c"] == ([6], 4)
+    bm.check_integrity()

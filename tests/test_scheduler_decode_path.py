@@ -56,6 +56,11 @@ def _recorded(config: SimulationConfig) -> tuple[dict, dict, dict]:
     return summary, steps, metrics.request_arrays()
 
 
+def _no_decode_rows(running, start, limit) -> tuple[list, ...]:
+    """`_decode_rows` finding no row: the batched path off."""
+    return [], [], [], [], [], []
+
+
 def _same_series(a: dict, b: dict) -> bool:
     """Equal keys and arrays (NaN equal to NaN: a TPOT of one token)."""
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
@@ -99,7 +104,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
-    monkeypatch.setattr(scheduler_module, "_decode_rows", lambda running, start, limit: ([], [], [], []))
+    monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
     generic = _recorded(config)
@@ -126,8 +131,7 @@ def _drive(monkeypatch, batched: bool) -> list[tuple]:
     """Steps of a small pressured run (forks, preemption) over a refusing
     store; every step's scheduled work and the whole state after it."""
     if not batched:
-        monkeypatch.setattr(scheduler_module, "_decode_rows",
-                            lambda running, start, limit: ([], [], [], []))
+        monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     bm = _RefusingDecodeStore(BlockManagerConfig(num_blocks=40, block_size=4))
     sched = scheduler_module.Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
     for i in range(12):
@@ -155,3 +159,48 @@ def test_a_refused_decode_batch_leaves_every_row_as_it_was(monkeypatch):
     assert num_refused > 20
     assert any(preempted for _, preempted, _, _ in batched)
     assert batched == generic
+
+
+def _scheduled_work(monkeypatch, as_records: bool) -> tuple[list, int]:
+    """Every step's work as read from `SchedulerOutput.seqs` over a run where
+    prefill chunks land between decode rows (chunks capped at 8 tokens, new
+    requests while others decode, a priority policy that admits between
+    running sequences, preemption); `as_records`: every row
+    scheduled as a record (the generic path, no columns). Also returns the
+    number of steps with a record between two rows."""
+    if as_records:
+        monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
+        monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
+    bm = BlockManager(BlockManagerConfig(num_blocks=48, block_size=4))
+    sched = scheduler_module.Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=8,
+                        policy="priority"), bm)
+    steps, num_between = [], 0
+    for step in range(400):
+        if step % 3 == 0 and step < 60:
+            i = step // 3
+            prompt = [5 * i + j for j in range(6 + 19 * (i % 4))]
+            sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i % 9, n=1 + i % 3),
+                                      priority=-i % 3))
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        num_between += any(0 < mark < len(out.rows) for mark in out.item_rows)
+        assert len(out.seqs) == len(out.rows) + len(out.items)
+        steps.append([(s.seq_id, s.request_id, s.token_ids, s.start_position, s.is_prefill, s.sample,
+                       s.num_samples, s.sample_index, s.request.request_id) for s in out.seqs])
+        sched.update(out, {item.seq_id: [3] * item.num_samples if item.num_samples > 1 else 3
+                           for item in out.seqs if item.sample})
+        bm.check_integrity()
+    monkeypatch.undo()
+    return steps, num_between
+
+
+def test_decode_rows_read_as_the_records_the_generic_path_schedules(monkeypatch):
+    """`seqs` of an output with columns equals, step by step and in running
+    order, what the scheduler schedules with every row as a record."""
+    columns, num_between = _scheduled_work(monkeypatch, as_records=False)
+    records, _ = _scheduled_work(monkeypatch, as_records=True)
+    assert num_between > 5  # records did land between rows
+    assert sum(len(step) for step in columns) > 300
+    assert columns == records

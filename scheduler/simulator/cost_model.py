@@ -59,12 +59,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from blockmgr import CopyBlock, CopySlot, ZeroSlot
-from blockmgr import ops as bm_ops
+from blockmgr.ops import SwapIn, SwapInSlot, SwapOut, SwapOutSlot
 
-_SWAP_OPS = tuple(
-    getattr(bm_ops, name) for name in ("SwapOut", "SwapIn", "SwapOutSlot", "SwapInSlot")
-    if hasattr(bm_ops, name)
-)
+_SWAP_OPS = (SwapOut, SwapIn, SwapOutSlot, SwapInSlot)
 _SLOT_OPS = (CopySlot, ZeroSlot)
 
 
@@ -117,7 +114,8 @@ class StepShape:
 
 
 def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape:
-    """The shape of a `SchedulerOutput` (its seqs and its plan). O(seqs + ops).
+    """The shape of a `SchedulerOutput` (its rows, items and plan).
+    O(rows + items + ops); the rows' sums run at C speed for full attention.
 
     `attended(end)`: the keys a query at position end - 1 reads, averaged
     over the model's attention layers (`ModelLayout.attended`: a sliding
@@ -125,31 +123,81 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     It counts the context, a prefill chunk's keys before its start, and
     the longest decode row's keys.
     """
-    prefill = decode = context = chunks = sampled = drawn = squares = last_end = 0
-    pairs = decode_keys = 0.0
-    for item in out.seqs:  # once per step per sequence: no call per row for full attention
+    sums = _ShapeSums()
+    positions = out.rows.positions
+    done = 0
+    # Running order: with a sliding window the keys are fractional, and float sums depend on their order.
+    for item, mark in zip(out.items, out.item_rows):
+        if mark > done:
+            sums.add_rows(positions, done, mark, attended)
+            done = mark
+        sums.add_item(item, attended)
+    sums.add_rows(positions, done, len(positions), attended)
+    sums.drawn += sum(1 for req in out.rows.requests if req.sampling.temperature > 0)
+    last_end = sums.last_end
+    longest = last_end if attended is None or not sums.decode else attended(last_end)  # monotone
+    copies, slots, swaps = count_ops(out.ops)
+    return StepShape(sums.prefill, sums.decode, sums.context, sums.chunks, sums.sampled,
+                     sums.pairs, longest, sums.drawn, copies, slots, swaps, sums.squares,
+                     sums.decode_keys)
+
+
+@dataclass(slots=True)
+class _ShapeSums:
+    """`step_shape`'s running sums, added in running order."""
+
+    prefill: int = 0
+    decode: int = 0
+    context: float = 0
+    chunks: int = 0
+    sampled: int = 0
+    drawn: int = 0
+    squares: int = 0
+    last_end: int = 0
+    pairs: float = 0.0
+    decode_keys: float = 0.0
+
+    def add_rows(self, positions: list[int], start: int, stop: int,
+                 attended: Callable[[int], float] | None) -> None:
+        """Decode rows `start:stop` (one token at each position)."""
+        if stop <= start:
+            return
+        if attended is None:  # integer keys: their sum is exact in any order
+            ends = positions[start:stop]
+            keys = sum(ends) + len(ends)
+            self.context += keys
+            self.decode_keys += keys
+            self.last_end = max(self.last_end, max(ends) + 1)
+        else:
+            for position in positions[start:stop]:
+                end = position + 1
+                keys = attended(end)
+                self.context += keys
+                self.decode_keys += keys
+                if end > self.last_end:
+                    self.last_end = end
+        self.decode += stop - start
+
+    def add_item(self, item, attended: Callable[[int], float] | None) -> None:
+        """One record: a prefill chunk, or a one-token record (a decode row)."""
         start = item.start_position
         n = len(item.token_ids)
         end = start + n
         keys = end if attended is None else attended(end)
-        context += keys
+        self.context += keys
         if item.sample and item.request is not None and item.request.sampling.temperature > 0:
-            drawn += item.num_samples
+            self.drawn += item.num_samples
         if n == 1:
-            decode += 1
-            decode_keys += keys
-            if end > last_end:
-                last_end = end
+            self.decode += 1
+            self.decode_keys += keys
+            if end > self.last_end:
+                self.last_end = end
         else:
-            prefill += n
-            chunks += 1
-            sampled += item.sample
-            pairs += n * ((start if attended is None else attended(start)) + n / 2)
-            squares += n * n
-    longest = last_end if attended is None or not decode else attended(last_end)  # monotone
-    copies, slots, swaps = count_ops(out.ops)
-    return StepShape(prefill, decode, context, chunks, sampled, pairs, longest, drawn,
-                     copies, slots, swaps, squares, decode_keys)
+            self.prefill += n
+            self.chunks += 1
+            self.sampled += item.sample
+            self.pairs += n * ((start if attended is None else attended(start)) + n / 2)
+            self.squares += n * n
 
 
 def count_ops(ops) -> tuple[int, int, int]:

@@ -7,7 +7,9 @@ reported separately (`trie_pages`): they are a cache, not waste.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 CONTIGUOUS_STEP = 256  # mlx-lm grows a contiguous KVCache in 256-token steps
 
@@ -48,17 +50,33 @@ class MemorySnapshot:
         return self.sharing_saved_pages / self.logical_pages if self.logical_pages else 0.0
 
 
-def snapshot(bm) -> MemorySnapshot:
+class SequencePages(Protocol):
+    """What a snapshot reads of a store (a `BlockManager` or `GroupedStore`):
+    its live sequences, their page tables (main group) and token counts."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def sequence_ids(self) -> list[Hashable]: ...
+
+    def block_table(self, seq_id: Hashable) -> list[int | None]: ...
+
+    def num_tokens(self, seq_id: Hashable) -> int: ...
+
+    def is_swapped(self, seq_id: Hashable) -> bool: ...
+
+
+def snapshot(bm: SequencePages) -> MemorySnapshot:
     """Measure `bm` now. O(pages held by live sequences)."""
-    block_size = bm.config.block_size
-    is_swapped = getattr(bm, "is_swapped", None)
+    block_size = bm.block_size
+    is_swapped = bm.is_swapped
     pages: set[int] = set()
     last_fill: dict[int, int] = {}
     logical = 0
     contiguous = 0
     count = 0
     for seq_id in bm.sequence_ids():
-        if is_swapped is not None and is_swapped(seq_id):
+        if is_swapped(seq_id):
             continue
         table = bm.block_table(seq_id)
         num_tokens = bm.num_tokens(seq_id)

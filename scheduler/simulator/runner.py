@@ -215,17 +215,18 @@ class Simulation:
         t0 = perf()
         out = sched.schedule()
         t1 = perf()
-        if not out.seqs:
+        if out.is_empty:
             self._idle_steps += 1
             if self._unstick(self._idle_steps):
                 return
         else:
             self._idle_steps = 0
-        sampled = self._sample(out)
+        sampled, row_tokens = self._sample(out)
         dt = self.config.cost.time_of(step_shape(out, self._attended))
         self.now += dt
         t2 = perf()
-        results = sched.update(out, sampled, deltas=False)  # only finished ones are read
+        results = sched.update(out, sampled, deltas=False,  # only finished ones are read
+                               row_tokens=row_tokens)
         t3 = perf()
         for result in results:
             if result.finished:
@@ -247,11 +248,20 @@ class Simulation:
         if self._progress is not None and step % 64 == 0:
             self._progress(self._num_done, self._num_added, self.now)
 
-    def _sample(self, out) -> dict:
-        """The tokens the model would sample."""
-        sampled = {}
+    def _sample(self, out) -> tuple[dict, list[int]]:
+        """The tokens the model would sample: those of `out.items` by
+        sequence id, and those of `out.rows` in row order."""
         live = self._live
-        for item in out.seqs:
+        rows = out.rows
+        row_tokens: list[int] = []
+        add_token = row_tokens.append  # bound once: a call per row
+        for req, index in zip(rows.requests, rows.sample_indices):
+            # A decode row samples the next output: its position is the count of outputs it has.
+            o = live[req.request_id].outputs[index]
+            position = len(req.outputs[index])
+            add_token(o[position] if position < len(o) else o[-1])
+        sampled = {}
+        for item in out.items:
             if not item.sample:
                 continue
             outputs = live[item.request_id].outputs
@@ -265,7 +275,7 @@ class Simulation:
                 position = len(item.request.outputs[index])
                 o = outputs[index]
                 sampled[item.seq_id] = o[position] if position < len(o) else o[-1]
-        return sampled
+        return sampled, row_tokens
 
     def _unstick(self, idle_steps: int) -> bool:
         """An empty step. Abort the head waiting request if nothing runs (it can
