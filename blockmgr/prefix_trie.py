@@ -708,7 +708,9 @@ class PrefixTrie:
         and the leaf's node id at once (one node built and dropped less per
         cached sequence). The result, the LRU order and the events are the
         same; `node` stays locked until the caller's release. `lock` as in
-        `insert`. O(num_tokens - node.end + depth).
+        `insert`. O(num_tokens - node.end + depth) with no listener; with
+        one, also O(node.end) to copy the node's tokens (the listener may
+        keep the list it was given).
         """
         self.version += 1
         block_size = self._block_size
@@ -723,7 +725,10 @@ class PrefixTrie:
             node.blocks = node.blocks[:-1] + blocks
         else:
             node.blocks = node.blocks + blocks
-        node.tokens = node.tokens + tail  # a new list: listeners may hold the old one
+        if self._listener is None:
+            node.tokens += tail  # O(tail): nothing outside the trie holds the list
+        else:
+            node.tokens = node.tokens + tail  # a new list: a listener may hold the old one
         node.packed = node.packed + _packed_run(tokens, packed, pos, num_tokens)
         node.end = num_tokens
         del self._nodes[node.node_id]
