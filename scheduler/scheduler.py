@@ -1079,10 +1079,7 @@ class Scheduler:
                     f"row_tokens needs one token per row ({len(seq_ids)}), got {len(row_tokens)}")
             tokens = row_tokens
         elif own:
-            try:
-                tokens = list(map(sampled.__getitem__, seq_ids))
-            except (KeyError, TypeError):
-                own = False
+            tokens = list(map(sampled.get, seq_ids))  # None for a missing id: checked below
         if own and tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):
             own = False
         if own:

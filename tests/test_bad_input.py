@@ -8,6 +8,7 @@ Faults in prefix-cache listeners leave the manager consistent.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -348,6 +349,10 @@ def test_update_refuses_bad_sampled_values_of_decode_rows_before_changing_anythi
         error = refused(state(bm, s), InvalidArgument, lambda: s.update(out, sampled))
         bad = next(k for k in good if sampled.get(k, "missing") != good[k])
         assert repr(bad) in str(error)
+    # A mapping with defaults still needs every row's token (and is not filled in).
+    partial = defaultdict(int, {k: v for k, v in good.items() if k != "b"})
+    error = refused(state(bm, s), InvalidArgument, lambda: s.update(out, partial))
+    assert "'b'" in str(error) and "b" not in partial
     ids = out.rows.seq_ids
     for row_tokens, error in [
         ([good[k] for k in ids][:-1], InvalidArgument),  # one token short
