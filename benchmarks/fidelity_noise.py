@@ -65,7 +65,8 @@ def rows(runs: list[dict], sim: dict) -> list[tuple[str, str, list[float], float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--sim", type=Path, help="the run whose simulation is judged (default: the last)")
+    parser.add_argument("--sim", type=Path,
+                        help="the run whose simulation is judged (default: the last)")
     args = parser.parse_args()
     runs = load_runs(args.runs)
     sim = json.loads((args.sim or args.runs[-1]).read_text())

@@ -168,6 +168,15 @@ class DecodeRows:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
+    def extend(self, seq_ids: list[Hashable], tokens: list[int], positions: list[int],
+               sample_indices: list[int], requests: list[Request]) -> None:
+        """Add rows: entry i of each list is one row's column. O(rows)."""
+        self.seq_ids += seq_ids
+        self.tokens += tokens
+        self.positions += positions
+        self.sample_indices += sample_indices
+        self.requests += requests
+
     def record(self, i: int) -> ScheduledSeq:
         """Row i as a `ScheduledSeq`. O(1)."""
         req = self.requests[i]
@@ -674,12 +683,7 @@ class Scheduler:
                     seq_ids = list(map(_SEQ_ID, seqs))
                     if self._reserve_decode_rows(seq_ids, tokens, ops):
                         self._row_seqs += seqs
-                        rows = out.rows
-                        rows.seq_ids += seq_ids
-                        rows.tokens += tokens
-                        rows.positions += positions
-                        rows.sample_indices += indices
-                        rows.requests += reqs
+                        out.rows.extend(seq_ids, tokens, positions, indices, reqs)
                         out.num_batched_tokens += num_rows
                         out.num_decode_tokens += num_rows
                         budget -= num_rows
@@ -886,11 +890,7 @@ class Scheduler:
         seq.num_reserved = seq.num_computed + 1
         seq.in_flight = True
         self._row_seqs.append(seq)
-        out.rows.seq_ids.append(seq.seq_id)
-        out.rows.tokens.append(token)
-        out.rows.positions.append(seq.num_computed)
-        out.rows.sample_indices.append(seq.index)
-        out.rows.requests.append(seq.request)
+        out.rows.extend([seq.seq_id], [token], [seq.num_computed], [seq.index], [seq.request])
         out.num_batched_tokens += 1
         out.num_decode_tokens += 1
 
@@ -1071,13 +1071,14 @@ class Scheduler:
         not one token per row. Changes nothing."""
         seq_ids = output.rows.seq_ids
         own = output is self._scheduled and not self._rows_disturbed
+        tokens = row_tokens
         if row_tokens is not None:
             if not isinstance(row_tokens, (list, tuple)):
-                raise WrongArgumentType(f"row_tokens must be a list of token ids, got {row_tokens!r:.80}")
+                raise WrongArgumentType(
+                    f"row_tokens must be a list of token ids, got {row_tokens!r:.80}")
             if len(row_tokens) != len(seq_ids):
                 raise InvalidArgument(
                     f"row_tokens needs one token per row ({len(seq_ids)}), got {len(row_tokens)}")
-            tokens = row_tokens
         elif own:
             tokens = list(map(sampled.get, seq_ids))  # None for a missing id: checked below
         if own and tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):

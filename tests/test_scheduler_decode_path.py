@@ -180,15 +180,16 @@ def _scheduled_work(monkeypatch, as_records: bool) -> tuple[list, int]:
         if step % 3 == 0 and step < 60:
             i = step // 3
             prompt = [5 * i + j for j in range(6 + 19 * (i % 4))]
-            sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i % 9, n=1 + i % 3),
-                                      priority=-i % 3))
+            params = SamplingParams(max_tokens=6 + i % 9, n=1 + i % 3)
+            sched.add_request(Request(f"r{i}", prompt, params, priority=-i % 3))
         if not sched.has_unfinished():
             break
         out = sched.schedule()
         num_between += any(0 < mark < len(out.rows) for mark in out.item_rows)
         assert len(out.seqs) == len(out.rows) + len(out.items)
-        steps.append([(s.seq_id, s.request_id, s.token_ids, s.start_position, s.is_prefill, s.sample,
-                       s.num_samples, s.sample_index, s.request.request_id) for s in out.seqs])
+        steps.append([(s.seq_id, s.request_id, s.token_ids, s.start_position, s.is_prefill,
+                       s.sample, s.num_samples, s.sample_index, s.request.request_id)
+                      for s in out.seqs])
         sched.update(out, {item.seq_id: [3] * item.num_samples if item.num_samples > 1 else 3
                            for item in out.seqs if item.sample})
         bm.check_integrity()

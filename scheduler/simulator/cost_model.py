@@ -126,7 +126,8 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     sums = _ShapeSums()
     positions = out.rows.positions
     done = 0
-    # Running order: with a sliding window the keys are fractional, and float sums depend on their order.
+    # Running order: with a sliding window the keys are fractional, and float
+    # sums depend on their order.
     for item, mark in zip(out.items, out.item_rows):
         if mark > done:
             sums.add_rows(positions, done, mark, attended)
@@ -182,22 +183,18 @@ class _ShapeSums:
         """One record: a prefill chunk, or a one-token record (a decode row)."""
         start = item.start_position
         n = len(item.token_ids)
-        end = start + n
-        keys = end if attended is None else attended(end)
-        self.context += keys
         if item.sample and item.request is not None and item.request.sampling.temperature > 0:
             self.drawn += item.num_samples
         if n == 1:
-            self.decode += 1
-            self.decode_keys += keys
-            if end > self.last_end:
-                self.last_end = end
-        else:
-            self.prefill += n
-            self.chunks += 1
-            self.sampled += item.sample
-            self.pairs += n * ((start if attended is None else attended(start)) + n / 2)
-            self.squares += n * n
+            self.add_rows([start], 0, 1, attended)
+            return
+        end = start + n
+        self.context += end if attended is None else attended(end)
+        self.prefill += n
+        self.chunks += 1
+        self.sampled += item.sample
+        self.pairs += n * ((start if attended is None else attended(start)) + n / 2)
+        self.squares += n * n
 
 
 def count_ops(ops) -> tuple[int, int, int]:
