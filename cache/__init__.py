@@ -11,11 +11,13 @@
 * `host_pool`: `HostPagePool`, host copies of pages (swap space).
 * `buckets`: `length_buckets`, decode batches split by length.
 * `paged_cache`: `PagedCache`, the pools and grouped store of one model.
+* `recurrent_backend`: `RecurrentBackend`, what `PagedCache` needs of the
+  slot storage of recurrent layers.
+* `model_storage`: what `PagedCache.for_model` reads of a model (its cache
+  positions, their nesting, its recurrent backend).
 
-Imports go one way: `cache` -> `blockmgr`; `cache` never imports
-`recurrent` (a `PagedCache` is handed its recurrent backend). The public
-`PagedCache.for_model` forwards to `scheduler.storage.build_storage`, which
-composes both.
+Imports go one way: `cache` -> `recurrent` -> `blockmgr`. `recurrent`
+never imports `cache`; `cache.model_storage` is where they meet.
 """
 
 from cache.buckets import length_buckets

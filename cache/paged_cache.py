@@ -10,9 +10,9 @@ forward that writes them finished (`step`, see below).
 
 Recurrent layers (``ArraysCache``) keep their state in slots of a backend
 (`RecurrentBackend`, e.g. `recurrent.RecurrentPools`) handed to the
-constructor; `cache` never imports `recurrent`. `PagedCache.for_model`
-(the public way to build storage for an mlx-lm model) forwards to
-`scheduler.storage.build_storage`, the one function that composes both.
+constructor. `PagedCache.for_model` (the public way to build storage for an
+mlx-lm model) reads the model and builds that backend through
+`cache.model_storage`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from cache import attention_hook
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
+from cache.model_storage import model_storage_parts
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
+from cache.recurrent_backend import RecurrentBackend, RecurrentStepView
 from cache.speculative_model import SpeculativeModel
 from cache.step_plan import StepPlan, plan_step
 from cache.views import (
@@ -50,37 +52,6 @@ from cache.views import (
 )
 
 Plan = tuple[MemoryOp, ...]
-
-
-class RecurrentStepView(Protocol):
-    """One recurrent layer's view of one step (mlx-lm's ``ArraysCache`` protocol).
-
-    Writes (`view[i] = x`) are kept by the view until `commit()` stores them
-    in the slots, so a forward that fails part-way leaves the slots as they
-    were.
-    """
-
-    def commit(self) -> None: ...
-
-
-class RecurrentBackend(Protocol):
-    """Slot storage for recurrent layers (e.g. `recurrent.RecurrentPools`).
-
-    `apply_plan` gets every slot op (`ZeroSlot`, `CopySlot`, `SwapOutSlot`,
-    `SwapInSlot`) in call order; `views(slots, lengths)` gives one
-    ArraysCache-like view per recurrent layer for one forward pass;
-    `flush()` evaluates the state writes of committed steps.
-    """
-
-    @property
-    def layers(self) -> tuple[int, ...]: ...
-    @property
-    def bytes_per_slot(self) -> int | None: ...
-    def apply_plan(self, ops: Iterable[MemoryOp]) -> None: ...
-    def views(
-        self, slots: Sequence[int], lengths: Sequence[int] | None = None
-    ) -> Mapping[int, RecurrentStepView]: ...
-    def flush(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -192,17 +163,34 @@ class PagedCache:
         self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, **kwargs) -> PagedCache:
+    def for_model(
+        cls,
+        model: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        num_slots: int = 0,
+        recurrent: RecurrentBackend | None = None,
+        num_host_slots: int = 0,
+        **kwargs: Any,
+    ) -> PagedCache:
         """A cache laid out for `model` (layer kinds from `model.make_cache()`).
 
         For a hybrid model (``ArraysCache`` layers) give `num_slots` > 0; the
         recurrent storage defaults to ``recurrent.RecurrentPools.for_model(
-        model, num_slots)``. Other keywords go to the constructor. The
-        composition lives in `scheduler.storage.build_storage`.
+        model, num_slots)`` (`cache.model_storage`); an attention-only model
+        holds no slots whatever `num_slots` says. Layers that keep several
+        caches (mlx-lm's ``CacheList``) get one view per cache, nested the
+        same way. Other keywords go to the constructor.
         """
-        from scheduler.storage import build_storage  # the one place cache meets recurrent
-
-        return build_storage(model, num_blocks, block_size, **kwargs)
+        parts = model_storage_parts(
+            model, num_slots=num_slots, recurrent=recurrent, num_host_slots=num_host_slots
+        )
+        return cls(
+            parts.specs, num_blocks, block_size, num_slots=num_slots,
+            recurrent=parts.recurrent, num_host_slots=num_host_slots, layout=parts.layout,
+            **kwargs,
+        )
 
     # --- inspection ----------------------------------------------------------
 

@@ -29,6 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from blockmgr.errors import UnknownSequence
+from cache import PagedCache
 
 #: Prompts of the probe: three rows of different lengths (a third row
 #: catches models that break only beyond two), token ids every vocabulary has.
@@ -104,12 +105,10 @@ def probe_batching(model: Any, cache: Any, probe_prefill: bool = True) -> BatchS
 
 def probe_cache(model: Any, block_size: int, hybrid: bool):
     """Private storage for the probe: room for its rows, nothing else."""
-    from scheduler.storage import build_storage
-
     pages_per_row = -(-(max(map(len, PROBE_PROMPTS)) + 1) // block_size)
     rows = len(PROBE_PROMPTS)
-    return build_storage(model, num_blocks=rows * pages_per_row + 2, block_size=block_size,
-                         num_slots=2 * rows if hybrid else 0, enable_prefix_cache=False)
+    return PagedCache.for_model(model, num_blocks=rows * pages_per_row + 2, block_size=block_size,
+                                num_slots=2 * rows if hybrid else 0, enable_prefix_cache=False)
 
 
 def _ids() -> list[str]:

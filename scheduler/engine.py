@@ -20,7 +20,7 @@ Each `step()`:
 
 Hybrid models (LFM2, Qwen3-Next: `ArraysCache` layers) get recurrent slots
 (`num_slots`, default 2 per running sequence); the storage is built by
-`scheduler.storage.build_storage` (what `PagedCache.for_model` calls).
+`PagedCache.for_model`.
 
 A forward that raises counts as never run: its tokens are not computed
 (`PagedCache.step` rolls it back), the scheduler gives the same work again
@@ -44,7 +44,7 @@ import mlx.core as mx
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
-from cache import LayerKind, layer_specs
+from cache import LayerKind, PagedCache, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.faults import ForwardFaults
 from scheduler.kv_events import EventSink, open_publisher
@@ -65,7 +65,6 @@ from scheduler.scheduler import (
     SchedulerOutput,
 )
 from scheduler.speculative import Speculator
-from scheduler.storage import build_storage
 from scheduler.text import SampleText, TextCodec, is_text_prompt
 
 Callback = Callable[[RequestOutput], None]
@@ -242,7 +241,7 @@ class Engine:
             store_kwargs = {"num_host_blocks": num_host_blocks,
                             "num_host_slots": num_host_slots if hybrid else 0}
         self.model = model
-        self.cache = build_storage(
+        self.cache = PagedCache.for_model(
             model, num_blocks, block_size, num_slots=num_slots,
             enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
         )
@@ -292,7 +291,7 @@ class Engine:
                 f"the draft model's vocabulary ({draft_vocab}) is not the target's "
                 f"({self.vocab_size})")
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(draft_model))
-        draft_cache = build_storage(
+        draft_cache = PagedCache.for_model(
             draft_model, num_blocks, block_size, num_slots=num_slots if hybrid else 0,
             enable_prefix_cache=enable_prefix_cache)
         draft_batching = (

@@ -50,9 +50,9 @@ def page_bytes(model: Any, block_size: int) -> int:
     take their head shapes from the first K/V written)."""
     import mlx.core as mx
 
-    from scheduler.storage import build_storage
+    from cache import PagedCache
 
-    storage = build_storage(model, 1, block_size, num_slots=1)
+    storage = PagedCache.for_model(model, 1, block_size, num_slots=1)
     storage.allocate("probe", [0])
     with storage.step(["probe"], num_new=[1]) as views:
         mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=views))
