@@ -142,7 +142,10 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
                 x = z
                 break
             bad = passive & (z <= 0)
-            step = np.min(x[bad] / (x[bad] - z[bad]))
+            # A variable at 0 that the least squares also puts at 0 (rank-deficient
+            # columns) stops the step at once: it leaves the passive set below.
+            gap = x[bad] - z[bad]
+            step = np.min(np.divide(x[bad], gap, out=np.zeros_like(gap), where=gap > 0))
             x = x + step * (z - x)
             passive &= x > 1e-15
             x[~passive] = 0.0
