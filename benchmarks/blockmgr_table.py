@@ -284,7 +284,7 @@ def build_trie(num_tokens: int, branch_every: int | None) -> tuple[PrefixTrie, l
     """A trie caching one `num_tokens` prefix; with `branch_every`, a sibling
     branch leaves it every `branch_every` tokens (one node per segment)."""
     pool = RefCountedPool(pages_for(num_tokens) * 2 + 64)
-    trie = PrefixTrie(BLOCK, pool, None)
+    trie = PrefixTrie(BLOCK, [(pool, None)], None)
     prefix = tokens(num_tokens)
     insert(trie, pool, prefix)
     if branch_every:
@@ -296,7 +296,7 @@ def build_trie(num_tokens: int, branch_every: int | None) -> tuple[PrefixTrie, l
 def insert(trie: PrefixTrie, pool: RefCountedPool, cached: list[int]) -> None:
     """Cache `cached` in fresh pages (the trie keeps only the ones it needs)."""
     pages = pool.take(pages_for(len(cached)))
-    trie.insert(None, cached, pages)
+    trie.insert(None, cached, [pages])
     pool.release_all(pages)
 
 

@@ -35,7 +35,7 @@ from blockmgr.ops import (
 )
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
-from blockmgr.stats import PrefixCacheStats
+from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 
 __all__ = [
     "Allocation",
@@ -56,6 +56,7 @@ __all__ = [
     "OutOfBlocks",
     "OutOfHostMemory",
     "OutOfSlots",
+    "PageGroupUsage",
     "PrefixCacheListener",
     "PrefixMatch",
     "PrefixCacheStats",

@@ -60,6 +60,10 @@ class BlockManagerConfig:
     def num_watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
 
+    def group_configs(self) -> tuple[BlockManagerConfig, ...]:
+        """The config of each page group a manager keeps: this one alone."""
+        return (self,)
+
 
 @dataclass(slots=True, frozen=True)
 class GroupedStoreConfig:
@@ -104,6 +108,10 @@ class GroupedStoreConfig:
     @property
     def is_hybrid(self) -> bool:
         return self.num_slots > 0
+
+    def group_configs(self) -> tuple[BlockManagerConfig, ...]:
+        """The config of each page group, in group order."""
+        return tuple(self.group_config(index) for index in range(self.num_groups))
 
     def group_config(self, index: int) -> BlockManagerConfig:
         """The `BlockManagerConfig` of group `index`."""

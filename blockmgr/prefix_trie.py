@@ -1,25 +1,27 @@
 """Token-level radix trie of cached prefixes: pages plus recurrent snapshots.
 
 Every node stands for the token run `tokens` at absolute positions
-`[start, end)` of the prefix spelled by its path from a namespace root. It
-holds one reference to each page that stores any of those positions, so a
-page that straddles a node boundary is held by both sides:
+`[start, end)` of the prefix spelled by its path from a namespace root. For
+every page group of the manager (a model's layer groups: full attention,
+each sliding window) it holds one reference to each page that stores any of
+those positions, so a page that straddles a node boundary is held by both
+sides:
 
     block_size = 4          parent: tokens [0, 6)      child: tokens [6, 11)
     positions   0 1 2 3 | 4 5 6 7 | 8 9 10
-    parent.blocks = [p0,  p1]         (indices 0..1)
-    child.blocks  =      [q1,  q2]    (indices 1..2; q1 may be p1 itself)
+    parent.pages[g] = [p0,  p1]         (indices 0..1)
+    child.pages[g]  =      [q1,  q2]    (indices 1..2; q1 may be p1 itself)
 
 Invariant (valid data): a node's page at index j holds correct KV for every
 path position in page j below the node's end. A deeper node's page is
 therefore the one to use for a straddled index.
 
-With a sliding window W (the trie of a sliding-window layer group) a node
-keeps only the pages a hit can use: an insert ending at L keeps the pages of
-the W tokens before L (a hit at p needs the keys in [p - W + 1, p)); the
-others are `None` in `blocks`. A hit at p is served when every page of the
-window before p is present along the path (see `design/prefix_trie.md`).
-Such a trie splits a node where an insert ends (a new hit point) and never
+In a group with a sliding window W a node keeps only the pages a hit can
+use: an insert ending at L keeps the pages of the W tokens before L (a hit
+at p needs the keys in [p - W + 1, p)); the others are `None` in that
+group's list. A hit at p is served when every page of each window before p
+is present along the path (see `design/prefix_trie.md`). A trie with such
+a group splits a node where an insert ends (a new hit point) and never
 merges nodes.
 
 In hybrid mode (recurrent slots) a node may also hold a slot with the
@@ -70,9 +72,12 @@ class PrefixCacheListener(Protocol):
 class TrieNode:
     """One edge of the trie: a token run and the pages (and slot) holding it.
 
-    `end` is `start + len(tokens)`, stored: a split keeps the lower part, a
-    merge the child, and with it the end; only `extend` moves it, on a leaf
-    that one sequence alone locks (its own cached tokens).
+    `pages[g]` lists page group g's pages of the node's page indices
+    (`start // block_size` on); None is a page no hit needs (sliding window
+    only; holes come first). `end` is `start + len(tokens)`, stored: a split
+    keeps the lower part, a merge the child, and with it the end; only
+    `extend` moves it, on a leaf that one sequence alone locks (its own
+    cached tokens).
     """
 
     node_id: int
@@ -81,10 +86,7 @@ class TrieNode:
     start: int
     end: int
     parent: TrieNode | None
-    blocks: list[int | None]  # None: a page no hit needs (sliding window only; holes come first)
-    #: The other page groups' pages of the same indices (`PrefixTrie`'s
-    #: `more_groups`), one list per group, as `blocks`; None without such groups.
-    more: list[list[int | None]] | None = None
+    pages: list[list[int | None]]
     children: dict[int, TrieNode] = field(default_factory=dict)
     slot: int | None = None
     lock_count: int = 0
@@ -104,7 +106,8 @@ class PrefixMatch:
 
     num_tokens: tokens whose KV (and, in hybrid mode, recurrent state) can be
         reused; never more than the `limit` asked for.
-    pages: the pages holding them, one per page index `0 .. ceil(n/bs) - 1`.
+    pages: per page group, the pages holding them, one per page index
+        `0 .. ceil(n/bs) - 1` (empty lists when `num_tokens` is 0).
     node: the deepest node wholly inside the usable prefix (to lock), or
         None. A hit may end inside a further node: its pages are shared but
         it stays unlocked, so the part past the hit can still be evicted
@@ -113,26 +116,22 @@ class PrefixMatch:
     branch_point: in hybrid mode, where the prompt leaves the trie when that
         is beyond `num_tokens` (a checkpoint there makes siblings hit).
     path: the nodes used, root side first (to touch for LRU).
-    more_pages / more_released: `pages` and `num_released` of the trie's
-        other page groups, one entry per group (None without such groups).
     num_locked_pages: the first pages, up to `node.end // block_size`, lie
         wholly inside the path to `node`: a node of that path holds each of
         them, so locking `node` keeps them alive without another reference.
-    num_released: sliding window only: the first pages the hit does not need
-        (they are `None` in `pages`): the new sequence starts with them
-        released.
+    released: per page group, the first pages the hit does not need (sliding
+        window only; they are `None` in `pages`): the new sequence starts
+        with them released.
     """
 
     num_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[list[int | None]] = field(default_factory=list)
     node: TrieNode | None = None
     slot: int | None = None
     branch_point: int | None = None
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
-    num_released: int = 0
-    more_pages: list[list[int | None]] | None = None
-    more_released: list[int] | None = None
+    released: Sequence[int] = ()
 
 
 #: Bytes per token in `TrieNode.packed` and in a packed query.
@@ -215,30 +214,27 @@ class _PageGroup:
 class PrefixTrie:
     """The prefix cache of one `BlockManager` (see the module docstring).
 
-    `more_groups` ((pool, window) per group) are further page groups of the
-    same layers' model sharing this trie's nodes: each node holds one page
-    list per group (`TrieNode.more`), a hit must be servable in every group
-    (the window pages of each sliding group present), and evicting a node
-    drops the pages of every group (`design/grouped_store.md`).
+    `groups` ((pool, window) per page group) are the manager's page groups:
+    each node holds one page list per group (`TrieNode.pages`), a hit must
+    be servable in every group (the window pages of each sliding group
+    present), and evicting a node drops the pages of every group
+    (`design/grouped_store.md`). The listener follows group 0's pages.
     """
 
     def __init__(
         self,
         block_size: int,
-        pages: RefCountedPool,
+        groups: Sequence[tuple[RefCountedPool, int | None]],
         slots: RefCountedPool | None,
         listener: PrefixCacheListener | None = None,
-        window: int | None = None,
-        more_groups: tuple[tuple[RefCountedPool, int | None], ...] = (),
     ) -> None:
-        """`window`: the sliding window of the layer group (None: full attention)."""
+        """`groups`: (page pool, sliding window or None) of each page group."""
+        if not groups:
+            raise ValueError("a prefix trie needs at least one page group")
         self._block_size = block_size
-        self._window = window
         self._groups = tuple(
-            _PageGroup(pool, group_window, [0] * pool.num_items)
-            for pool, group_window in ((pages, window), *more_groups)
+            _PageGroup(pool, window, [0] * pool.num_items) for pool, window in groups
         )
-        self._num_more = len(more_groups)
         #: Groups with a window, by index: where a hit needs its window's pages.
         self._windowed_groups = tuple(
             g for g, group in enumerate(self._groups) if group.window is not None
@@ -246,7 +242,8 @@ class PrefixTrie:
         # A node end is a hit point whose window pages must stay: split at
         # every insert end, never merge (see `_try_merge`).
         self._windowed = bool(self._windowed_groups)
-        self._pages = pages
+        #: `PrefixMatch.released` of a hit with no window anywhere (shared, never mutated).
+        self._no_release = (0,) * len(self._groups)
         self._slots = slots
         self._hybrid = slots is not None
         self._listener = listener
@@ -259,7 +256,6 @@ class PrefixTrie:
         # Unlocked non-root leaves, and unlocked nodes holding a slot, by LRU.
         self._leaf_lru: SortedList = SortedList()
         self._slot_lru: SortedList = SortedList()
-        self._page_trie_refs = self._groups[0].trie_refs
         self.num_slots_held = 0
         self.num_evicted_nodes = 0
         #: Grows at every insert, eviction and dropped snapshot: unchanged,
@@ -272,20 +268,12 @@ class PrefixTrie:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
-    @property
-    def num_pages_held(self) -> int:
-        """Distinct pages of group 0 the nodes hold."""
-        return self._groups[0].num_pages_held
-
-    @property
-    def num_evicted_pages(self) -> int:
-        return self._groups[0].num_evicted_pages
-
-    def num_pages_held_in(self, group: int) -> int:
-        """Distinct pages of page group `group` the nodes hold."""
+    def num_pages_held(self, group: int) -> int:
+        """Distinct pages of page group `group` the nodes hold. O(1)."""
         return self._groups[group].num_pages_held
 
-    def num_evicted_pages_in(self, group: int) -> int:
+    def num_evicted_pages(self, group: int) -> int:
+        """Pages of page group `group` evictions freed so far. O(1)."""
         return self._groups[group].num_evicted_pages
 
     def match(
@@ -304,50 +292,39 @@ class PrefixTrie:
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
         num_usable = min(num_matched, limit)
-        pages = None
+        branch_point = None
         if self._windowed:
-            num_usable, pages = self._windows_usable(path, num_usable)
+            num_usable = self._windows_usable(path, num_usable)
             branch_point = num_matched if num_usable < num_matched < len(tokens) else None
-        else:
-            branch_point = None
         while path and path[-1].start >= num_usable:
             path.pop()
-        return self._make_match(path, num_usable, None, branch_point, pages)
+        return self._make_match(path, num_usable, None, branch_point)
 
-    def _windows_usable(
-        self, path: list[TrieNode], num_tokens: int
-    ) -> tuple[int, list[int | None] | None]:
+    def _windows_usable(self, path: list[TrieNode], num_tokens: int) -> int:
         """The longest hit <= `num_tokens` every windowed group serves along
-        `path` (each asked again with the shorter limit until all agree), and
-        group 0's pages when it alone decided (else None). Pure."""
+        `path` (each asked again with the shorter limit until all agree). Pure."""
         groups = self._windowed_groups
         if num_tokens == 0:
-            return 0, None
+            return 0
         if path[-1].start < num_tokens:
             for group in groups:
                 if not self._window_present(path, num_tokens, group):
                     break
             else:
-                return num_tokens, None  # the common case: every window is there
-        if len(groups) == 1:
-            usable, pages = self._window_usable(path, num_tokens, groups[0])
-            return usable, pages if groups[0] == 0 else None
+                return num_tokens  # the common case: every window is there
         num_agreeing, i = 0, 0
         while num_agreeing < len(groups):
-            usable = self._window_usable(path, num_tokens, groups[i])[0]
+            usable = self._window_usable(path, num_tokens, groups[i])
             if usable < num_tokens:
                 num_tokens, num_agreeing = usable, 1
             else:
                 num_agreeing += 1
             i = (i + 1) % len(groups)
-        return num_tokens, None
+        return num_tokens
 
-    def _window_usable(
-        self, path: list[TrieNode], num_tokens: int, group: int = 0
-    ) -> tuple[int, list[int | None] | None]:
-        """The longest hit <= `num_tokens` whose window pages are all present
-        along `path` (sliding window), and the pages along the part of `path`
-        that hit uses (None: left to `_make_match`). Pure.
+    def _window_usable(self, path: list[TrieNode], num_tokens: int, group: int) -> int:
+        """The longest hit <= `num_tokens` whose window pages of `group` are
+        all present along `path`. Pure.
 
         A hit at p needs pages (p - W + 1) // bs .. (p - 1) // bs. When one is
         missing at index j, no hit past j * bs can be served: jump there
@@ -357,7 +334,7 @@ class PrefixTrie:
         while path and path[-1].start >= num_tokens:
             path = path[:-1]
         if num_tokens == 0 or self._window_present(path, num_tokens, group):
-            return num_tokens, None
+            return num_tokens
         block_size, window = self._block_size, self._groups[group].window
         p = num_tokens
         while p > 0:
@@ -368,16 +345,16 @@ class PrefixTrie:
             last = (p - 1) // block_size
             hole = _last_none(pages, first, last)
             if hole is None:
-                return p, pages
+                return p
             p = hole * block_size
-        return 0, []
+        return 0
 
-    def _window_present(self, path: list[TrieNode], p: int, group: int = 0) -> bool:
+    def _window_present(self, path: list[TrieNode], p: int, group: int) -> bool:
         """Are the pages of the window before `p` all present along `path`
         (whose last node holds position p - 1)? O(depth).
 
         Page index j is served by the deepest node covering it; a node's
-        holes come first in its blocks, so it serves a hole in the window
+        holes come first in its pages, so it serves a hole in the window
         exactly when its first index there is one.
         """
         block_size = self._block_size
@@ -386,8 +363,8 @@ class PrefixTrie:
         for node in reversed(path):
             first_index = node.start // block_size
             low = max(first, first_index)
-            blocks = node.blocks if group == 0 else node.more[group - 1]
-            if low < end and blocks[low - first_index] is None:
+            pages = node.pages[group]
+            if low < end and pages[low - first_index] is None:
                 return False
             if first_index <= first:
                 return True
@@ -463,7 +440,7 @@ class PrefixTrie:
                 snapshot_depth = depth
         while self._windowed and snapshot_depth is not None:
             end = path[snapshot_depth].end
-            if self._windows_usable(path[: snapshot_depth + 1], end)[0] == end:
+            if self._windows_usable(path[: snapshot_depth + 1], end) == end:
                 break
             snapshot_depth = self._shallower_snapshot(path, snapshot_depth)
         num_usable = 0 if snapshot_depth is None else path[snapshot_depth].end
@@ -482,48 +459,33 @@ class PrefixTrie:
         return None
 
     def _make_match(
-        self,
-        path: list[TrieNode],
-        num_tokens: int,
-        slot: int | None,
-        branch_point: int | None,
-        pages: list[int | None] | None = None,
+        self, path: list[TrieNode], num_tokens: int, slot: int | None, branch_point: int | None
     ) -> PrefixMatch:
-        """`pages`: `_pages_along(path)` when the caller has it (a fresh
-        list: it becomes the match's)."""
+        """The match of the first `num_tokens` tokens along `path`: every
+        group's pages (a windowed group's before its window released)."""
         if num_tokens == 0:
             return PrefixMatch(branch_point=branch_point)
         block_size = self._block_size
-        if pages is None:
-            pages = self._pages_along(path)
-        del pages[-(-num_tokens // block_size) :]
+        num_pages = -(-num_tokens // block_size)
         # Only the last node of the path can end past the hit.
         lock = path[-1]
         if lock.end > num_tokens:
             lock = path[-2] if len(path) > 1 else None
         num_locked_pages = lock.end // block_size if lock is not None else 0
-        num_released = 0
-        if self._window is not None:
-            num_released = self._release_pages(pages, num_tokens, self._window)
-        if not self._num_more:
-            return PrefixMatch(
-                num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released
-            )
-        num_pages = len(pages)
-        more_pages = []
-        more_released = []
-        groups = self._groups
-        for group in range(1, len(groups)):
+        pages = []
+        for group in range(len(self._groups)):
             group_pages = self._pages_along(path, group)
             del group_pages[num_pages:]
-            more_pages.append(group_pages)
-            window = groups[group].window
-            more_released.append(
-                0 if window is None else self._release_pages(group_pages, num_tokens, window)
-            )
+            pages.append(group_pages)
+        released = self._no_release
+        if self._windowed:
+            released = [
+                0 if record.window is None
+                else self._release_pages(group_pages, num_tokens, record.window)
+                for record, group_pages in zip(self._groups, pages)
+            ]
         return PrefixMatch(
-            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, num_released,
-            more_pages, more_released,
+            num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, released
         )
 
     def _release_pages(self, pages: list, num_tokens: int, window: int) -> int:
@@ -533,16 +495,13 @@ class PrefixTrie:
         pages[:num_released] = [None] * num_released
         return num_released
 
-    def _pages_along(self, path: list[TrieNode], group: int = 0) -> list[int]:
-        """One page per index; at a straddled index the deeper node's page."""
-        pages: list[int] = []
+    def _pages_along(self, path: list[TrieNode], group: int) -> list[int | None]:
+        """One page of `group` per index; at a straddled index the deeper
+        node's page. O(path pages)."""
+        pages: list[int | None] = []
         block_size = self._block_size
-        if group:
-            for node in path:
-                pages[node.start // block_size :] = node.more[group - 1]
-            return pages
         for node in path:
-            pages[node.start // block_size :] = node.blocks
+            pages[node.start // block_size :] = node.pages[group]
         return pages
 
     # ------------------------------------------------------------ lock and LRU
@@ -601,15 +560,15 @@ class PrefixTrie:
         self,
         namespace: Hashable,
         tokens: list[int],
-        pages: list[int | None],
+        tables: Sequence[list[int | None]],
         slot: int | None = None,
         start: TrieNode | None = None,
         packed: bytes = b"",
-        more_pages: list[list[int | None]] | None = None,
         *,
         lock: bool = False,
-    ) -> tuple[TrieNode, bool]:
-        """Cache `tokens`, whose KV is in `pages` (one per page index).
+    ) -> tuple[TrieNode | None, bool]:
+        """Cache `tokens`, whose KV is in `tables` (per page group, one page
+        per page index).
 
         The trie takes its own references to the pages it keeps (and to
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
@@ -621,25 +580,23 @@ class PrefixTrie:
         packed (`pack_tokens`), is sliced instead of packing those again.
         O(len(tokens) + depth).
 
-        Sliding window: only the pages of the window before `len(tokens)` are
-        kept (`None` entries of `pages`, released pages, are skipped), and
-        they also fill the holes of the nodes the insert walks through, so
-        the new end is a hit point. `more_pages`: the other page groups'
-        tables, one per group (required with such groups). `lock`: lock the
+        Sliding window: a windowed group keeps only the pages of the window
+        before `len(tokens)` (`None` entries of its table, released pages,
+        are skipped), and they also fill the holes of the nodes the insert
+        walks through, so the new end is a hit point. `lock`: lock the
         node returned (as `lock(node)`, when it is not None) before the LRU
         update; the same state as locking it after, without moving a new leaf
         into the LRU list and out again.
         """
         self.version += 1
         windowed = self._windowed
-        tables = (pages,) if more_pages is None else (pages, *more_pages)
         if start is not None:
             node, pos = start, start.end
             path = self._path_to(start)
         else:
             root = self._roots.get(namespace)
             if root is None:
-                root = self._new_node(namespace, [], 0, None, [])
+                root = self._new_node(namespace, [], 0, None, [[] for _ in self._groups])
                 self._roots[namespace] = root
             node, pos = root, 0
             path = []
@@ -682,8 +639,8 @@ class PrefixTrie:
         """Can `extend` store the first `num_tokens` tokens from `node` with
         recurrent state `slot`? True when `node` is a leaf locked once (by
         the caller), holds no snapshot, the insert adds tokens and takes no
-        slot, and the trie merges nodes (no window, no further page group).
-        Pure; O(1)."""
+        slot, and the trie merges nodes (no windowed group: then the trie
+        has one page group, since groups have distinct windows). Pure; O(1)."""
         return (
             num_tokens > node.end
             and node.lock_count == 1
@@ -691,14 +648,13 @@ class PrefixTrie:
             and node.slot is None
             and slot is None
             and not self._windowed
-            and not self._num_more
         )
 
     def extend(
-        self, node: TrieNode, tokens: list[int], num_tokens: int, pages: list[int],
-        packed: bytes = b"", *, lock: bool = False,
+        self, node: TrieNode, tokens: list[int], num_tokens: int,
+        tables: Sequence[list[int | None]], packed: bytes = b"", *, lock: bool = False,
     ) -> TrieNode:
-        """`insert(node.namespace, tokens[:num_tokens], pages, start=node)`
+        """`insert(node.namespace, tokens[:num_tokens], tables, start=node)`
         followed by the caller's release of its lock on `node` or the move of
         that lock to the insert's end, when `can_extend` says so (`tokens`
         may run past `num_tokens`: only the tokens past `node.end` are read).
@@ -715,16 +671,18 @@ class PrefixTrie:
         self.version += 1
         block_size = self._block_size
         pos = node.end
-        blocks = pages[pos // block_size : -(-num_tokens // block_size)]
-        self._hold_pages(blocks)  # before the drop below: the first may be the same page
+        (table,) = tables  # one page group, no window: no None entries
+        added = table[pos // block_size : -(-num_tokens // block_size)]
+        self._hold_pages(added, 0)  # before the drop below: the first may be the same page
         tail = tokens[pos:num_tokens]
         if self._listener is not None:
-            self.events.append(("stored", list(blocks), tail))
+            self.events.append(("stored", list(added), tail))
+        (pages,) = node.pages
         if pos % block_size:
-            self._drop_pages(node.blocks[-1:])  # the sequence's page supersedes it
-            node.blocks = node.blocks[:-1] + blocks
+            self._drop_pages(pages[-1:], 0)  # the sequence's page supersedes it
+            node.pages = [pages[:-1] + added]
         else:
-            node.blocks = node.blocks + blocks
+            node.pages = [pages + added]
         if self._listener is None:
             node.tokens += tail  # O(tail): nothing outside the trie holds the list
         else:
@@ -745,12 +703,12 @@ class PrefixTrie:
     ) -> list[int | None]:
         """`table[first:end]`, with `None` for the pages outside the window
         before `num_tokens` (a hit there needs only those). O(end - first)."""
-        blocks = table[first:end]
+        pages = table[first:end]
         if window is not None:
             num_dropped = max(0, num_tokens - window + 1) // self._block_size - first
             if num_dropped > 0:
-                blocks[:num_dropped] = [None] * min(num_dropped, len(blocks))
-        return blocks
+                pages[:num_dropped] = [None] * min(num_dropped, len(pages))
+        return pages
 
     def _fill_holes(
         self, path: list[TrieNode], pages: list[int | None], num_tokens: int, group: int
@@ -764,22 +722,22 @@ class PrefixTrie:
             if node.end <= first * block_size:
                 return  # wholly before the window
             first_index = node.start // block_size
-            blocks = node.blocks if group == 0 else node.more[group - 1]
+            held = node.pages[group]
             low = max(0, first - first_index)
-            if low >= len(blocks) or blocks[low] is not None:
+            if low >= len(held) or held[low] is not None:
                 continue  # no hole from `low` on (holes come first): the common case
-            for i in range(low, len(blocks)):
+            for i in range(low, len(held)):
                 index = first_index + i
-                if blocks[i] is None and index < len(pages) and pages[index] is not None:
-                    blocks[i] = pages[index]
-                    self._hold_pages([blocks[i]], group)
+                if held[i] is None and index < len(pages) and pages[index] is not None:
+                    held[i] = pages[index]
+                    self._hold_pages([held[i]], group)
 
     def _add_child(
         self,
         parent: TrieNode,
         tokens: list[int],
         pos: int,
-        tables: list[list[int | None]],
+        tables: Sequence[list[int | None]],
         packed: bytes,
     ) -> TrieNode:
         """`tables`: the inserting sequence's pages, one table per group; a
@@ -787,29 +745,23 @@ class PrefixTrie:
         block_size = self._block_size
         num_tokens = len(tokens)
         first, end = pos // block_size, -(-num_tokens // block_size)
-        if self._window is None:
-            blocks = tables[0][first:end]
-        else:
-            blocks = self._kept_pages(tables[0], first, end, num_tokens, self._window)
-        self._hold_pages(blocks)
+        pages = []
+        for group, record in enumerate(self._groups):
+            if record.window is None:
+                held = tables[group][first:end]
+            else:
+                held = self._kept_pages(tables[group], first, end, num_tokens, record.window)
+            self._hold_pages(held, group)
+            pages.append(held)
         child = self._new_node(
-            parent.namespace, tokens[pos:], pos, parent, blocks, _packed_run(tokens, packed, pos)
+            parent.namespace, tokens[pos:], pos, parent, pages, _packed_run(tokens, packed, pos)
         )
-        if self._num_more:
-            groups = self._groups
-            child.more = more = []
-            for group in range(1, len(groups)):
-                group_blocks = self._kept_pages(
-                    tables[group], first, end, num_tokens, groups[group].window
-                )
-                more.append(group_blocks)
-                self._hold_pages(group_blocks, group)
         children = parent.children
         children[tokens[pos]] = child
         if len(children) == 1:
             self._reindex(parent)  # it was a leaf
         if self._listener is not None:
-            self.events.append(("stored", self._present(blocks), child.tokens))
+            self.events.append(("stored", _present(pages[0]), child.tokens))
         return child
 
     def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
@@ -823,28 +775,23 @@ class PrefixTrie:
         first_index = node.start // block_size
         cut = node.start + num_head_tokens
         head_end, tail_start = -(-cut // block_size) - first_index, cut // block_size - first_index
-        head_blocks = node.blocks[:head_end]
-        tail_blocks = node.blocks[tail_start:]
-        if cut % block_size and node.blocks[tail_start] is not None:
-            self._hold_pages([node.blocks[tail_start]])
+        head_pages = [pages[:head_end] for pages in node.pages]
+        node.pages = [pages[tail_start:] for pages in node.pages]
+        if cut % block_size:  # the straddled page: both sides hold it
+            for group, pages in enumerate(node.pages):
+                if pages[0] is not None:
+                    self._hold_pages(pages[:1], group)
         parent = node.parent
         head = self._new_node(
-            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_blocks,
+            node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_pages,
             node.packed[: num_head_tokens * TOKEN_BYTES],
         )
-        if node.more is not None:
-            head.more = [blocks[:head_end] for blocks in node.more]
-            node.more = [blocks[tail_start:] for blocks in node.more]
-            for group, blocks in enumerate(node.more, 1):
-                if cut % block_size and blocks[0] is not None:
-                    self._hold_pages([blocks[0]], group)
         head.lock_count = node.lock_count
         head.last_access = node.last_access
         parent.children[head.tokens[0]] = head
         node.tokens = node.tokens[num_head_tokens:]
         node.packed = node.packed[num_head_tokens * TOKEN_BYTES :]
         node.start = cut
-        node.blocks = tail_blocks
         node.parent = head
         head.children[node.tokens[0]] = node
         return head
@@ -874,12 +821,12 @@ class PrefixTrie:
         (child,) = node.children.values()
         if child.lock_count != node.lock_count:
             return
+        # One page group, no window (a windowed trie never merges).
+        (head_pages,), (child_pages,) = node.pages, child.pages
         if child.start % self._block_size:
-            self._drop_pages(self._present(node.blocks[-1:]))  # the child's page supersedes it
-            head_blocks = node.blocks[:-1]
-        else:
-            head_blocks = node.blocks
-        child.blocks = head_blocks + child.blocks
+            self._drop_pages(head_pages[-1:], 0)  # the child's page supersedes it
+            head_pages = head_pages[:-1]
+        child.pages = [head_pages + child_pages]
         child.tokens = node.tokens + child.tokens
         child.packed = node.packed + child.packed
         child.start = node.start
@@ -891,7 +838,7 @@ class PrefixTrie:
 
     # ---------------------------------------------------------------- eviction
 
-    def can_free_pages(self, num_pages: int, group: int = 0) -> bool:
+    def can_free_pages(self, num_pages: int, group: int) -> bool:
         """Could evicting unlocked entries free `num_pages` pages of page
         group `group`? Pure.
 
@@ -926,17 +873,16 @@ class PrefixTrie:
                 exposed.append(parent)
         return True
 
-    def _sole_pages(self, node_id: int, group: int = 0) -> int:
+    def _sole_pages(self, node_id: int, group: int) -> int:
         """Pages of a node (in page group `group`) that nothing else references."""
         return self._groups[group].pool.num_sole(self._group_pages(self._nodes[node_id], group))
 
     def _group_pages(self, node: TrieNode, group: int) -> list[int]:
         """The pages `node` holds in page group `group`."""
-        if group == 0:
-            return self._present(node.blocks)
-        return [page for page in node.more[group - 1] if page is not None]
+        pages = node.pages[group]
+        return pages if self._groups[group].window is None else _present(pages)
 
-    def evict_pages(self, num_free_wanted: int, group: int = 0) -> None:
+    def evict_pages(self, num_free_wanted: int, group: int) -> None:
         """Evict LRU unlocked leaves (every group's pages of each) until the
         pool of page group `group` has `num_free_wanted` free."""
         pages = self._groups[group].pool
@@ -994,20 +940,15 @@ class PrefixTrie:
         while True:
             parent = node.parent
             del parent.children[node.tokens[0]]
-            num_freed = self._drop_pages(self._present(node.blocks))
-            if node.more is not None:
-                for group, blocks in enumerate(node.more, 1):
-                    self._groups[group].num_evicted_pages += self._drop_pages(
-                        [page for page in blocks if page is not None], group
-                    )
+            for group, record in enumerate(self._groups):
+                record.num_evicted_pages += self._drop_pages(self._group_pages(node, group), group)
             if node.slot is not None:
                 self._slots.release(node.slot)
                 node.slot = None
                 self.num_slots_held -= 1
-            self._groups[0].num_evicted_pages += num_freed
             self.num_evicted_nodes += 1
             if self._listener is not None:
-                self.events.append(("removed", self._present(node.blocks), None))
+                self.events.append(("removed", self._group_pages(node, 0), None))
             self._detach(node)
             if parent.parent is None:
                 if not parent.children:
@@ -1054,11 +995,11 @@ class PrefixTrie:
         tokens: list[int],
         start: int,
         parent: TrieNode | None,
-        blocks: list[int],
+        pages: list[list[int | None]],
         packed: bytes | None = None,
     ) -> TrieNode:
         node = TrieNode(
-            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, blocks,
+            self._next_node_id, namespace, tokens, start, start + len(tokens), parent, pages,
             packed=pack_tokens(tokens) if packed is None else packed,
         )
         self._next_node_id += 1
@@ -1072,13 +1013,7 @@ class PrefixTrie:
         self._reindex(node)
         del self._nodes[node.node_id]
 
-    def _present(self, blocks: list[int | None]) -> list[int]:
-        """The pages of `blocks` that are held (all of them without a window)."""
-        if self._window is None:
-            return list(blocks)
-        return [page for page in blocks if page is not None]
-
-    def _hold_pages(self, pages: list[int | None], group: int = 0) -> None:
+    def _hold_pages(self, pages: list[int | None], group: int) -> None:
         """Take the trie's reference to each page (of page group `group`).
         O(len(pages))."""
         record = self._groups[group]
@@ -1093,7 +1028,7 @@ class PrefixTrie:
                 num_new += 1
         record.num_pages_held += num_new
 
-    def _drop_pages(self, pages: list[int], group: int = 0) -> int:
+    def _drop_pages(self, pages: list[int], group: int) -> int:
         """Drop the trie's reference to each page; return how many became free."""
         record = self._groups[group]
         refs = record.trie_refs
@@ -1116,14 +1051,13 @@ class PrefixTrie:
                 tuple(node.tokens),
                 node.start,
                 node.parent.node_id if not node.parent.is_root else None,
-                tuple(node.blocks),
+                tuple(map(tuple, node.pages)),
                 node.slot,
                 node.lock_count,
                 node.last_access,
                 node.leaf_key,
                 node.slot_key,
                 tuple(sorted(child.node_id for child in node.children.values())),
-                None if node.more is None else tuple(tuple(blocks) for blocks in node.more),
             )
             for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
         )
@@ -1140,24 +1074,15 @@ class PrefixTrie:
         )
         return nodes, roots, counters, tuple(tuple(g.trie_refs) for g in self._groups)
 
-    def add_references(
-        self,
-        page_refs: list[int],
-        slot_refs: list[int] | None,
-        more_page_refs: list[list[int]] = (),
-    ) -> None:
-        """Add the trie's page and slot references to the given counters
-        (`more_page_refs`: one counter list per further page group)."""
-        whole = self._window is None  # `_present` would copy every node's pages
+    def add_references(self, page_refs: Sequence[list[int]], slot_refs: list[int] | None) -> None:
+        """Add the trie's page references (`page_refs`: one counter list per
+        page group) and slot references to the given counters. O(state)."""
         for node in self._nodes.values():
-            for page in node.blocks if whole else self._present(node.blocks):
-                page_refs[page] += 1
+            for group, refs in enumerate(page_refs):
+                for page in self._group_pages(node, group):
+                    refs[page] += 1
             if node.slot is not None:
                 slot_refs[node.slot] += 1
-            for blocks, refs in zip(node.more or (), more_page_refs):
-                for page in blocks:
-                    if page is not None:
-                        refs[page] += 1
 
     def check_integrity(self, expected_locks: dict[int, int]) -> None:
         """Raise `IntegrityError` if a trie invariant is broken.
@@ -1168,7 +1093,7 @@ class PrefixTrie:
         seen: set[int] = set()
         held_refs = [[0] * len(group.trie_refs) for group in self._groups]
         for namespace, root in self._roots.items():
-            if root.parent is not None or root.tokens or root.blocks or root.slot is not None:
+            if root.parent is not None or root.tokens or any(root.pages) or root.slot is not None:
                 raise IntegrityError(f"root of namespace {namespace!r} is not empty")
             if not root.children:
                 raise IntegrityError(f"namespace {namespace!r} has an empty root")
@@ -1213,22 +1138,19 @@ class PrefixTrie:
         if node.packed != pack_tokens(node.tokens):
             raise IntegrityError(f"{_node_where(node)} has stale packed tokens")
         block_size = self._block_size
-        num_blocks = (node.end - 1) // block_size - node.start // block_size + 1
-        if (node.more is None) != (self._num_more == 0) or (
-            node.more is not None and len(node.more) != self._num_more
-        ):
+        num_pages = (node.end - 1) // block_size - node.start // block_size + 1
+        if len(node.pages) != len(self._groups):
             raise IntegrityError(f"{_node_where(node)} holds pages of other groups than the trie's")
-        for g, (blocks, group) in enumerate(zip([node.blocks, *(node.more or ())], self._groups)):
-            if len(blocks) != num_blocks:
-                raise IntegrityError(
-                    f"{_node_where(node)} holds {len(blocks)} pages of group {g}, needs {num_blocks}"
-                )
-            if group.window is None and None in blocks:
-                raise IntegrityError(f"{_node_where(node)} lacks a page of group {g} without a sliding window")
-            if None in blocks[blocks.count(None) :]:
-                raise IntegrityError(f"{_node_where(node)} holds a page of group {g} before a hole")
+        for g, (pages, group) in enumerate(zip(node.pages, self._groups)):
+            where = f"{_node_where(node)}, group {g}:"
+            if len(pages) != num_pages:
+                raise IntegrityError(f"{where} holds {len(pages)} pages, needs {num_pages}")
+            if group.window is None and None in pages:
+                raise IntegrityError(f"{where} lacks a page without a sliding window")
+            if None in pages[pages.count(None) :]:
+                raise IntegrityError(f"{where} holds a page before a hole")
             refs = held_refs[g]
-            for page in blocks:
+            for page in pages:
                 if page is not None:
                     refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
@@ -1250,6 +1172,11 @@ class PrefixTrie:
         want_slot = key if unlocked and node.slot is not None else None
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
             raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
+
+
+def _present(pages: list[int | None]) -> list[int]:
+    """The pages of a windowed group's list that are held (not holes)."""
+    return [page for page in pages if page is not None]
 
 
 def _node_where(node: TrieNode) -> str:

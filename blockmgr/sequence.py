@@ -1,10 +1,18 @@
-"""Records of the block manager: a live sequence and an allocation result."""
+"""Records of the block manager: a live sequence, the table of live
+sequences, and an allocation result."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from blockmgr.errors import (
+    DuplicateSequence,
+    InvalidArgument,
+    SequenceSwapped,
+    SpeculationInFlight,
+    UnknownSequence,
+)
 from blockmgr.ops import MemoryOp
 from blockmgr.prefix_trie import TrieNode
 
@@ -29,89 +37,119 @@ class Speculation:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A live sequence: its tokens, the pages holding them, its slot.
+    """A live sequence: its tokens, the pages holding them in every page
+    group, its slot.
 
-    block_table[j] holds token positions [j * block_size, (j + 1) * block_size);
-    with a sliding window the first `num_released` entries are None (released).
-    locked_node is the deepest trie node this sequence keeps from eviction;
-    `anchored` says that node spells exactly tokens[:locked_node.end], so
-    `free` can insert from there without comparing that prefix again.
-    The first `num_borrowed` pages (full pages, all inside the locked path,
-    at most `locked_node.end // block_size`) are *borrowed*: a locked trie
-    node holds each of them and locked nodes are never evicted, so the
-    sequence takes no reference of its own. It owns a reference to every
-    other page in its table (from index max(num_released, num_borrowed)).
-    While `swapped`, block_table and slot name host pages and a host slot.
+    `tables[g][j]` is the page of group g holding token positions
+    `[j * block_size, (j + 1) * block_size)`; every group's table has
+    `ceil(len(tokens) / block_size)` entries, the first `released[g]` of
+    them None (released by that group's sliding window).
+    `locked_node` is the deepest trie node this sequence keeps from
+    eviction; `anchored` says that node spells exactly
+    `tokens[:locked_node.end]`, so `free` can insert from there without
+    comparing that prefix again. The first `num_borrowed` pages of every
+    group (full pages, all inside the locked path, at most
+    `locked_node.end // block_size`) are *borrowed*: a locked trie node
+    holds each of them and locked nodes are never evicted, so the sequence
+    takes no reference of its own. It owns a reference to every other page
+    of its tables (from index `first_owned(g)`).
+    While `swapped`, the tables and slot name host pages and a host slot.
     `packed` is `tokens[:len(packed) // 8]` packed as the trie stores them
     (the prompt's, from `allocate`), so caching them packs nothing again.
     `speculation` is the open speculation transaction, if any.
     `recompute_from` is set after a commit restored a recurrent checkpoint:
     the tokens from that position on are computed again, so the sliding
-    window keeps the pages that position attends to (see `append`).
-    `more_tables` / `more_released`: the page tables (and released counts)
-    of the manager's further page groups (`blockmgr.page_group`), one per
-    group, as `block_table` / `num_released`; None without such groups.
+    windows keep the pages that position attends to (see `append`).
     """
 
     seq_id: Hashable
     namespace: Hashable
     tokens: list[int]
-    block_table: list[int | None]
+    tables: list[list[int | None]]
+    released: list[int]
     slot: int | None = None
     locked_node: TrieNode | None = None
-    num_released: int = 0
     swapped: bool = False
     anchored: bool = False
     num_borrowed: int = 0
     packed: bytes = b""
     speculation: Speculation | None = None
     recompute_from: int | None = None
-    more_tables: list[list[int | None]] | None = None
-    more_released: list[int] | None = None
 
-    @property
-    def first_owned(self) -> int:
-        """Index of the first page the sequence holds a reference to."""
-        return max(self.num_released, self.num_borrowed)
+    def first_owned(self, index: int) -> int:
+        """Index of the first page of group `index` the sequence holds a
+        reference to."""
+        return max(self.released[index], self.num_borrowed)
+
+
+class SequenceTable(dict):
+    """The live sequences of a manager by id (a `dict`: lookups at C speed),
+    with the lookups that raise the manager's typed errors. The manager and
+    its helpers (`blockmgr.speculation`, `blockmgr.swap`) share one."""
+
+    def live(self, seq_id: Hashable) -> Sequence:
+        """The live sequence; `UnknownSequence` otherwise. O(1)."""
+        try:
+            return self[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no live sequence {seq_id!r}") from None
+
+    def resident(self, seq_id: Hashable) -> Sequence:
+        """The live sequence, which must not be swapped out."""
+        try:
+            seq: Sequence = self[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no live sequence {seq_id!r}") from None
+        if seq.swapped:
+            raise SequenceSwapped(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return seq
+
+    def idle(self, seq_id: Hashable) -> Sequence:
+        """The resident sequence, which must have no speculation open."""
+        seq = self.resident(seq_id)
+        if seq.speculation is not None:
+            raise SpeculationInFlight(
+                f"sequence {seq_id!r} has a speculation open; commit or abort it first"
+            )
+        return seq
+
+    def swapped_out(self, seq_id: Hashable) -> Sequence:
+        """The live sequence, which must be swapped out."""
+        seq = self.live(seq_id)
+        if not seq.swapped:
+            raise InvalidArgument(f"sequence {seq_id!r} is not swapped out")
+        return seq
+
+    def check_new_id(self, seq_id: Hashable) -> None:
+        """Raise unless `seq_id` is hashable and not live."""
+        try:
+            exists = seq_id in self
+        except TypeError:
+            raise InvalidArgument(f"sequence id must be hashable, got {seq_id!r}") from None
+        if exists:
+            raise DuplicateSequence(f"sequence {seq_id!r} is already live")
 
 
 @dataclass(slots=True)
 class Allocation:
     """What `BlockManager.allocate` did.
 
-    block_table: pages for every prompt token (a copy; the manager's own
-        table changes as the sequence grows).
+    block_table: pages for every prompt token in the first page group (a
+        copy; the manager's own table changes as the sequence grows).
     slot: the sequence's recurrent slot (None for attention-only models).
     ops: the memory-op plan to apply before the next forward pass.
     num_cached_tokens: tokens already computed (reused from the prefix trie);
         always at most len(tokens) - 1, so there is a token to compute.
-    branch_point: hybrid models only: where the prompt leaves the cached
-        prefix when no recurrent snapshot exists there. End a prefill chunk at
-        this position and `cache_prefix` it, and the next prompt sharing the
+    branch_point: where the prompt leaves the cached prefix when the hit
+        stops before it (hybrid: no recurrent snapshot there; sliding
+        window: the window's pages missing). End a prefill chunk at this
+        position and `cache_prefix` it, and the next prompt sharing the
         prefix hits it. None when there is nothing to gain.
     """
 
     seq_id: Hashable
-    block_table: list[int]
+    block_table: list[int | None]
     slot: int | None
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int
     branch_point: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DecodePlan:
-    """What one decode step of many sequences (`BlockManager.append_decode`)
-    needs beyond a slot in each row's own last page.
-
-    growing: indices of the rows that take the full append path (a new
-    page, a copy, a window release, a slot); num_pages / num_slots: the
-    pages (new and copies) and slot copies those rows take at most;
-    more_pages: the pages of each further page group they take at most
-    (None: the manager keeps one group).
-    """
-
-    growing: set[int]
-    num_pages: int
-    num_slots: int
-    more_pages: list[int] | None = None

@@ -7,25 +7,27 @@ sequence's slot at begin is kept as a checkpoint while it writes a copy, and
 a commit keeps part of the speculative tail, releasing the pages past it and
 giving back the checkpoint when it keeps less than the whole tail.
 
-The manager owns one `SpeculationTransactions` over its own pools. Every
-call is a plan (pure, raising on a bad argument) and an act on that plan
-(which cannot fail): the manager reserves the plan's memory (with eviction)
-between the two and delivers the prefix-cache events after the act;
-`can_speculate` is the same plan with the manager's pure room check. `free`
-of a sequence with a transaction open uses `check_free_count` and `end`.
+The manager owns one `SpeculationTransactions` over its page groups, slot
+pool and live sequences. Every call is a plan (pure, raising on a bad
+argument) and an act on that plan (which cannot fail): the manager reserves
+the plan's memory (with eviction) between the two and delivers the
+prefix-cache events after the act; `can_speculate` is the same plan with
+the manager's pure room check. `free` of a sequence with a transaction open
+uses `check_free_count` and `end`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import dataclass
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.growth import grow, plan_growth
 from blockmgr.ops import CopySlot, MemoryOp
 from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
-from blockmgr.sequence import Sequence, Speculation
+from blockmgr.sequence import Sequence, SequenceTable, Speculation
 from blockmgr.validation import check_count, check_int, token_list
 
 Plan = tuple[MemoryOp, ...]
@@ -36,48 +38,34 @@ class BeginPlan:
     """What `begin_speculation` does, checked whole before anything changes.
 
     entries: (sequence, draft tokens, recompute position) per sequence, in
-    call order; num_pages / num_slots: the pages and slots to reserve (new
-    pages, copies of shared last pages and slots, hybrid checkpoints);
-    more_pages: the same per further page group (None: the manager keeps one
-    group).
+    call order; needs: the pages to reserve in each page group (new pages,
+    copies of shared last pages); num_slots: the slots to reserve (hybrid
+    checkpoints and copies of shared slots).
     """
 
     entries: list[tuple[Sequence, list[int], int | None]]
-    num_pages: int
+    needs: list[int]
     num_slots: int
-    more_pages: list[int] | None
 
 
 @dataclass(slots=True, eq=False)
 class SpeculationTransactions:
     """Open and close speculation transactions on a manager's sequences.
 
-    `pages` / `slots` (None: no recurrent state) are the pools of the
-    manager's own page group, `more` its further page groups, `block_size`
-    its page size. The manager's own per-sequence work comes as callables:
-    `idle(seq_id)` / `get(seq_id)` the live sequence (resident with no
-    transaction open / any; raising the manager's typed error otherwise),
-    `growth(seq, n)` (new pages, copy the last page?, copy the slot?) to add
-    n tokens, `make_writable(seq, copy_page, copy_slot)` the copies of
-    reserved memory that give the sequence its own last page / slot, and
-    `window_keeps(seq, n)` whether the pages the token at n attends to are
-    still held.
+    `groups` are the manager's page groups, `slots` its slot pool (None: no
+    recurrent state), `sequences` its live sequences (the lookups raise its
+    typed errors).
     """
 
-    pages: RefCountedPool
+    groups: tuple[PageGroup, ...]
     slots: RefCountedPool | None
-    more: tuple[PageGroup, ...]
-    block_size: int
-    _: KW_ONLY
-    idle: Callable[[Hashable], Sequence]
-    get: Callable[[Hashable], Sequence]
-    growth: Callable[[Sequence, int], tuple[int, bool, bool]]
-    make_writable: Callable[[Sequence, bool, bool], Plan]
-    window_keeps: Callable[[Sequence, int], bool]
+    sequences: SequenceTable
 
     # ----------------------------------------------------------------- begin
 
-    def plan_begin(self, drafts, num_computed) -> BeginPlan:
+    def plan_begin(
+        self, drafts: object, num_computed: object
+    ) -> BeginPlan:
         """Check `begin_speculation`'s arguments whole: (sequence, draft list,
         recompute position) per entry, pages and slots to reserve (copies of
         shared last pages and slots counted exactly: see `_num_copies`). Pure."""
@@ -91,64 +79,53 @@ class SpeculationTransactions:
             raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
         entries = []
         num_pages = num_slots = 0
-        shared_pages: Counter = Counter()  # shared last page -> members of this call on it
-        shared_slots: Counter = Counter()
-        more_shared = [Counter() for _ in self.more]  # the same per further group
-        idle, growth = self.idle, self.growth  # called from locals: as fast as methods
+        # Shared last page (per group) / slot -> members of this call on it.
+        shared_pages: list[Counter[int]] = [Counter() for _ in self.groups]
+        shared_slots: Counter[int] = Counter()
         for seq_id, tokens in drafts.items():
-            seq = idle(seq_id)
+            seq = self.sequences.idle(seq_id)
             tokens = token_list(tokens, f"drafts[{seq_id!r}]")
-            pages, copy_page, copy_slot = growth(seq, len(tokens))
-            num_pages += pages
+            growth = plan_growth(self.groups, self.slots, seq, len(tokens))
+            num_pages += growth.num_pages
             num_slots += seq.slot is not None
-            if copy_page:
-                shared_pages[seq.block_table[-1]] += 1
-            if copy_slot:
+            for index, copy in enumerate(growth.copies):
+                if copy:
+                    shared_pages[index][seq.tables[index][-1]] += 1
+            if growth.copy_slot:
                 shared_slots[seq.slot] += 1
-            for index, group in enumerate(self.more):
-                if group.copies_last_page(seq, index):
-                    more_shared[index][seq.more_tables[index][-1]] += 1
             entries.append((seq, tokens, self._recompute_position(seq, num_computed)))
-        more = None
-        if self.more:
-            more = [
-                num_pages + _num_copies(shared, group.pages.refcount)
-                for group, shared in zip(self.more, more_shared)
-            ]
-        num_pages += _num_copies(shared_pages, self.pages.refcount)
+        needs = [
+            num_pages + _num_copies(shared, group.pages.refcount)
+            for group, shared in zip(self.groups, shared_pages)
+        ]
         if shared_slots:  # only a hybrid manager has slots
             num_slots += _num_copies(shared_slots, self.slots.refcount)
-        return BeginPlan(entries, num_pages, num_slots, more)
+        return BeginPlan(entries, needs, num_slots)
 
     def begin(self, plan: BeginPlan) -> Plan:
         """Open the transactions of `plan` (its memory is reserved); the
         plan of copies. O(sequences + draft pages)."""
         ops: list[MemoryOp] = []
-        growth, make_writable = self.growth, self.make_writable
+        groups, slots = self.groups, self.slots
         for seq, tokens, recompute_from in plan.entries:
             # Asked now, not when planning: a sibling earlier in this call
             # may have moved off a page or slot they shared.
-            _, copy_page, copy_slot = growth(seq, len(tokens))
-            ops.extend(make_writable(seq, copy_page, False))
-            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self.block_size)
-            for index, group in enumerate(self.more):
-                group.grow(seq, index, group.copies_last_page(seq, index),
-                           num_new_pages - len(seq.block_table), ops)
+            growth = plan_growth(groups, slots, seq, len(tokens))
+            copy_slot, growth.copy_slot = growth.copy_slot, False  # the checkpoint below
+            grow(groups, slots, seq, growth, ops)
             checkpoint = source = seq.slot
             if copy_slot:
                 # Shared (a fork's sibling holds it too): a restore makes the
                 # sequence compute into its checkpoint, so it gets its own.
                 # Both copies read `source`, which the sibling keeps alive.
-                checkpoint = self.slots.take_one()
+                checkpoint = slots.take_one()
                 ops.append(CopySlot(source, checkpoint))
-                self.slots.release(source)
+                slots.release(source)
             if checkpoint is not None:
-                seq.slot = self.slots.take_one()
+                seq.slot = slots.take_one()
                 ops.append(CopySlot(source, seq.slot))
             seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
             seq.recompute_from = None  # the transaction holds it
-            num_new_pages = -(-(len(seq.tokens) + len(tokens)) // self.block_size)
-            seq.block_table.extend(self.pages.take(num_new_pages - len(seq.block_table)))
             seq.tokens.extend(tokens)
         return tuple(ops)
 
@@ -161,7 +138,7 @@ class SpeculationTransactions:
                 return seq.recompute_from
             return len(seq.tokens) if seq.recompute_from is None else seq.recompute_from
         position = check_int(f"num_computed[{seq_id!r}]", num_computed[seq_id], 0, len(seq.tokens))
-        if not self.window_keeps(seq, position):
+        if not all(group.window_keeps(seq, position) for group in self.groups):
             raise InvalidArgument(
                 f"cannot speculate on {seq_id!r} from {position} computed tokens: "
                 "pages its window needs were already released"
@@ -176,9 +153,9 @@ class SpeculationTransactions:
         if not isinstance(accepted, Mapping):
             raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
         plan = []
-        get = self.get
+        live = self.sequences.live
         for seq_id, num in accepted.items():
-            seq = get(seq_id)
+            seq = live(seq_id)
             spec = seq.speculation
             if spec is None:
                 raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
@@ -186,7 +163,7 @@ class SpeculationTransactions:
             plan.append((seq, num))
         return plan
 
-    def commit(self, plan: list[tuple[Sequence, int]]) -> frozenset:
+    def commit(self, plan: list[tuple[Sequence, int]]) -> frozenset[Hashable]:
         """Close the transactions of `plan`; the ids of the sequences whose
         checkpoint came back."""
         return frozenset(seq.seq_id for seq, num in plan if self.end(seq, num))
@@ -228,11 +205,9 @@ class SpeculationTransactions:
     def _drop_tail(self, seq: Sequence, end: int) -> None:
         """Keep the sequence's first `end` tokens (inside its speculative
         tail) and release the pages past them."""
-        keep_pages = -(-end // self.block_size)
-        self.pages.release_all(seq.block_table[keep_pages:])
-        del seq.block_table[keep_pages:]
-        for index, group in enumerate(self.more):
-            group.keep_pages(seq, index, keep_pages)
+        keep_pages = -(-end // self.groups[0].block_size)
+        for group in self.groups:
+            group.keep_pages(seq, keep_pages)
         del seq.tokens[end:]
 
 

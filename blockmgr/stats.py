@@ -32,3 +32,29 @@ class PrefixCacheStats:
         if self.num_query_tokens == 0:
             return 0.0
         return self.num_hit_tokens / self.num_query_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PageGroupUsage:
+    """One page group's pages right now (`BlockManager.group_usage()`).
+
+    group: the number its page ops carry; window: its sliding window (None:
+    full attention); num_pages / num_free_pages: the device pool and its
+    free pages; num_cached_pages: distinct pages the prefix trie holds (some
+    shared with sequences); num_evicted_pages: pages evictions freed so far;
+    num_host_pages / num_free_host_pages: the host pool (swap space).
+    """
+
+    group: int
+    window: int | None
+    num_pages: int
+    num_free_pages: int
+    num_cached_pages: int
+    num_evicted_pages: int
+    num_host_pages: int
+    num_free_host_pages: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the device pages in use by sequences or the trie."""
+        return 1.0 - self.num_free_pages / self.num_pages if self.num_pages else 0.0

@@ -24,7 +24,7 @@ from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
-from blockmgr import Allocation, BlockManager, GroupedStore, GroupedStoreConfig
+from blockmgr import Allocation, GroupedStore, GroupedStoreConfig, PageGroupUsage, PrefixCacheStats
 from blockmgr.errors import (
     IntegrityError,
     InvalidArgument,
@@ -60,6 +60,7 @@ class _Group:
 
     window: int | None
     layers: list[int]
+    num_pages: int
     pools: dict[int, PagePool] = field(default_factory=dict)
     host: dict[int, HostPagePool] = field(default_factory=dict)
     pending: list[CopyBlock | SwapOut | SwapIn] = field(default_factory=list)
@@ -157,8 +158,9 @@ class PagedCache:
         self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}
         self._groups = [
-            _Group(w, [i for i, s in enumerate(specs) if s.kind.paged and s.window == w])
-            for w in windows
+            _Group(w, [i for i, s in enumerate(specs) if s.kind.paged and s.window == w],
+                   usage.num_pages)
+            for w, usage in zip(windows, self.store.group_usage())
         ]
         self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
 
@@ -195,13 +197,10 @@ class PagedCache:
     # --- inspection ----------------------------------------------------------
 
     @property
-    def block_manager(self) -> BlockManager:
-        """Group 0's manager (full attention when the model has it; the slots)."""
-        return self.store.managers[0]
-
-    @property
-    def block_managers(self) -> tuple[BlockManager, ...]:
-        return self.store.managers
+    def block_manager(self) -> GroupedStore:
+        """Deprecated (kept for one release): the store, `self.store`, which
+        keeps every layer group."""
+        return self.store
 
     @property
     def paged_attention(self) -> bool:
@@ -274,6 +273,47 @@ class PagedCache:
     def num_cached_blocks(self) -> int:
         return self.store.num_cached_blocks
 
+    @property
+    def num_free_slots(self) -> int:
+        return self.store.num_free_slots
+
+    @property
+    def num_groups(self) -> int:
+        return self.store.num_groups
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return self.store.stats
+
+    def group_usage(self) -> tuple[PageGroupUsage, ...]:
+        return self.store.group_usage()
+
+    @property
+    def num_sequences(self) -> int:
+        return self.store.num_sequences
+
+    def sequence_ids(self) -> list[Hashable]:
+        return self.store.sequence_ids()
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.store
+
+    def slot(self, seq_id: Hashable) -> int | None:
+        return self.store.slot(seq_id)
+
+    def cached_prefix_length(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
+        return self.store.cached_prefix_length(tokens, namespace)
+
+    def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
+        return self.store.cached_paths()
+
+    @property
+    def cache_version(self) -> int:
+        return self.store.cache_version
+
+    def take_listener_errors(self) -> list[tuple[str, BaseException]]:
+        return self.store.take_listener_errors()
+
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.store.num_tokens(seq_id)
 
@@ -287,11 +327,18 @@ class PagedCache:
         """Tokens of `seq_id` whose K/V a finished forward pass wrote."""
         return self._state(seq_id).computed
 
-    def block_table(self, seq_id: Hashable, layer: int | None = None) -> list[int | None]:
-        """Page table of `seq_id` in `layer`'s group (default: group 0, full attention
-        when the model has it)."""
-        group = 0 if layer is None else self._group_of[layer]
+    def block_table(self, seq_id: Hashable, group: int | None = None) -> list[int | None]:
+        """Page table of `seq_id` in layer group `group` (default: group 0,
+        full attention when the model has it; `group_of(layer)` names a
+        layer's group)."""
         return self.store.block_table(seq_id, group)
+
+    def group_of(self, layer: int) -> int:
+        """The layer group of attention layer (cache position) `layer`."""
+        try:
+            return self._group_of[layer]
+        except (KeyError, TypeError):
+            raise InvalidArgument(f"cache position {layer!r} keeps no pages") from None
 
     @property
     def nbytes(self) -> int:
@@ -302,8 +349,8 @@ class PagedCache:
     def kv_bytes_in_use(self) -> int:
         """Bytes of the pages currently held (by sequences or the prefix trie)."""
         total = 0
-        for g, bm in zip(self._groups, self.store.managers):
-            used = bm.config.num_blocks - bm.num_free_blocks
+        for g, usage in zip(self._groups, self.store.group_usage()):
+            used = usage.num_pages - usage.num_free_pages
             total += used * sum(p.shape.page_nbytes for p in g.pools.values())
         return total
 
@@ -326,6 +373,12 @@ class PagedCache:
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         self._state(seq_id)
         return self.store.can_append(seq_id, num_tokens)
+
+    def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
+        """Would `append_decode(seq_ids, tokens)` succeed now? Changes nothing."""
+        for seq_id in seq_ids:
+            self._state(seq_id)
+        return self.store.can_append_decode(seq_ids)
 
     def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
         """Reserve pages for tokens the next forward computes. Raises
@@ -380,6 +433,11 @@ class PagedCache:
         state.computed = min(state.computed, num_tokens)
         state.known = min(state.known, num_tokens)
         return plan
+
+    def can_truncate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """Would `truncate(seq_id, num_tokens)` succeed now? Changes nothing."""
+        self._state(seq_id)
+        return self.store.can_truncate(seq_id, num_tokens)
 
     def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
         """Snapshot computed tokens (None: all computed ones) into the tries.
@@ -462,29 +520,28 @@ class PagedCache:
                 state.known = self.store.num_tokens(s)
         return plan
 
-    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> dict[Hashable, int]:
+    def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset[Hashable]:
         """Keep each sequence's first `accepted[seq_id]` drafts (all or
-        nothing, the store's `commit_speculation`). Returns each sequence's
-        computed count after it: the kept tokens, or for a hybrid sequence
-        that rejected a draft the count at its checkpoint (the state came
-        back; the tokens from there are pending and computed again)."""
+        nothing, the store's `commit_speculation`). Returns the ids whose
+        checkpoint came back (a hybrid sequence that rejected a draft: its
+        computed count is the checkpoint's, the tokens from there pending
+        and computed again); `num_computed` reads each count after it."""
         if not isinstance(accepted, Mapping):
             raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
         for s in accepted:
             self._state(s)
         restored = self.store.commit_speculation(accepted)
-        counts = {}
         for s in accepted:
             state = self._seqs[s]
             num_tokens = self.store.num_tokens(s)
             state.computed = state.checkpoint if s in restored else min(state.computed, num_tokens)
             state.known = min(state.known, num_tokens)
             state.checkpoint = None
-            counts[s] = state.computed
-        return counts
+        return restored
 
-    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> dict[Hashable, int]:
-        """Drop every draft of `seq_ids` (as a commit keeping none)."""
+    def abort_speculation(self, seq_ids: Iterable[Hashable]) -> frozenset[Hashable]:
+        """Drop every draft of `seq_ids` (as a commit keeping none); the ids
+        whose checkpoint came back."""
         if isinstance(seq_ids, (str, bytes)):
             raise WrongArgumentType(f"seq_ids must be a collection of ids, got {seq_ids!r:.80}")
         return self.commit_speculation(dict.fromkeys(seq_ids, 0))
@@ -695,10 +752,9 @@ class PagedCache:
         self.flush()
         offsets = [st.computed for st in states]
         plans = {}
-        for gi, (g, bm) in enumerate(zip(self._groups, self.store.managers)):
-            tables = [bm.block_table(s) for s in seq_ids]
-            plans[gi] = plan_step(tables, offsets, new, n, self.block_size,
-                                  bm.config.num_blocks, g.window)
+        for gi, g in enumerate(self._groups):
+            tables = [self.store.block_table(s, gi) for s in seq_ids]
+            plans[gi] = plan_step(tables, offsets, new, n, self.block_size, g.num_pages, g.window)
         for st, k in zip(states, new):
             st.in_flight = k
             st.batch = batch
@@ -800,8 +856,9 @@ class PagedCache:
                 raise InvalidArgument(
                     f"cannot trim {n} tokens of {s!r}: its speculation holds {tail}")
             kept[s] = tail - n
-        for s, count in self.commit_speculation(kept).items():
-            if count < self.store.num_tokens(s):
+        self.commit_speculation(kept)
+        for s in kept:
+            if self._seqs[s].computed < self.store.num_tokens(s):
                 self._seqs[s].replay_end = self.store.num_tokens(s)
         return n
 
@@ -828,8 +885,7 @@ class PagedCache:
         g = self._groups[gi]
         pool = g.pools.get(layer)
         if pool is None and keys is not None:
-            bm = self.store.managers[gi]
-            shape = PoolShape(bm.config.num_blocks, self.block_size, keys.shape[1],
+            shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
             pool = g.pools[layer] = PagePool(shape)
         return pool

@@ -779,7 +779,7 @@ def cmd_serve(args) -> int:
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
-    bm = engine.cache.block_manager
+    bm = engine.cache.store
     slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
     print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
           f"({engine.cache.nbytes / 2**30:.2f} GiB){slots} on http://{args.host}:{args.port}",

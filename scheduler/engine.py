@@ -724,7 +724,7 @@ class Engine:
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, self.cache.kv_bytes_in_use)
         recurrent = self.cache.recurrent
         if recurrent is not None and recurrent.bytes_per_slot:
-            bm = self.cache.block_manager
+            bm = self.cache.store
             used = bm.config.num_slots - bm.num_free_slots
             stats.peak_state_bytes = max(stats.peak_state_bytes, used * recurrent.bytes_per_slot)
 

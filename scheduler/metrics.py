@@ -79,7 +79,7 @@ class ServingMetrics:
     def render(self, engine: Any) -> str:
         """The whole exposition, one metric family after another."""
         sched, cache = engine.scheduler, engine.cache
-        bm = cache.block_manager
+        bm = cache.store
         hit = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
         single = [  # (name, kind, help, value): one sample each
             ("requests_running", "gauge", "Sequences running.", sched.num_running),

@@ -271,14 +271,14 @@ class Speculator:
             else accept_sampled(r, logits[b], _key(keys, r))
             for b, r in enumerate(rows)
         ]
-        computed = target.commit_speculation(
+        target.commit_speculation(
             {r.seq_id: num for r, (num, _) in zip(rows, results) if r.drafts}
         )
         self._commit_draft(rows, results)
         out = {}
         for r, (num, token) in zip(rows, results):
             counts.num_accepted += num
-            num_computed = computed.get(r.seq_id, target.num_computed(r.seq_id))
+            num_computed = target.num_computed(r.seq_id)
             kept = r.item.start_position + r.item.num_tokens + num
             counts.num_recomputed += kept - num_computed
             out[r.seq_id] = AcceptedTokens((*r.drafts[:num], token), num_computed)

@@ -27,9 +27,13 @@ UNWRITTEN = -1
 
 
 class ShadowStorage:
-    def __init__(self, bm: BlockManager) -> None:
-        config = bm.config
+    """The pages of page group `group` of `bm` (and, for group 0, its slots)."""
+
+    def __init__(self, bm: BlockManager, group: int = 0) -> None:
+        config = bm.config.group_configs()[group]
         self.bm = bm
+        self.group = group
+        self.window = config.sliding_window
         self.block_size = config.block_size
         self.pages = np.full((config.num_blocks, config.block_size), UNWRITTEN, np.int64)
         self.slots: list[tuple[int, ...] | None] = [None] * config.num_slots
@@ -61,17 +65,17 @@ class ShadowStorage:
     def compute(self, seq_id, upto: int | None = None) -> None:
         """Run the 'forward pass' over the sequence's uncomputed tokens."""
         tokens = self.bm.tokens(seq_id)
-        table = self.bm.block_table(seq_id)
+        table = self.bm.block_table(seq_id, self.group or None)
         start = self.computed[seq_id]
         upto = len(tokens) if upto is None else upto
-        window = self.bm.config.sliding_window
+        window = self.window
         if window is not None:
             # The first new token attends to keys (start - W, start]: still held.
             for pos in range(max(0, start - window + 1), start):
                 assert table[pos // self.block_size] is not None, (
                     f"{seq_id}: position {pos} is inside the window but was released"
                 )
-        slot = self.bm.slot(seq_id)
+        slot = self.bm.slot(seq_id) if self.group == 0 else None
         if slot is not None:
             assert self.slots[slot] == tuple(tokens[:start]), (
                 f"{seq_id}: slot {slot} holds the wrong recurrent state before position {start}"
@@ -87,7 +91,7 @@ class ShadowStorage:
     def check_reads_back(self, seq_id) -> None:
         """Every computed, still-held position holds the sequence's own token."""
         tokens = self.bm.tokens(seq_id)
-        table = self.bm.block_table(seq_id)
+        table = self.bm.block_table(seq_id, self.group or None)
         bs = self.block_size
         swapped = self.bm.is_swapped(seq_id)
         pages = self.host_pages if swapped else self.pages
@@ -99,7 +103,7 @@ class ShadowStorage:
             assert got == tokens[pos], (
                 f"{seq_id}: position {pos} reads {got}, expected {tokens[pos]} (page {page})"
             )
-        slot = self.bm.slot(seq_id)
+        slot = self.bm.slot(seq_id) if self.group == 0 else None
         slots = self.host_slots if swapped else self.slots
         if slot is not None and self.computed[seq_id] == len(tokens):
             assert slots[slot] == tuple(tokens), f"{seq_id}: slot state is wrong"
@@ -119,7 +123,7 @@ class GroupedShadowStorage:
 
     def __init__(self, store) -> None:
         self.store = store
-        self.groups = [ShadowStorage(m) for m in store.managers]
+        self.groups = [ShadowStorage(store, g) for g in range(store.num_groups)]
         self.computed: dict[object, int] = {}
         for group in self.groups:
             group.computed = self.computed  # one computed count per sequence

@@ -405,7 +405,7 @@ def test_free_of_a_swapped_sequence_returns_host_memory():
 def test_check_integrity_catches_a_wrong_refcount():
     bm = make()
     bm.allocate("a", range(5))
-    bm._pages.incref(bm.block_table("a")[0])
+    bm._groups[0].pages.incref(bm.block_table("a")[0])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
 
@@ -413,7 +413,7 @@ def test_check_integrity_catches_a_wrong_refcount():
 def test_check_integrity_catches_a_page_both_free_and_used():
     bm = make()
     bm.allocate("a", range(5))
-    bm._pages._free.append(bm.block_table("a")[0])
+    bm._groups[0].pages._free.append(bm.block_table("a")[0])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
 
@@ -489,7 +489,7 @@ def test_check_integrity_catches_a_page_borrowed_from_no_locked_node():
     seq = bm._seqs["c"]
     assert seq.num_borrowed == 2
     seq.num_borrowed = 3  # its last page is its own, held by no trie node
-    bm._pages.release(seq.block_table[2])
+    bm._groups[0].pages.release(seq.tables[0][2])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
 
@@ -501,9 +501,9 @@ def test_check_integrity_catches_a_borrowed_page_that_is_not_the_cached_one():
         bm.free(seq_id)
     bm.allocate("c", [*range(8), 3])
     seq = bm._seqs["c"]
-    (own,) = bm._pages.take(1)
-    bm._pages.release(own)
-    seq.block_table[1] = own  # not the page the trie holds there
+    (own,) = bm._groups[0].pages.take(1)
+    bm._groups[0].pages.release(own)
+    seq.tables[0][1] = own  # not the page the trie holds there
     with pytest.raises(IntegrityError):
         bm.check_integrity()
 

@@ -79,11 +79,11 @@ def test_sliding_window_releases_pages():
     pc.allocate("a", tokens(30, 1))
     model(mx.array([tokens(30, 1)]), cache=pc.views(["a"]))
     decode(pc, model, "a", tokens(40, 2))
-    sliding_table = pc.block_table("a", layer=0)
+    sliding_table = pc.block_table("a", pc.group_of(0))
     assert sliding_table[0] is None  # out of the window: released
     live = [p for p in sliding_table if p is not None]
     assert len(live) <= 20 // 8 + 2
-    assert None not in pc.block_table("a", layer=1)
+    assert None not in pc.block_table("a", pc.group_of(1))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

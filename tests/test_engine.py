@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from scheduler import Engine, RequestStatus, SamplingParams
+from tests.leaks import assert_only_the_cache_holds
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 MAX_TOKENS = 10
@@ -48,10 +49,7 @@ def mlx_lm_greedy(model, prompt, n):
 
 def assert_no_leak(engine):
     engine.check_integrity()
-    for bm in engine.cache.block_managers:
-        assert bm.num_sequences == 0
-        assert bm.num_free_blocks + bm.num_cached_blocks == bm.config.num_blocks
-        assert bm.num_free_slots + bm.stats.num_trie_slots == bm.config.num_slots
+    assert_only_the_cache_holds(engine.cache.store)
 
 
 @pytest.fixture(params=sorted(BUILDERS))

@@ -25,8 +25,7 @@ def cached_store() -> tuple[GroupedStore, object]:
     alloc = store.allocate("b", stem[:29] + [7, 8])
     assert alloc.num_cached_tokens == 29
     store.check_integrity()
-    manager = store.managers[0]
-    return store, manager
+    return store, store
 
 
 def the_node(manager):
@@ -37,7 +36,7 @@ def the_node(manager):
 def test_the_intact_structure_passes_with_holes_in_group_1():
     store, manager = cached_store()
     node = the_node(manager)
-    assert None in node.more[0] and None not in node.blocks  # the window keeps its end only
+    assert None in node.pages[1] and None not in node.pages[0]  # the window keeps its end only
     assert store.block_table("b", 1)[0] is None  # released before the window
     assert None not in store.block_table("b", 0)
 
@@ -45,31 +44,31 @@ def test_the_intact_structure_passes_with_holes_in_group_1():
 def test_a_node_page_of_group_1_that_is_another_page_is_caught():
     store, manager = cached_store()
     node = the_node(manager)
-    (spare,) = manager.page_groups[0].pages.take(1)
-    node.more[0][-1] = spare  # the reference counts now disagree with the node
+    (spare,) = manager._groups[1].pages.take(1)
+    node.pages[1][-1] = spare  # the reference counts now disagree with the node
     with pytest.raises(IntegrityError):
         store.check_integrity()
 
 
 def test_a_node_without_its_group_1_pages_is_caught():
     store, manager = cached_store()
-    the_node(manager).more = None
+    del the_node(manager).pages[1]
     with pytest.raises(IntegrityError, match="other groups"):
         store.check_integrity()
 
 
 def test_a_node_page_of_group_1_before_a_hole_is_caught():
     store, manager = cached_store()
-    blocks = the_node(manager).more[0]
-    first_held = blocks.count(None)
-    blocks[first_held - 1], blocks[first_held] = blocks[first_held], None
+    pages = the_node(manager).pages[1]
+    first_held = pages.count(None)
+    pages[first_held - 1], pages[first_held] = pages[first_held], None
     with pytest.raises(IntegrityError, match="before a hole"):
         store.check_integrity()
 
 
 def test_a_sequence_released_count_of_group_1_out_of_step_is_caught():
     store, manager = cached_store()
-    manager._seqs["b"].more_released[0] += 1
+    manager._seqs["b"].released[1] += 1
     with pytest.raises(IntegrityError, match="released out of order"):
         store.check_integrity()
 
@@ -77,14 +76,14 @@ def test_a_sequence_released_count_of_group_1_out_of_step_is_caught():
 def test_a_sequence_table_of_group_1_too_short_is_caught():
     store, manager = cached_store()
     seq = manager._seqs["b"]
-    manager.page_groups[0].pages.release(seq.more_tables[0].pop())
+    manager._groups[1].pages.release(seq.tables[1].pop())
     with pytest.raises(IntegrityError, match="pages of group 1"):
         store.check_integrity()
 
 
 def test_a_group_1_reference_count_off_by_one_is_caught():
     store, manager = cached_store()
-    manager.page_groups[0].pages.incref(store.block_table("b", 1)[-1])
+    manager._groups[1].pages.incref(store.block_table("b", 1)[-1])
     with pytest.raises(IntegrityError):
         store.check_integrity()
 
@@ -92,7 +91,7 @@ def test_a_group_1_reference_count_off_by_one_is_caught():
 def test_a_sequence_without_its_group_1_table_is_caught():
     store, manager = cached_store()
     seq = manager._seqs["b"]
-    manager.page_groups[0].pages.release_all(seq.more_tables[0][seq.more_released[0] :])
-    seq.more_tables = seq.more_released = None
+    manager._groups[1].pages.release_all(seq.tables[1][seq.released[1] :])
+    del seq.tables[1], seq.released[1]
     with pytest.raises(IntegrityError, match="other groups"):
         store.check_integrity()

@@ -181,9 +181,9 @@ class GroupedReferenceMachine(RuleBasedStateMachine):
         self.store.check_integrity()
         for g, ref in enumerate(self.refs):
             ref.check_integrity()
-            view = self.store.managers[g]
-            assert view.num_free_blocks == ref.num_free_blocks, f"group {g}"
-            assert view.num_free_host_blocks == ref.num_free_host_blocks, f"group {g}"
+            usage = self.store.group_usage()[g]
+            assert usage.num_free_pages == ref.num_free_blocks, f"group {g}"
+            assert usage.num_free_host_pages == ref.num_free_host_blocks, f"group {g}"
             for seq_id in ref.sequence_ids():
                 assert self.store.block_table(seq_id, g) == ref.block_table(seq_id), (seq_id, g)
                 assert self.store.tokens(seq_id) == ref.tokens(seq_id)

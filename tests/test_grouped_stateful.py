@@ -117,9 +117,6 @@ class GroupedMachine(BlockManagerMachine):
             assert self.bm.num_tokens(seq_id) == self.speculating[seq_id][0] + num
             assert self.bm.speculation_start(seq_id) == self.speculating[seq_id][0]
 
-    def managers(self) -> list:
-        return list(self.bm.managers)
-
 
 class HybridSlidingMachine(GroupedMachine):
     """gemma3-like full + sliding groups with recurrent slots (group 0)."""

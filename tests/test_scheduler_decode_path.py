@@ -1,6 +1,6 @@
 """The decode-row paths (the scheduler's batched `_decode_rows` with one
 `append_decode` store call per run of rows, its `_decode_token` rows, the
-block manager's `_fits_last_page` append) against the generic paths they skip.
+block manager's `_fits_next_token` append) against the generic paths they skip.
 
 Each simulation runs twice: as is, and with every shortcut turned off (every
 row through `_chunk` / `_reserve` / `_emit` and its own `append`, every
@@ -70,7 +70,7 @@ def _same_series(a: dict, b: dict) -> bool:
 def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     config = _config(**CASES[name])
     taken = {"rows": 0, "appends": 0, "batched": 0, "batched_fits": 0}
-    decode_token, fits_last_page = scheduler_module._decode_token, BlockManager._fits_last_page
+    decode_token, fits_last_page = scheduler_module._decode_token, BlockManager._fits_next_token
     decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
 
     def counted_decode_rows(running, start, limit):
@@ -80,7 +80,8 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
 
     def counted_plan_decode(self, seqs):
         plan = plan_decode(self, seqs)
-        taken["batched_fits"] += len(seqs) - len(plan.growing)
+        growing = plan[0]
+        taken["batched_fits"] += len(seqs) - len(growing)
         return plan
 
     def counted_decode_token(seq):
@@ -94,7 +95,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
         return fits
 
     monkeypatch.setattr(scheduler_module, "_decode_token", counted_decode_token)
-    monkeypatch.setattr(BlockManager, "_fits_last_page", counted_fits)
+    monkeypatch.setattr(BlockManager, "_fits_next_token", counted_fits)
     monkeypatch.setattr(scheduler_module, "_decode_rows", counted_decode_rows)
     monkeypatch.setattr(BlockManager, "_plan_decode", counted_plan_decode)
     fast = _recorded(config)
@@ -106,7 +107,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
 
     monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
-    monkeypatch.setattr(BlockManager, "_fits_last_page", lambda self, seq: False)
+    monkeypatch.setattr(BlockManager, "_fits_next_token", lambda self, seq: False)
     generic = _recorded(config)
 
     assert fast[0]["preemptions"]["total"] > 0 or name in ("hybrid", "sliding")

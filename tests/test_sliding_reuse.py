@@ -127,7 +127,7 @@ def test_a_long_conversation_keeps_only_window_pages_in_sliding_groups():
         logits = forward(pc, model, "c", conversation[alloc.num_cached_tokens :])
         conversation = conversation + greedy(pc, model, "c", logits, 3)
         pc.free("c")
-    full, sliding = pc.block_managers
+    full, sliding = pc.store.group_usage()
     # The full group keeps the whole history (and, at each earlier turn end
     # inside a page, that page as it was then: the trie keeps every turn end
     # as a node for the sliding group); the sliding group (window 16) the
@@ -135,9 +135,9 @@ def test_a_long_conversation_keeps_only_window_pages_in_sliding_groups():
     turn_ends = [23 * (turn + 1) for turn in range(4)]
     assert turn_ends[-1] == len(conversation)
     num_straddled = sum(1 for end in turn_ends[:-1] if end % BLOCK)
-    assert full.num_cached_blocks == -(-len(conversation) // BLOCK) + num_straddled
+    assert full.num_cached_pages == -(-len(conversation) // BLOCK) + num_straddled
     window_pages = -(-16 // BLOCK) + 1
-    assert sliding.num_cached_blocks <= 4 * window_pages < full.num_cached_blocks
+    assert sliding.num_cached_pages <= 4 * window_pages < full.num_cached_pages
     pc.check_integrity()
 
 

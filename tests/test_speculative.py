@@ -19,6 +19,7 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 
 from scheduler import Engine, SamplingParams
+from tests.leaks import assert_only_the_cache_holds
 from tests.test_engine import assert_no_leak, assert_preempted, make_prompts, mlx_lm_greedy
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, _BUILDERS, built
 
@@ -62,10 +63,7 @@ def refs(name: str):
 
 def assert_draft_no_leak(engine):
     engine.check_integrity()
-    for bm in engine.speculator.draft_cache.block_managers:
-        assert bm.num_sequences == 0
-        assert bm.num_free_blocks + bm.num_cached_blocks == bm.config.num_blocks
-        assert bm.num_free_slots + bm.stats.num_trie_slots == bm.config.num_slots
+    assert_only_the_cache_holds(engine.speculator.draft_cache.store)
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -20,6 +20,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 from blockmgr.errors import InvalidArgument, OutOfBlocks
 from cache import PagedCache
+from tests.leaks import assert_only_the_cache_holds
 from tests.test_speculative import NOISE, noisy_copy
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
@@ -72,10 +73,7 @@ def speculate_on_views(target, draft, prompt: list[int]):
 
 def assert_all_released(pc: PagedCache) -> None:
     pc.check_integrity()
-    for bm in pc.block_managers:
-        assert bm.num_sequences == 0
-        assert bm.num_free_blocks + bm.num_cached_blocks == bm.config.num_blocks
-        assert bm.num_free_slots + bm.stats.num_trie_slots == bm.config.num_slots
+    assert_only_the_cache_holds(pc.store)
 
 
 @pytest.mark.parametrize("kind", ["self", "partial", "disagrees"])

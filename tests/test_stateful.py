@@ -412,25 +412,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity()
         self.shadow.check_all()
 
-    def managers(self) -> list:
-        """The block managers whose pools the teardown checks."""
-        return [self.bm]
-
     def teardown(self) -> None:
         if not hasattr(self, "bm"):
             return
         for seq_id in self.live():
             self.free_sequence(seq_id)
         self.bm.check_integrity()
-        for m in self.managers():  # nothing leaks: what is not free is held by the trie
-            assert m.config.num_blocks - m.num_free_blocks == m.num_cached_blocks
+        for g in self.bm.group_usage():  # nothing leaks: what is not free is held by the trie
+            assert g.num_pages - g.num_free_pages == g.num_cached_pages
         self.bm.reset_prefix_cache()
         self.bm.check_integrity()
-        for m in self.managers():
-            assert m.num_free_blocks == m.config.num_blocks
-            assert m.num_free_slots == m.config.num_slots
-            assert m.num_free_host_blocks == m.config.num_host_blocks
-            assert m.num_free_host_slots == m.config.num_host_slots
+        for g in self.bm.group_usage():
+            assert g.num_free_pages == g.num_pages
+            assert g.num_free_host_pages == g.num_host_pages
+        config = self.bm.config
+        assert self.bm.num_free_slots == config.num_slots
+        assert self.bm.num_free_host_slots == config.num_host_slots
 
 
 def _by_group(ops) -> dict:

@@ -132,8 +132,8 @@ def test_a_failed_forward_never_reaches_the_prefix_cache(name):
     pc.free("b")
     pc.reset_prefix_cache()
     pc.check_integrity()
-    assert all(m.num_free_blocks == m.config.num_blocks for m in pc.block_managers)
-    assert pc.block_manager.num_free_slots == slots
+    assert all(g.num_free_pages == g.num_pages for g in pc.store.group_usage())
+    assert pc.store.num_free_slots == slots
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "lfm2"])
@@ -197,13 +197,13 @@ def test_sliding_pressure_evicts_every_groups_pages_of_the_lru_leaves():
     # Fill the sliding pool: its LRU leaves (the window before 24) go first.
     run("b", [7] * 13, [])
     shadow.apply(store.free("b", shadow.computed.pop("b")))
-    full, sliding = store.managers
-    num_full_cached = full.num_cached_blocks
+    num_full_cached = store.group_usage()[0].num_cached_pages
     run("c", [8] * 14, [])
     shadow.apply(store.free("c", shadow.computed.pop("c")))
     # "c" cached 4 full-group pages; the evicted leaves gave some back.
-    assert full.num_cached_blocks < num_full_cached + 4
-    assert full.stats.num_evicted_pages > 0 and sliding.stats.num_evicted_pages > 0
+    full, sliding = store.group_usage()
+    assert full.num_cached_pages < num_full_cached + 4
+    assert full.num_evicted_pages > 0 and sliding.num_evicted_pages > 0
     before = store.debug_state()
     assert store.cached_prefix_length(stem + [5]) == 12
     assert store.debug_state() == before

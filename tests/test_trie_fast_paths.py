@@ -37,19 +37,19 @@ class World:
     def __init__(self, prefix: int, total: int, listener: bool) -> None:
         self.pool = RefCountedPool(64)
         self.recorder = Recorder() if listener else None
-        self.trie = PrefixTrie(BLOCK, self.pool, None, self.recorder)
+        self.trie = PrefixTrie(BLOCK, [(self.pool, None)], None, self.recorder)
         sibling = SYSTEM + [1, 2, 3, 4, 5]
         self._cache(sibling)
         self.tokens = SYSTEM + list(range(500, 500 + total - len(SYSTEM)))
         self.table = self.pool.take(-(-total // BLOCK))
         self.packed = pack_tokens(self.tokens[:prefix])
-        node, _ = self.trie.insert(None, self.tokens[:prefix], self.table, packed=self.packed)
+        node, _ = self.trie.insert(None, self.tokens[:prefix], [self.table], packed=self.packed)
         self.trie.lock(node)
         self.node = node
 
     def _cache(self, tokens):
         table = self.pool.take(-(-len(tokens) // BLOCK))
-        self.trie.insert(None, tokens, table)
+        self.trie.insert(None, tokens, [table])
         self.pool.release_all(table)
 
     def state(self):
@@ -68,10 +68,10 @@ def test_extend_equals_insert_and_the_merge_that_follows(prefix, total, listener
     assert extend_path.trie.can_extend(extend_path.node, total, None)
 
     node_a, took = insert_path.trie.insert(
-        None, insert_path.tokens, insert_path.table, None, insert_path.node, insert_path.packed)
+        None, insert_path.tokens, [insert_path.table], None, insert_path.node, insert_path.packed)
     assert not took
     node_b = extend_path.trie.extend(
-        extend_path.node, extend_path.tokens + [77, 78], total, extend_path.table,
+        extend_path.node, extend_path.tokens + [77, 78], total, [extend_path.table],
         extend_path.packed, lock=then == "locked_move")  # tokens past `total` are not read
     if then == "unlock":  # `free`: the sequence's lock goes
         insert_path.trie.unlock(insert_path.node)
@@ -114,9 +114,9 @@ def test_can_extend_only_a_leaf_the_caller_alone_locks():
     shared = World(14, 23, False)
     assert not shared.trie.can_extend(shared.node.parent, 23, None)  # the shared system prompt
     pool = RefCountedPool(16)
-    windowed = PrefixTrie(BLOCK, pool, None, window=8)
+    windowed = PrefixTrie(BLOCK, [(pool, 8)], None)
     table = pool.take(3)
-    leaf, _ = windowed.insert(None, list(range(9)), table)
+    leaf, _ = windowed.insert(None, list(range(9)), [table])
     windowed.lock(leaf)
     assert not windowed.can_extend(leaf, 12, None)  # a windowed trie never merges
 
@@ -133,10 +133,10 @@ def test_insert_locking_first_equals_insert_then_lock(tokens, listener):
     after, first = World(14, 23, listener), World(14, 23, listener)
     table_a = after.pool.take(-(-len(tokens) // BLOCK))
     table_b = first.pool.take(-(-len(tokens) // BLOCK))
-    node_a, _ = after.trie.insert(None, tokens, table_a)
+    node_a, _ = after.trie.insert(None, tokens, [table_a])
     if node_a is not None:
         after.trie.lock(node_a)
-    node_b, _ = first.trie.insert(None, tokens, table_b, lock=True)
+    node_b, _ = first.trie.insert(None, tokens, [table_b], lock=True)
     assert (node_a is None) == (node_b is None)
     assert first.state() == after.state()
     if node_a is not None:

@@ -352,40 +352,42 @@ def check_no_leaks(store: GroupedStore, sched: Scheduler) -> str:
         problems.append(f"scheduler still has {sched.num_running} running, {sched.num_waiting} waiting")
     if store.num_sequences:
         problems.append(f"{store.num_sequences} sequences still live: {store.sequence_ids()[:5]}")
-    for group, bm in enumerate(store.managers):
-        problems.extend(f"group {group}: {p}" for p in _cached_only(bm))
+    problems.extend(_cached_only(store))
     try:
         store.reset_prefix_cache()
     except BlockManagerError as exc:  # pragma: no cover - a manager bug
         problems.append(f"reset_prefix_cache failed: {exc}")
-    for group, bm in enumerate(store.managers):
-        cfg = bm.config
-        if bm.num_free_blocks != cfg.num_blocks:
-            problems.append(f"group {group}: {cfg.num_blocks - bm.num_free_blocks} pages not "
-                            "free after dropping the trie")
-        if cfg.num_slots and bm.num_free_slots != cfg.num_slots:
-            problems.append(f"{cfg.num_slots - bm.num_free_slots} slots not free after dropping the trie")
+    for usage in store.group_usage():
+        if usage.num_free_pages != usage.num_pages:
+            problems.append(f"group {usage.group}: {usage.num_pages - usage.num_free_pages} "
+                            "pages not free after dropping the trie")
+    num_slots = store.config.num_slots
+    if num_slots and store.num_free_slots != num_slots:
+        problems.append(f"{num_slots - store.num_free_slots} slots not free after dropping the trie")
     store.check_integrity()
     if problems:
         raise LeakError("; ".join(problems))
     return "ok"
 
 
-def _cached_only(bm: BlockManager) -> list[str]:
-    """What of one group's memory is held by anything but its trie."""
+def _cached_only(store: BlockManager) -> list[str]:
+    """What of the store's memory (every group) is held by anything but its trie."""
     problems = []
-    cfg, stats = bm.config, bm.stats
-    used = cfg.num_blocks - bm.num_free_blocks
-    if used != stats.num_trie_pages:
-        problems.append(f"{used} pages in use but the trie holds {stats.num_trie_pages}")
+    for usage in store.group_usage():
+        used = usage.num_pages - usage.num_free_pages
+        if used != usage.num_cached_pages:
+            problems.append(f"group {usage.group}: {used} pages in use but the trie holds "
+                            f"{usage.num_cached_pages}")
+        if usage.num_free_host_pages != usage.num_host_pages:
+            problems.append(f"group {usage.group}: "
+                            f"{usage.num_host_pages - usage.num_free_host_pages} host pages still in use")
+    cfg, stats = store.config, store.stats
     if cfg.num_slots:
-        used_slots = cfg.num_slots - bm.num_free_slots
+        used_slots = cfg.num_slots - store.num_free_slots
         if used_slots != stats.num_trie_slots:
             problems.append(f"{used_slots} slots in use but the trie holds {stats.num_trie_slots}")
-    if bm.num_free_host_blocks != cfg.num_host_blocks:
-        problems.append(f"{cfg.num_host_blocks - bm.num_free_host_blocks} host pages still in use")
-    if bm.num_free_host_slots != cfg.num_host_slots:
-        problems.append(f"{cfg.num_host_slots - bm.num_free_host_slots} host slots still in use")
+    if store.num_free_host_slots != cfg.num_host_slots:
+        problems.append(f"{cfg.num_host_slots - store.num_free_host_slots} host slots still in use")
     return problems
 
 
