@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from blockmgr.errors import IntegrityError
 from blockmgr.ops import CopySlot, MemoryOp
 from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
@@ -51,24 +52,22 @@ def plan_growth(
         copies = []
         tables = seq.tables
         for group in groups:
-            copies.append(group.pages.refcount(tables[group.index][-1]) > 1)
+            last_page = tables[group.index][-1]  # past the released pages: never None
+            copies.append(group.pages.refcount(last_page) > 1)  # type: ignore[arg-type]
     else:
         copies = [False] * len(groups)
     copy_slot = seq.slot is not None and slots is not None and slots.refcount(seq.slot) > 1
     return Growth(num_pages, copies, copy_slot)
 
 
-def slot_is_shared(slots: RefCountedPool | None, seq: Sequence) -> bool:
-    """Must the sequence's slot be copied before it is written?"""
-    return seq.slot is not None and slots is not None and slots.refcount(seq.slot) > 1
-
-
-def copy_slot(slots: RefCountedPool, seq: Sequence, ops: list[MemoryOp]) -> None:
+def copy_slot(slots: RefCountedPool | None, seq: Sequence, ops: list[MemoryOp]) -> None:
     """Give the sequence its own copy of its shared slot (reserved)."""
     src = seq.slot
-    seq.slot = slots.take_one()
+    if slots is None or src is None:
+        raise IntegrityError(f"sequence {seq.seq_id!r} has no slot to copy")
+    dst = seq.slot = slots.take_one()
     slots.release(src)  # shared, so it stays alive for the copy
-    ops.append(CopySlot(src, seq.slot))
+    ops.append(CopySlot(src, dst))
 
 
 def grow(

@@ -16,14 +16,12 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Protocol
 
-from blockmgr.ops import MemoryOp
+from blockmgr.ops import Plan
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
-
-Plan = Sequence[MemoryOp]
 
 
 class KVStore(Protocol):

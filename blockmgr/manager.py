@@ -49,19 +49,20 @@ from blockmgr.errors import (
     OutOfSlots,
     WrongArgumentType,
 )
-from blockmgr.growth import Growth, grow, plan_growth, slot_is_shared
-from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, ZeroSlot
+from blockmgr.growth import Growth, grow, plan_growth
+from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, ZeroSlot
 from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import (
     TOKEN_BYTES,
     PrefixCacheListener,
+    PrefixEvent,
     PrefixMatch,
     PrefixTrie,
     TrieNode,
     pack_tokens,
 )
-from blockmgr.sequence import Allocation, Sequence, SequenceTable
+from blockmgr.sequence import Allocation, Sequence, SequenceTable, Speculation
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
@@ -75,8 +76,6 @@ from blockmgr.validation import (
     prompt_list,
     token_list,
 )
-
-Plan = tuple[MemoryOp, ...]
 
 
 class BlockManager:
@@ -128,7 +127,7 @@ class BlockManager:
         self._speculation = SpeculationTransactions(self._groups, self._slots, self._seqs)
         self._swap = HostSwap(self._groups, self._slots, self._host_slots)
         # Listener calls queued by the trie, delivered when a call is done.
-        self._events: list[tuple] = self._trie.events if self._trie is not None else []
+        self._events: list[PrefixEvent] = self._trie.events if self._trie is not None else []
         self._listener_errors: list[tuple[str, BaseException]] = []
         self._num_queries = 0
         self._num_hits = 0
@@ -380,8 +379,9 @@ class BlockManager:
             if num_cached:
                 self._release_match(match)
             raise
-        if match.path:
-            self._trie.touch(match.path)
+        trie = self._trie
+        if match.path and trie is not None:
+            trie.touch(match.path)
         ops: list[MemoryOp] = []
         tables = []
         for group in self._groups:
@@ -433,21 +433,21 @@ class BlockManager:
         wholly inside the hit (it keeps their pages: those are borrowed),
         and the sequence's own references to the pages past them. A hit
         (`match.num_tokens` > 0) only."""
-        if match.node is not None:
+        if match.node is not None and self._trie is not None:
             self._trie.lock(match.node)
         for group in self._groups:
             group.hold_match(match)
 
     def _release_match(self, match: PrefixMatch) -> None:
         """Undo `_hold_match` (the trie still holds the pages: none is freed)."""
-        if match.node is not None:
+        if match.node is not None and self._trie is not None:
             self._trie.unlock(match.node)
         for group in self._groups:
             group.release_match(match)
 
     def _new_sequence_slot(self, snapshot: int | None, ops: list[MemoryOp]) -> int:
         """A fresh slot (hybrid only), zeroed or copied from the snapshot."""
-        slot = self._slots.take_one()
+        slot = self._slot_pool.take_one()
         ops.append(ZeroSlot(slot) if snapshot is None else CopySlot(snapshot, slot))
         return slot
 
@@ -507,7 +507,9 @@ class BlockManager:
             self._check_computed_window(seq, num_computed)
         return self._append_tokens(seq, new_tokens, num_computed)
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], num_computed: int | None) -> Plan:
+    def _append_tokens(
+        self, seq: Sequence, new_tokens: list[int], num_computed: int | None
+    ) -> Plan:
         """`append` of checked tokens (at least one) to a resident sequence."""
         growth = self._growth(seq, len(new_tokens))
         if growth.grows:
@@ -543,7 +545,8 @@ class BlockManager:
             return False
         tables = seq.tables
         for group in self._groups:  # indexed, not zipped: this runs once per decoded token
-            if group.pages.refcount(tables[group.index][-1]) != 1:
+            last_page = tables[group.index][-1]  # past the released pages: never None
+            if group.pages.refcount(last_page) != 1:  # type: ignore[arg-type]
                 return False
             window = group.window
             if window is not None and (
@@ -673,9 +676,9 @@ class BlockManager:
         self._seqs.check_new_id(new_seq_id)
         tables = [group.share(seq) for group in self._groups]
         if seq.slot is not None:
-            self._slots.incref(seq.slot)
+            self._slot_pool.incref(seq.slot)
         if seq.locked_node is not None:
-            self._trie.lock(seq.locked_node)
+            self._cache.lock(seq.locked_node)
         self._seqs[new_seq_id] = Sequence(
             new_seq_id,
             seq.namespace,
@@ -707,7 +710,10 @@ class BlockManager:
         if seq.slot is None:
             return True
         if num_tokens == 0:
-            return self._slots.refcount(seq.slot) == 1 or self._slot_room_error("need", 1) is None
+            return (
+                self._slot_pool.refcount(seq.slot) == 1
+                or self._slot_room_error("need", 1) is None
+            )
         return self._snapshot_at(seq, num_tokens) is not None
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
@@ -743,7 +749,8 @@ class BlockManager:
             seq.recompute_from = min(seq.recompute_from, num_tokens)
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
-            self._slots.release(old_slot)
+            if old_slot is not None:
+                self._slot_pool.release(old_slot)
         if self._events:
             self._deliver_events()
         return ops
@@ -766,20 +773,21 @@ class BlockManager:
         """The slot holding the state at `num_tokens` (a new reference) and ops."""
         if seq.slot is None:
             return NO_OPS, None
+        slots = self._slot_pool
         if num_tokens == 0:
-            if self._slots.refcount(seq.slot) == 1:
-                self._slots.incref(seq.slot)  # the caller drops the old reference
+            if slots.refcount(seq.slot) == 1:
+                slots.incref(seq.slot)  # the caller drops the old reference
                 return (ZeroSlot(seq.slot),), seq.slot
             self._reserve([0] * len(self._groups), 1)
-            slot = self._slots.take_one()
+            slot = slots.take_one()
             return (ZeroSlot(slot),), slot
         node = self._snapshot_at(seq, num_tokens)
-        if node is None:
+        if node is None or node.slot is None:
             raise NoSnapshot(
                 f"cannot roll {seq.seq_id!r} back to {num_tokens} tokens: no recurrent "
                 "snapshot exists there (cache_prefix that point before speculating)"
             )
-        self._slots.incref(node.slot)
+        slots.incref(node.slot)
         return NO_OPS, node.slot
 
     # ------------------------------------------------------------ speculation
@@ -890,16 +898,16 @@ class BlockManager:
         snapshot = None
         if seq.slot is not None:
             self._reserve([0] * len(self._groups), 1)
-            snapshot = self._slots.take_one()
+            snapshot = self._slot_pool.take_one()
         start = self._insert_start(seq, num_tokens)
         # From the sequence's lock (or with none) the lock moves to the node
         # the insert returns: the trie locks it before its LRU update, which
         # then leaves a new leaf out of the LRU list instead of in and out.
         moves = start is not None or seq.locked_node is None
-        node, took_slot = self._insert(seq, num_tokens, snapshot, start, lock=moves)
+        node, took_slot = self._insert(trie, seq, num_tokens, snapshot, start, lock=moves)
         ops = NO_OPS
-        if snapshot is not None:
-            self._slots.release(snapshot)  # the trie holds its own reference
+        if snapshot is not None and seq.slot is not None:
+            self._slot_pool.release(snapshot)  # the trie holds its own reference
             if took_slot:
                 ops = (CopySlot(seq.slot, snapshot),)
         self._move_lock(seq, node, locked=moves)
@@ -909,6 +917,7 @@ class BlockManager:
 
     def _insert(
         self,
+        trie: PrefixTrie,
         seq: Sequence,
         num_tokens: int,
         slot: int | None,
@@ -923,7 +932,6 @@ class BlockManager:
         sequence's own unshared leaf the trie extends that leaf
         (`PrefixTrie.extend`: what the insert and that lock change give, at
         once). Returns `insert`'s (node, took_slot)."""
-        trie = self._trie
         if start is not None and trie.can_extend(start, num_tokens, slot):  # reads no copy
             return trie.extend(
                 start, seq.tokens, num_tokens, seq.tables, seq.packed, lock=lock
@@ -940,7 +948,7 @@ class BlockManager:
         None to walk from the root. Saves comparing the cached prefix again
         at every chunk end."""
         node = seq.locked_node
-        return node if seq.anchored and node.end <= num_tokens else None
+        return node if seq.anchored and node is not None and node.end <= num_tokens else None
 
     def _move_lock(self, seq: Sequence, node: TrieNode | None, *, locked: bool = False) -> None:
         """Lock `node` (on the sequence's own path) instead of the current
@@ -950,11 +958,12 @@ class BlockManager:
         old = seq.locked_node
         if node is None or (old is not None and seq.anchored and old.end > node.end):
             return
+        trie = self._cache
         if not locked:
-            self._trie.lock(node)
+            trie.lock(node)
         if old is not None:
             self._own_borrowed(seq)
-            self._trie.unlock(old)
+            trie.unlock(old)
         seq.locked_node = node
         seq.anchored = True
 
@@ -968,24 +977,26 @@ class BlockManager:
         aborted first (`num_computed` counts from the tokens before it).
         """
         seq = self._seqs.live(seq_id)
-        if seq.speculation is not None:
-            self._speculation.check_free_count(seq, num_computed)
-            self._speculation.end(seq, 0)  # drafts never reach the trie
+        spec = seq.speculation
+        if spec is not None:
+            self._speculation.check_free_count(seq, spec, num_computed)
+            self._speculation.end(seq, spec, 0)  # drafts never reach the trie
         num_computed = self._computed_count(seq, num_computed)
         del self._seqs[seq_id]
         if seq.swapped:
             self._swap.release_host_copy(seq)
             return NO_OPS
         trie = self._trie
-        node = seq.locked_node
-        if trie is not None and num_computed:
-            self._insert(seq, num_computed, seq.slot, self._insert_start(seq, num_computed))
-        if node is not None:
-            trie.unlock(node)
+        if trie is not None:
+            if num_computed:
+                start = self._insert_start(seq, num_computed)
+                self._insert(trie, seq, num_computed, seq.slot, start)
+            if seq.locked_node is not None:
+                trie.unlock(seq.locked_node)
         for group in self._groups:
             group.release(seq)
         if seq.slot is not None:
-            self._slots.release(seq.slot)
+            self._slot_pool.release(seq.slot)
         if self._events:
             self._deliver_events()
         return NO_OPS
@@ -1027,7 +1038,7 @@ class BlockManager:
         self._own_borrowed(seq)  # so that moving releases every page alike
         ops = self._swap.swap_out(seq)
         if seq.locked_node is not None:
-            self._trie.unlock(seq.locked_node)
+            self._cache.unlock(seq.locked_node)
             seq.locked_node = None
             seq.anchored = False
         return tuple(ops)
@@ -1070,7 +1081,22 @@ class BlockManager:
         return errors
 
     def _deliver_events(self) -> None:
-        self._listener_errors.extend(self._trie.deliver_events())
+        self._listener_errors.extend(self._cache.deliver_events())
+
+    @property
+    def _cache(self) -> PrefixTrie:
+        """The prefix trie, where a path runs only with one (a hit, a lock, an
+        event, an eviction)."""
+        if self._trie is None:
+            raise IntegrityError("a manager without a prefix cache was asked for it")
+        return self._trie
+
+    @property
+    def _slot_pool(self) -> RefCountedPool:
+        """The slot pool, where a path runs only with one (a sequence's slot)."""
+        if self._slots is None:
+            raise IntegrityError("a manager without recurrent slots was asked for one")
+        return self._slots
 
     # ----------------------------------------------------------- room, match
 
@@ -1125,7 +1151,7 @@ class BlockManager:
         error = self._room_error("need", needs, num_slots)
         if error is not None:
             raise error
-        trie = self._trie  # not None: nothing would be reclaimable without it
+        trie = self._cache  # nothing would be reclaimable without it
         slots = self._slots
         for group, need in zip(self._groups, needs):
             if need > group.pages.num_free:
@@ -1183,7 +1209,7 @@ class BlockManager:
             group.pages.check_integrity(page_refs[group.index], what)
             group.host_pages.check_integrity(host_refs[group.index], f"host {what}")
         self._host_slots.check_integrity(host_slot_refs, "host slot")
-        if self._slots is not None:
+        if self._slots is not None and slot_refs is not None:
             self._slots.check_integrity(slot_refs, "slot")
 
     def _check_sequence(
@@ -1197,10 +1223,10 @@ class BlockManager:
             raise IntegrityError(f"{where} slot {seq.slot} does not fit the model kind")
         if seq.swapped and seq.locked_node is not None:
             raise IntegrityError(f"{where} is swapped out but locks the trie")
-        if seq.slot is not None:
+        if seq.slot is not None and slot_refs is not None:
             slot_refs[seq.slot] += 1
         if seq.speculation is not None:
-            self._check_speculation(seq, where, slot_refs)
+            self._check_speculation(seq, seq.speculation, where, slot_refs)
         self._check_recompute_hold(seq, seq.recompute_from, len(seq.tokens), where)
         node = seq.locked_node
         if node is not None and node.parent is None:
@@ -1213,21 +1239,22 @@ class BlockManager:
             locks[node.node_id] = locks.get(node.node_id, 0) + 1
             node = node.parent
 
-    def _check_speculation(self, seq: Sequence, where: str, slot_refs: list[int] | None) -> None:
+    def _check_speculation(
+        self, seq: Sequence, spec: Speculation, where: str, slot_refs: list[int] | None
+    ) -> None:
         """An open transaction: resident, its start within the tokens, a
         checkpoint slot exactly when hybrid, its own, distinct from the
         working one."""
-        spec = seq.speculation
         if seq.swapped or not 0 <= spec.start <= len(seq.tokens):
             raise IntegrityError(f"{where} speculates from {spec.start} (or while swapped out)")
         if (spec.checkpoint is None) != (seq.slot is None) or (
             spec.checkpoint is not None and spec.checkpoint == seq.slot
         ):
             raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} beside slot {seq.slot}")
-        if spec.checkpoint is not None:
+        if spec.checkpoint is not None and slot_refs is not None:
             slot_refs[spec.checkpoint] += 1
             # A restore makes the sequence compute into it: never shared.
-            if self._slots.refcount(spec.checkpoint) != 1:
+            if self._slot_pool.refcount(spec.checkpoint) != 1:
                 raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} is shared")
         if seq.recompute_from is not None:
             raise IntegrityError(f"{where} holds {seq.recompute_from} beside its transaction")
@@ -1267,7 +1294,7 @@ class BlockManager:
                         f"{where}: borrowed page {index} of group {group} is not on its locked path"
                     )
 
-    def debug_state(self) -> tuple:
+    def debug_state(self) -> tuple[object, ...]:
         """Everything observable, as plain values: equal before and after any
         call that failed. For tests; O(state size)."""
         seqs = tuple(

@@ -82,5 +82,8 @@ class SwapInSlot:
 
 MemoryOp = Union[CopyBlock, CopySlot, ZeroSlot, SwapOut, SwapIn, SwapOutSlot, SwapInSlot]
 
+#: A memory-op plan: the ops of one call, in the order the storage applies them.
+Plan = tuple[MemoryOp, ...]
+
 #: The plan returned when no storage work is needed (shared, never mutated).
-NO_OPS: tuple[MemoryOp, ...] = ()
+NO_OPS: Plan = ()

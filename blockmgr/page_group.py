@@ -18,8 +18,8 @@ from blockmgr.config import BlockManagerConfig
 from blockmgr.errors import IntegrityError, OutOfBlocks
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PrefixMatch, PrefixTrie
-from blockmgr.sequence import Sequence
+from blockmgr.prefix_trie import PageList, PrefixMatch, PrefixTrie
+from blockmgr.sequence import Sequence, held, held_page
 
 
 @dataclass(slots=True, eq=False)
@@ -87,19 +87,21 @@ class PageGroup:
         path (a node the hit ends inside stays evictable past the hit)."""
         pages = match.pages[self.index]
         first_owned = max(match.num_locked_pages, match.released[self.index])
-        if len(pages) > first_owned:
-            self.pages.incref_all(pages[first_owned:])
+        if len(pages) > first_owned:  # past the released pages: never None
+            self.pages.incref_all(pages[first_owned:])  # type: ignore[arg-type]
 
     def release_match(self, match: PrefixMatch) -> None:
         """Undo `hold_match` (the trie still holds the pages: none is freed)."""
         pages = match.pages[self.index]
-        self.pages.release_all(pages[max(match.num_locked_pages, match.released[self.index]) :])
+        self.pages.release_all(
+            held(pages[max(match.num_locked_pages, match.released[self.index]) :])
+        )
 
-    def new_table(self, match: PrefixMatch, num_tokens: int, ops: list[MemoryOp]) -> list[int | None]:
+    def new_table(self, match: PrefixMatch, num_tokens: int, ops: list[MemoryOp]) -> PageList:
         """The new sequence's table: the held matched pages (the last one
         copied when the hit ends inside it: the next token goes there), then
         fresh pages up to `num_tokens`."""
-        table = match.pages[self.index] if match.num_tokens else []
+        table: PageList = match.pages[self.index] if match.num_tokens else []
         if table and match.num_tokens % self.block_size:
             self._copy_last_page(table, ops)  # past the locked path, so owned
         table += self.pages.take(-(-num_tokens // self.block_size) - len(table))
@@ -115,11 +117,11 @@ class PageGroup:
         if num_pages:
             table.extend(self.pages.take(num_pages))
 
-    def _copy_last_page(self, table: list[int | None], ops: list[MemoryOp]) -> None:
-        src = table[-1]
-        table[-1] = self.pages.take_one()
+    def _copy_last_page(self, table: PageList, ops: list[MemoryOp]) -> None:
+        src = held_page(table[-1])
+        dst = table[-1] = self.pages.take_one()
         self.pages.release(src)  # after the take: src cannot be handed out here
-        ops.append(CopyBlock(src, table[-1], self.group))
+        ops.append(CopyBlock(src, dst, self.group))
 
     def release_out_of_window(self, seq: Sequence, first_new_position: int) -> None:
         """Release the pages the token at `first_new_position` can no longer
@@ -137,7 +139,7 @@ class PageGroup:
         num_dead = min(num_dead, len(table))
         for position in range(num_released, num_dead):
             if position >= seq.num_borrowed:
-                self.pages.release(table[position])
+                self.pages.release(held_page(table[position]))
             table[position] = None
         seq.released[index] = num_dead
 
@@ -158,15 +160,15 @@ class PageGroup:
         index = self.index
         table = seq.tables[index]
         num_released = seq.released[index]
-        self.pages.release_all(table[max(keep, num_released, seq.num_borrowed) :])
+        self.pages.release_all(held(table[max(keep, num_released, seq.num_borrowed) :]))
         del table[keep:]
-        self.pages.incref_all(table[max(num_borrowed, num_released) : seq.num_borrowed])
+        self.pages.incref_all(held(table[max(num_borrowed, num_released) : seq.num_borrowed]))
         seq.released[index] = min(num_released, keep)
 
     def keep_pages(self, seq: Sequence, num_pages: int) -> None:
         """Release the pages from index `num_pages` on (owned: past any borrow)."""
         table = seq.tables[self.index]
-        self.pages.release_all(table[num_pages:])
+        self.pages.release_all(held(table[num_pages:]))
         del table[num_pages:]
 
     # -------------------------------------------------------- fork/free/lock
@@ -176,7 +178,7 @@ class PageGroup:
         sequence owns."""
         index = self.index
         table = seq.tables[index]
-        self.pages.incref_all(table[max(seq.released[index], seq.num_borrowed) :])
+        self.pages.incref_all(held(table[max(seq.released[index], seq.num_borrowed) :]))
         return table[:]
 
     def release(self, seq: Sequence) -> None:
@@ -184,13 +186,14 @@ class PageGroup:
         index = self.index
         first_owned = max(seq.released[index], seq.num_borrowed)
         table = seq.tables[index]
-        self.pages.release_all(table[first_owned:] if first_owned else table)
+        owned = table[first_owned:] if first_owned else table  # past the released: no None
+        self.pages.release_all(owned)  # type: ignore[arg-type]
 
     def own_borrowed(self, seq: Sequence) -> None:
         """Own references to the borrowed pages (the manager then sets
         `seq.num_borrowed` to 0: its lock moves or goes)."""
         table = seq.tables[self.index]
-        self.pages.incref_all(table[seq.released[self.index] : seq.num_borrowed])
+        self.pages.incref_all(held(table[seq.released[self.index] : seq.num_borrowed]))
 
     # ------------------------------------------------------------------- swap
 
@@ -200,19 +203,21 @@ class PageGroup:
     def move(self, seq: Sequence, to_host: bool, ops: list[MemoryOp]) -> None:
         """Move the sequence's pages to host memory (or back): the target
         pool has room, and the sequence borrows none."""
-        pages_from, pages_to, op = self.pages, self.host_pages, SwapOut
+        pages_from, pages_to = self.pages, self.host_pages
+        op: type[SwapOut] | type[SwapIn] = SwapOut
         if not to_host:
             pages_from, pages_to, op = pages_to, pages_from, SwapIn
         table = seq.tables[self.index]
         group = self.group
         for position in range(seq.released[self.index], len(table)):
+            page = held_page(table[position])
             new_page = pages_to.take_one()
-            ops.append(op(table[position], new_page, group))
-            pages_from.release(table[position])
+            ops.append(op(page, new_page, group))
+            pages_from.release(page)
             table[position] = new_page
 
     def release_host_copy(self, seq: Sequence) -> None:
-        self.host_pages.release_all(seq.tables[self.index][seq.released[self.index] :])
+        self.host_pages.release_all(held(seq.tables[self.index][seq.released[self.index] :]))
 
     # --------------------------------------------------------------- checking
 
@@ -236,4 +241,4 @@ class PageGroup:
             if (page is None) != (position < num_released):
                 raise IntegrityError(f"{where}: page {position}{of_group} released out of order")
             if position >= first_owned:
-                page_refs[page] += 1
+                page_refs[held_page(page)] += 1

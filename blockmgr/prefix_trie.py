@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from sortedcontainers import SortedList
 
@@ -133,6 +133,12 @@ class PrefixMatch:
     num_locked_pages: int = 0
     released: Sequence[int] = ()
 
+
+#: A page group's pages of a node or a path, one per page index; None: a
+#: page no hit needs (sliding window only, before the held ones).
+PageList = list[int | None]
+#: A listener call not delivered yet: (method name, pages, tokens or None).
+PrefixEvent = tuple[str, list[int], "list[int] | None"]
 
 #: Bytes per token in `TrieNode.packed` and in a packed query.
 TOKEN_BYTES = 8
@@ -235,10 +241,12 @@ class PrefixTrie:
         self._groups = tuple(
             _PageGroup(pool, window, [0] * pool.num_items) for pool, window in groups
         )
-        #: Groups with a window, by index: where a hit needs its window's pages.
-        self._windowed_groups = tuple(
-            g for g, group in enumerate(self._groups) if group.window is not None
-        )
+        #: The window of each group that has one, by index: where a hit needs
+        #: its window's pages.
+        self._windows: dict[int, int] = {
+            g: group.window for g, group in enumerate(self._groups) if group.window is not None
+        }
+        self._windowed_groups = tuple(self._windows)
         # A node end is a hit point whose window pages must stay: split at
         # every insert end, never merge (see `_try_merge`).
         self._windowed = bool(self._windowed_groups)
@@ -248,7 +256,7 @@ class PrefixTrie:
         self._hybrid = slots is not None
         self._listener = listener
         #: Listener calls not delivered yet: (method name, pages, tokens or None).
-        self.events: list[tuple] = []
+        self.events: list[PrefixEvent] = []
         self._roots: dict[Hashable, TrieNode] = {}
         self._nodes: dict[int, TrieNode] = {}
         self._next_node_id = 0
@@ -335,7 +343,7 @@ class PrefixTrie:
             path = path[:-1]
         if num_tokens == 0 or self._window_present(path, num_tokens, group):
             return num_tokens
-        block_size, window = self._block_size, self._groups[group].window
+        block_size, window = self._block_size, self._windows[group]
         p = num_tokens
         while p > 0:
             while path and path[-1].start >= p:
@@ -358,7 +366,7 @@ class PrefixTrie:
         exactly when its first index there is one.
         """
         block_size = self._block_size
-        first = max(0, p - self._groups[group].window + 1) // block_size
+        first = max(0, p - self._windows[group] + 1) // block_size
         end = (p - 1) // block_size + 1  # indices below `end` are still unchecked
         for node in reversed(path):
             first_index = node.start // block_size
@@ -376,7 +384,9 @@ class PrefixTrie:
         prefix is a prefix of one of them. Pure; O(sum of the paths' lengths)."""
         paths = []
         for namespace, root in self._roots.items():
-            stack = [(child, []) for child in root.children.values()]
+            stack: list[tuple[TrieNode, list[int]]] = [
+                (child, []) for child in root.children.values()
+            ]
             while stack:
                 node, above = stack.pop()
                 tokens = above + node.tokens
@@ -411,13 +421,13 @@ class PrefixTrie:
                 break
             path.append(child)
             if packed is not None:
-                edge = child.packed
+                packed_edge = child.packed
                 start = pos * TOKEN_BYTES
-                if packed[start : start + len(edge)] == edge:
+                if packed[start : start + len(packed_edge)] == packed_edge:
                     pos += len(child.tokens)
                     node = child
                     continue
-                pos += common_packed_prefix_length(edge, packed, pos)
+                pos += common_packed_prefix_length(packed_edge, packed, pos)
                 break
             edge = child.tokens
             if tokens[pos : pos + len(edge)] == edge:
@@ -468,8 +478,8 @@ class PrefixTrie:
         block_size = self._block_size
         num_pages = -(-num_tokens // block_size)
         # Only the last node of the path can end past the hit.
-        lock = path[-1]
-        if lock.end > num_tokens:
+        lock: TrieNode | None = path[-1]
+        if path[-1].end > num_tokens:
             lock = path[-2] if len(path) > 1 else None
         num_locked_pages = lock.end // block_size if lock is not None else 0
         pages = []
@@ -477,7 +487,7 @@ class PrefixTrie:
             group_pages = self._pages_along(path, group)
             del group_pages[num_pages:]
             pages.append(group_pages)
-        released = self._no_release
+        released: Sequence[int] = self._no_release
         if self._windowed:
             released = [
                 0 if record.window is None
@@ -488,7 +498,7 @@ class PrefixTrie:
             num_tokens, pages, lock, slot, branch_point, path, num_locked_pages, released
         )
 
-    def _release_pages(self, pages: list, num_tokens: int, window: int) -> int:
+    def _release_pages(self, pages: PageList, num_tokens: int, window: int) -> int:
         """Pages before the window of the token at `num_tokens` stay
         released: set them None in `pages`; return how many."""
         num_released = max(0, num_tokens - window + 1) // self._block_size
@@ -604,12 +614,12 @@ class PrefixTrie:
         while pos < num_tokens:
             child = node.children.get(tokens[pos])
             if child is None:
-                node = self._add_child(node, tokens, pos, tables, packed)
+                parent, node = node, self._add_child(node, tokens, pos, tables, packed)
                 path.append(node)
                 pos = num_tokens
-                if len(node.parent.children) == 1:
+                if len(parent.children) == 1:
                     # The new leaf may extend a snapshot-less leaf: fold them.
-                    self._try_merge(node.parent)
+                    self._try_merge(parent)
                 break
             num_common = common_prefix_length(child.tokens, tokens, pos)
             if num_common < len(child.tokens):
@@ -624,11 +634,14 @@ class PrefixTrie:
         if windowed:
             for group in self._windowed_groups:
                 self._fill_holes(path, tables[group], num_tokens, group)
-        took_slot = slot is not None and node.slot is None and node.parent is not None
-        if took_slot:
+        took_slot = False
+        if slot is not None and self._slots is not None and node.slot is None and (
+            node.parent is not None
+        ):
             self._slots.incref(slot)
             node.slot = slot
             self.num_slots_held += 1
+            took_slot = True
         result = node if node.parent is not None else None
         if lock and result is not None:
             self.lock(result)  # first: a locked new leaf never enters the LRU list
@@ -676,10 +689,10 @@ class PrefixTrie:
         self._hold_pages(added, 0)  # before the drop below: the first may be the same page
         tail = tokens[pos:num_tokens]
         if self._listener is not None:
-            self.events.append(("stored", list(added), tail))
+            self.events.append(("stored", _full(added)[:], tail))
         (pages,) = node.pages
         if pos % block_size:
-            self._drop_pages(pages[-1:], 0)  # the sequence's page supersedes it
+            self._drop_pages(_full(pages[-1:]), 0)  # the sequence's page supersedes it
             node.pages = [pages[:-1] + added]
         else:
             node.pages = [pages + added]
@@ -717,7 +730,7 @@ class PrefixTrie:
         the sequence's pages hold their positions) the pages of group
         `group`'s window before `num_tokens` they lack. O(window pages + depth)."""
         block_size = self._block_size
-        first = max(0, num_tokens - self._groups[group].window + 1) // block_size
+        first = max(0, num_tokens - self._windows[group] + 1) // block_size
         for node in reversed(path):
             if node.end <= first * block_size:
                 return  # wholly before the window
@@ -781,7 +794,7 @@ class PrefixTrie:
             for group, pages in enumerate(node.pages):
                 if pages[0] is not None:
                     self._hold_pages(pages[:1], group)
-        parent = node.parent
+        parent = _parent_of(node)
         head = self._new_node(
             node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_pages,
             node.packed[: num_head_tokens * TOKEN_BYTES],
@@ -824,7 +837,7 @@ class PrefixTrie:
         # One page group, no window (a windowed trie never merges).
         (head_pages,), (child_pages,) = node.pages, child.pages
         if child.start % self._block_size:
-            self._drop_pages(head_pages[-1:], 0)  # the child's page supersedes it
+            self._drop_pages(_full(head_pages[-1:]), 0)  # the child's page supersedes it
             head_pages = head_pages[:-1]
         child.pages = [head_pages + child_pages]
         child.tokens = node.tokens + child.tokens
@@ -864,7 +877,7 @@ class PrefixTrie:
                     return False
                 node = self._nodes[key[1]]
             num_freed += pool.tally_release(self._group_pages(node, group), pending)
-            parent = node.parent
+            parent = _parent_of(node)
             if parent.parent is None or parent.lock_count:
                 continue
             left = children_left.get(parent.node_id, len(parent.children)) - 1
@@ -880,7 +893,9 @@ class PrefixTrie:
     def _group_pages(self, node: TrieNode, group: int) -> list[int]:
         """The pages `node` holds in page group `group`."""
         pages = node.pages[group]
-        return pages if self._groups[group].window is None else _present(pages)
+        if self._groups[group].window is None:
+            return pages  # type: ignore[return-value]  # a full-attention group has no holes
+        return _present(pages)
 
     def evict_pages(self, num_free_wanted: int, group: int) -> None:
         """Evict LRU unlocked leaves (every group's pages of each) until the
@@ -898,8 +913,9 @@ class PrefixTrie:
         if num_slots <= 0:
             return True
         num_freed = 0
+        refcount = self._slot_pool.refcount
         for _, node_id in self._slot_lru:
-            if self._slots.refcount(self._nodes[node_id].slot) == 1:
+            if refcount(_slot_of(self._nodes[node_id])) == 1:
                 num_freed += 1
                 if num_freed >= num_slots:
                     return True
@@ -912,7 +928,7 @@ class PrefixTrie:
         evicted whole (no leaf is a tombstone). Each round takes one node
         out of the slot list, so the loop ends.
         """
-        slots = self._slots
+        slots = self._slot_pool
         while slots.num_free < num_free_wanted and self._slot_lru:
             node = self._nodes[self._slot_lru[0][1]]
             if node.children:
@@ -927,10 +943,10 @@ class PrefixTrie:
 
     def _drop_snapshot(self, node: TrieNode) -> None:
         self.version += 1
-        slot = node.slot
+        slot = _slot_of(node)
         node.slot = None
         self.num_slots_held -= 1
-        self._slots.release(slot)
+        self._slot_pool.release(slot)
         self._reindex(node)
         self._try_merge(node)
 
@@ -938,12 +954,12 @@ class PrefixTrie:
         """Remove an unlocked leaf; cascade to a parent left a tombstone leaf."""
         self.version += 1
         while True:
-            parent = node.parent
+            parent = _parent_of(node)
             del parent.children[node.tokens[0]]
             for group, record in enumerate(self._groups):
                 record.num_evicted_pages += self._drop_pages(self._group_pages(node, group), group)
             if node.slot is not None:
-                self._slots.release(node.slot)
+                self._slot_pool.release(node.slot)
                 node.slot = None
                 self.num_slots_held -= 1
             self.num_evicted_nodes += 1
@@ -970,17 +986,19 @@ class PrefixTrie:
         """Call the listener for every queued event, oldest first; return the
         (event name, exception) of each call that raised. Call it once the
         manager's state is consistent. O(events)."""
-        errors = []
-        events = self.events
+        errors: list[tuple[str, BaseException]] = []
+        events, listener = self.events, self._listener
+        if listener is None:  # nothing is queued without one
+            return errors
         num_delivered = 0
         try:
             for name, pages, tokens in events:
                 num_delivered += 1
                 try:
                     if tokens is None:
-                        self._listener.removed(pages)
+                        listener.removed(pages)
                     else:
-                        self._listener.stored(pages, tokens)
+                        listener.stored(pages, tokens)
                 except Exception as exc:  # the change stands; the caller reports it
                     errors.append((name, exc))
         finally:  # a BaseException (KeyboardInterrupt) leaves the rest queued
@@ -1007,22 +1025,31 @@ class PrefixTrie:
             self._nodes[node.node_id] = node
         return node
 
+    @property
+    def _slot_pool(self) -> RefCountedPool:
+        """The slot pool (a hybrid trie's; the slot paths run only there)."""
+        if self._slots is None:
+            raise IntegrityError("a trie without recurrent slots was asked for one")
+        return self._slots
+
     def _detach(self, node: TrieNode) -> None:
         node.parent = None
         node.children = {}
         self._reindex(node)
         del self._nodes[node.node_id]
 
-    def _hold_pages(self, pages: list[int | None], group: int) -> None:
-        """Take the trie's reference to each page (of page group `group`).
-        O(len(pages))."""
+    def _hold_pages(self, pages: PageList, group: int) -> None:
+        """Take the trie's reference to each page (of page group `group`;
+        a windowed group's holes are skipped). O(len(pages))."""
         record = self._groups[group]
-        if record.window is not None and None in pages:
-            pages = [page for page in pages if page is not None]
-        record.pool.incref_all(pages)
+        # A full-attention group's pages have no holes (typed so without a call).
+        held: list[int] = pages  # type: ignore[assignment]
+        if record.window is not None:
+            held = _present(pages)
+        record.pool.incref_all(held)
         refs = record.trie_refs
         num_new = 0
-        for page in pages:
+        for page in held:
             refs[page] += 1
             if refs[page] == 1:
                 num_new += 1
@@ -1042,7 +1069,7 @@ class PrefixTrie:
 
     # --------------------------------------------------------------- checking
 
-    def debug_state(self) -> tuple:
+    def debug_state(self) -> tuple[object, ...]:
         """Every node and counter as plain values (see `BlockManager.debug_state`)."""
         nodes = tuple(
             (
@@ -1050,7 +1077,7 @@ class PrefixTrie:
                 node.namespace,
                 tuple(node.tokens),
                 node.start,
-                node.parent.node_id if not node.parent.is_root else None,
+                None if _parent_of(node).is_root else _parent_of(node).node_id,
                 tuple(map(tuple, node.pages)),
                 node.slot,
                 node.lock_count,
@@ -1081,7 +1108,7 @@ class PrefixTrie:
             for group, refs in enumerate(page_refs):
                 for page in self._group_pages(node, group):
                     refs[page] += 1
-            if node.slot is not None:
+            if node.slot is not None and slot_refs is not None:
                 slot_refs[node.slot] += 1
 
     def check_integrity(self, expected_locks: dict[int, int]) -> None:
@@ -1124,7 +1151,7 @@ class PrefixTrie:
         expected_locks: dict[int, int],
         held_refs: list[list[int]],
     ) -> None:
-        parent = node.parent
+        parent = _parent_of(node)
         if not node.tokens:
             raise IntegrityError(f"{_node_where(node)} has no tokens")
         if node.namespace is not namespace and node.namespace != namespace:  # NaN
@@ -1174,9 +1201,29 @@ class PrefixTrie:
             raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
 
 
-def _present(pages: list[int | None]) -> list[int]:
+def _present(pages: PageList) -> list[int]:
     """The pages of a windowed group's list that are held (not holes)."""
     return [page for page in pages if page is not None]
+
+
+def _full(pages: PageList) -> list[int]:
+    """A full-attention group's pages: it has no holes (the same list, typed so)."""
+    return cast("list[int]", pages)
+
+
+def _parent_of(node: TrieNode) -> TrieNode:
+    """The parent of a node below a root (every node but the roots has one)."""
+    parent = node.parent
+    if parent is None:
+        raise IntegrityError(f"{_node_where(node)} is a root or left the trie")
+    return parent
+
+
+def _slot_of(node: TrieNode) -> int:
+    """The snapshot slot of a node in a slot list (it holds one)."""
+    if node.slot is None:
+        raise IntegrityError(f"{_node_where(node)} is in the slot list without a slot")
+    return node.slot
 
 
 def _node_where(node: TrieNode) -> str:

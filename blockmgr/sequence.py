@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import cast
 
 from blockmgr.errors import (
     DuplicateSequence,
@@ -14,7 +15,7 @@ from blockmgr.errors import (
     UnknownSequence,
 )
 from blockmgr.ops import MemoryOp
-from blockmgr.prefix_trie import TrieNode
+from blockmgr.prefix_trie import PageList, TrieNode
 
 
 @dataclass(slots=True)
@@ -65,7 +66,7 @@ class Sequence:
     seq_id: Hashable
     namespace: Hashable
     tokens: list[int]
-    tables: list[list[int | None]]
+    tables: list[PageList]
     released: list[int]
     slot: int | None = None
     locked_node: TrieNode | None = None
@@ -82,7 +83,18 @@ class Sequence:
         return max(self.released[index], self.num_borrowed)
 
 
-class SequenceTable(dict):
+def held(pages: PageList) -> list[int]:
+    """Entries of a page table from its first held index on (past the pages
+    a window released): pages, never None; the same list, typed so."""
+    return cast("list[int]", pages)
+
+
+def held_page(page: int | None) -> int:
+    """An entry of a page table past the released ones: a page, never None."""
+    return cast(int, page)
+
+
+class SequenceTable(dict[Hashable, "Sequence"]):
     """The live sequences of a manager by id (a `dict`: lookups at C speed),
     with the lookups that raise the manager's typed errors. The manager and
     its helpers (`blockmgr.speculation`, `blockmgr.swap`) share one."""
@@ -90,7 +102,8 @@ class SequenceTable(dict):
     def live(self, seq_id: Hashable) -> Sequence:
         """The live sequence; `UnknownSequence` otherwise. O(1)."""
         try:
-            return self[seq_id]
+            seq: Sequence = self[seq_id]
+            return seq
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
 
@@ -148,7 +161,7 @@ class Allocation:
     """
 
     seq_id: Hashable
-    block_table: list[int | None]
+    block_table: PageList
     slot: int | None
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int

@@ -22,15 +22,13 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
-from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.growth import grow, plan_growth
-from blockmgr.ops import CopySlot, MemoryOp
+from blockmgr.ops import CopySlot, MemoryOp, Plan
 from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
-from blockmgr.sequence import Sequence, SequenceTable, Speculation
+from blockmgr.sequence import Sequence, SequenceTable, Speculation, held_page
 from blockmgr.validation import check_count, check_int, token_list
-
-Plan = tuple[MemoryOp, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +74,9 @@ class SpeculationTransactions:
         elif not isinstance(num_computed, Mapping):
             raise WrongArgumentType(f"num_computed must be a mapping, got {num_computed!r:.80}")
         elif not num_computed.keys() <= drafts.keys():
-            raise InvalidArgument(f"num_computed names sequences without drafts: {num_computed!r:.80}")
+            raise InvalidArgument(
+                f"num_computed names sequences without drafts: {num_computed!r:.80}"
+            )
         entries = []
         num_pages = num_slots = 0
         # Shared last page (per group) / slot -> members of this call on it.
@@ -90,8 +90,8 @@ class SpeculationTransactions:
             num_slots += seq.slot is not None
             for index, copy in enumerate(growth.copies):
                 if copy:
-                    shared_pages[index][seq.tables[index][-1]] += 1
-            if growth.copy_slot:
+                    shared_pages[index][held_page(seq.tables[index][-1])] += 1
+            if growth.copy_slot and seq.slot is not None:
                 shared_slots[seq.slot] += 1
             entries.append((seq, tokens, self._recompute_position(seq, num_computed)))
         needs = [
@@ -99,7 +99,7 @@ class SpeculationTransactions:
             for group, shared in zip(self.groups, shared_pages)
         ]
         if shared_slots:  # only a hybrid manager has slots
-            num_slots += _num_copies(shared_slots, self.slots.refcount)
+            num_slots += _num_copies(shared_slots, self._slot_pool.refcount)
         return BeginPlan(entries, needs, num_slots)
 
     def begin(self, plan: BeginPlan) -> Plan:
@@ -114,22 +114,25 @@ class SpeculationTransactions:
             copy_slot, growth.copy_slot = growth.copy_slot, False  # the checkpoint below
             grow(groups, slots, seq, growth, ops)
             checkpoint = source = seq.slot
-            if copy_slot:
-                # Shared (a fork's sibling holds it too): a restore makes the
-                # sequence compute into its checkpoint, so it gets its own.
-                # Both copies read `source`, which the sibling keeps alive.
-                checkpoint = slots.take_one()
-                ops.append(CopySlot(source, checkpoint))
-                slots.release(source)
-            if checkpoint is not None:
-                seq.slot = slots.take_one()
-                ops.append(CopySlot(source, seq.slot))
+            if source is not None:
+                pool = self._slot_pool
+                if copy_slot:
+                    # Shared (a fork's sibling holds it too): a restore makes the
+                    # sequence compute into its checkpoint, so it gets its own.
+                    # Both copies read `source`, which the sibling keeps alive.
+                    checkpoint = pool.take_one()
+                    ops.append(CopySlot(source, checkpoint))
+                    pool.release(source)
+                working = seq.slot = pool.take_one()
+                ops.append(CopySlot(source, working))
             seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
             seq.recompute_from = None  # the transaction holds it
             seq.tokens.extend(tokens)
         return tuple(ops)
 
-    def _recompute_position(self, seq: Sequence, num_computed: Mapping) -> int | None:
+    def _recompute_position(
+        self, seq: Sequence, num_computed: Mapping[Hashable, object]
+    ) -> int | None:
         """Where a partial commit of `seq` recomputes from (checked: its
         window's pages are held), or None."""
         seq_id = seq.seq_id
@@ -147,9 +150,10 @@ class SpeculationTransactions:
 
     # ---------------------------------------------------------- commit/shorten
 
-    def plan_commit(self, accepted) -> list[tuple[Sequence, int]]:
+    def plan_commit(self, accepted: object) -> list[tuple[Sequence, Speculation, int]]:
         """Check `commit_speculation`'s (or `shorten_speculation`'s) argument
-        whole: (sequence, speculative tokens kept) per entry. Pure."""
+        whole: (sequence, its transaction, speculative tokens kept) per
+        entry. Pure."""
         if not isinstance(accepted, Mapping):
             raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
         plan = []
@@ -159,31 +163,32 @@ class SpeculationTransactions:
             spec = seq.speculation
             if spec is None:
                 raise InvalidArgument(f"sequence {seq_id!r} has no speculation open")
-            num = check_int(f"accepted[{seq_id!r}]", num, 0, len(seq.tokens) - spec.start)
-            plan.append((seq, num))
+            kept = check_int(f"accepted[{seq_id!r}]", num, 0, len(seq.tokens) - spec.start)
+            plan.append((seq, spec, kept))
         return plan
 
-    def commit(self, plan: list[tuple[Sequence, int]]) -> frozenset[Hashable]:
+    def commit(self, plan: list[tuple[Sequence, Speculation, int]]) -> frozenset[Hashable]:
         """Close the transactions of `plan`; the ids of the sequences whose
         checkpoint came back."""
-        return frozenset(seq.seq_id for seq, num in plan if self.end(seq, num))
+        return frozenset(seq.seq_id for seq, spec, num in plan if self.end(seq, spec, num))
 
-    def shorten(self, plan: list[tuple[Sequence, int]]) -> None:
+    def shorten(self, plan: list[tuple[Sequence, Speculation, int]]) -> None:
         """Drop the speculative tokens past each entry's kept count; the
         transactions stay open."""
-        for seq, num in plan:
-            self._drop_tail(seq, seq.speculation.start + num)
+        for seq, spec, num in plan:
+            self._drop_tail(seq, spec.start + num)
 
-    def end(self, seq: Sequence, num_accepted: int) -> bool:
-        """Keep `num_accepted` speculative tokens; True when the checkpoint
-        came back. Cannot fail (the caller checked)."""
-        spec, seq.speculation = seq.speculation, None
+    def end(self, seq: Sequence, spec: Speculation, num_accepted: int) -> bool:
+        """Close `seq`'s open transaction `spec` keeping `num_accepted`
+        speculative tokens; True when the checkpoint came back. Cannot fail
+        (the caller checked)."""
+        seq.speculation = None
         end = spec.start + num_accepted
         restored = spec.checkpoint is not None and end < len(seq.tokens)
-        if spec.checkpoint is not None:
+        if spec.checkpoint is not None and seq.slot is not None:
             keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
             seq.slot = keep
-            self.slots.release(drop)
+            self._slot_pool.release(drop)
         if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
             seq.recompute_from = spec.recompute_from  # computed again: hold its window
         self._drop_tail(seq, end)
@@ -191,16 +196,21 @@ class SpeculationTransactions:
         # computed; the next append releases from its first token to compute.
         return restored
 
-    def check_free_count(self, seq: Sequence, num_computed: int | None) -> None:
-        """`free`'s count for a sequence with a speculation open: at most the
-        tokens before the drafts."""
-        if num_computed is not None and check_count("num_computed", num_computed) > (
-            seq.speculation.start
-        ):
+    @staticmethod
+    def check_free_count(seq: Sequence, spec: Speculation, num_computed: object) -> None:
+        """`free`'s count for a sequence with transaction `spec` open: at most
+        the tokens before the drafts."""
+        if num_computed is not None and check_count("num_computed", num_computed) > spec.start:
             raise InvalidArgument(
-                f"{seq.seq_id!r} has {seq.speculation.start} tokens before its drafts, "
-                f"not {num_computed}"
+                f"{seq.seq_id!r} has {spec.start} tokens before its drafts, not {num_computed}"
             )
+
+    @property
+    def _slot_pool(self) -> RefCountedPool:
+        """The slot pool (a hybrid manager's; the slot paths run only there)."""
+        if self.slots is None:
+            raise IntegrityError("a manager without recurrent slots was asked for one")
+        return self.slots
 
     def _drop_tail(self, seq: Sequence, end: int) -> None:
         """Keep the sequence's first `end` tokens (inside its speculative
@@ -211,7 +221,7 @@ class SpeculationTransactions:
         del seq.tokens[end:]
 
 
-def _num_copies(members: Counter, refcount) -> int:
+def _num_copies(members: Counter[int], refcount: Callable[[int], int]) -> int:
     """Copies that give each of `members[i]` sequences holding id `i` its
     own, in turn: all of them when someone outside the call holds `i` too,
     else all but the last (it is then the sole owner)."""

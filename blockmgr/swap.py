@@ -73,7 +73,7 @@ class HostSwap:
         ops: list[MemoryOp] = []
         for group in self.groups:
             group.move(seq, to_host, ops)
-        if seq.slot is not None:
+        if seq.slot is not None and self.slots is not None:
             slots_from, slots_to = self.slots, self.host_slots
             if not to_host:
                 slots_from, slots_to = slots_to, slots_from

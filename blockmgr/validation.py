@@ -20,6 +20,7 @@ import math
 import operator
 from array import array
 from collections.abc import Hashable, Iterable
+from typing import cast
 
 import numpy as np
 
@@ -32,7 +33,7 @@ _SHORT = 4
 MAX_TOKEN_ID = 2**64 - 1
 
 
-def as_words(tokens: list) -> array:
+def as_words(tokens: list[int]) -> array[int]:
     """The ints of list `tokens` as an unsigned 64-bit `array('Q')`; raises
     `TypeError` for an element that is not an int (bools and numpy integers
     convert) and `OverflowError` for one outside [0, 2**64). O(n) at C speed.
@@ -131,7 +132,7 @@ def _slow_token_list(tokens: object, name: str) -> list[int]:
     if isinstance(tokens, (str, bytes, bytearray, int, float, np.generic)) or tokens is None:
         raise WrongArgumentType(f"{name} must be a sequence of token ids, got {tokens!r:.80}")
     try:
-        items = list(tokens)
+        items = list(tokens)  # type: ignore[call-overload]  # any iterable: checked below
     except TypeError:
         raise WrongArgumentType(
             f"{name} must be a sequence of token ids, got {tokens!r:.80}"
@@ -143,7 +144,7 @@ def _slow_token_list(tokens: object, name: str) -> list[int]:
             raise InvalidArgument(f"{name}[{index}] = {token} is negative")
         if token > MAX_TOKEN_ID:
             raise InvalidArgument(f"{name}[{index}] = {token} is not below 2**64")
-    return items
+    return cast("list[int]", items)
 
 
 def _array_token_list(tokens: np.ndarray, name: str) -> list[int]:
@@ -156,7 +157,7 @@ def _array_token_list(tokens: np.ndarray, name: str) -> list[int]:
     if tokens.size and tokens.dtype.kind == "i" and int(tokens.min()) < 0:
         index = int(tokens.argmin())
         raise InvalidArgument(f"{name}[{index}] = {int(tokens[index])} is negative")
-    return tokens.tolist()
+    return cast("list[int]", tokens.tolist())
 
 
 def _as_int(value: object, name: str) -> int:

@@ -17,10 +17,10 @@ mlx-lm model) reads the model and builds that backend through
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -32,7 +32,7 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
+from blockmgr.ops import CopyBlock, MemoryOp, Plan, SwapIn, SwapOut
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
 from cache.host_pool import HostPagePool
@@ -50,8 +50,6 @@ from cache.views import (
     TokenContextView,
     nest_views,
 )
-
-Plan = tuple[MemoryOp, ...]
 
 
 @dataclass(slots=True)
@@ -151,7 +149,6 @@ class PagedCache:
         )
         self.specs = specs
         self._layout = None if layout is None else list(layout)
-        self.block_size = block_size
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
         self._reads_token_ids = any(s.kind is LayerKind.TOKENS for s in specs)
@@ -231,7 +228,7 @@ class PagedCache:
                     f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
                 )
 
-    def debug_state(self) -> tuple:
+    def debug_state(self) -> tuple[object, ...]:
         """The store's `debug_state()` and each sequence's computed state, as
         plain values: equal before and after a refused call. O(state)."""
         seqs = tuple(
@@ -244,6 +241,10 @@ class PagedCache:
     def recurrent(self) -> RecurrentBackend | None:
         """The recurrent-state backend (None for attention-only models)."""
         return self._recurrent
+
+    @property
+    def block_size(self) -> int:
+        return self.store.block_size
 
     @property
     def is_hybrid(self) -> bool:

@@ -363,7 +363,9 @@ def check_no_leaks(store: GroupedStore, sched: Scheduler) -> str:
                             "pages not free after dropping the trie")
     num_slots = store.config.num_slots
     if num_slots and store.num_free_slots != num_slots:
-        problems.append(f"{num_slots - store.num_free_slots} slots not free after dropping the trie")
+        problems.append(
+            f"{num_slots - store.num_free_slots} slots not free after dropping the trie"
+        )
     store.check_integrity()
     if problems:
         raise LeakError("; ".join(problems))
@@ -379,8 +381,8 @@ def _cached_only(store: BlockManager) -> list[str]:
             problems.append(f"group {usage.group}: {used} pages in use but the trie holds "
                             f"{usage.num_cached_pages}")
         if usage.num_free_host_pages != usage.num_host_pages:
-            problems.append(f"group {usage.group}: "
-                            f"{usage.num_host_pages - usage.num_free_host_pages} host pages still in use")
+            num_held = usage.num_host_pages - usage.num_free_host_pages
+            problems.append(f"group {usage.group}: {num_held} host pages still in use")
     cfg, stats = store.config, store.stats
     if cfg.num_slots:
         used_slots = cfg.num_slots - store.num_free_slots
