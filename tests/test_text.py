@@ -248,6 +248,39 @@ def test_the_stop_automaton_holds_back_and_cuts_at_the_longest_string():
     assert cut == len(text) - 114  # "ab" * 57 + "x" (k = 114) ends here
 
 
+def test_a_decode_fault_aborts_only_its_request(tiny):
+    """The tokenizer's decode raises on one request's tokens: that request
+    ends aborted with the error, in the step that met it; the others' texts
+    are those of a run without it."""
+    _, tok = tiny
+    poison = 391
+
+    class Faulty:
+        def __init__(self, tokenizer):
+            self._tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self._tokenizer, name)
+
+        def decode(self, tokens, *args, **kwargs):
+            if poison in list(tokens):
+                raise RuntimeError("injected decode fault")
+            return self._tokenizer.decode(tokens, *args, **kwargs)
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = engine_of(tiny).generate(PROMPTS, params)
+    engine = Engine(tiny[0], num_blocks=64, block_size=8, tokenizer=Faulty(tok))
+    victim = engine.get_request(
+        engine.add_request(tok.encode("Numbers and symbols") + [poison], params))
+    got = engine.generate(PROMPTS, params)
+    assert [o.text for o in got] == [o.text for o in want]
+    assert victim.status is RequestStatus.FINISHED_ABORTED
+    assert "injected decode fault" in str(victim.error)
+    assert victim.outputs[0] and len(victim.outputs[0]) < 10  # it ended at its first token
+    engine.check_integrity()
+    assert engine.cache.block_manager.num_sequences == 0
+
+
 def test_text_needs_a_tokenizer_and_checks_its_input(tiny):
     model, tok = tiny
     plain = Engine(model, num_blocks=32, block_size=8)
