@@ -52,7 +52,7 @@ class CompressedLayerView:
     """
 
     __slots__ = ("_batch", "_layer", "_window", "_window_group", "_entries", "_pool_for",
-                 "_set", "_forwards")
+                 "_set", "_forwards", "_parts")
 
     def __init__(
         self,
@@ -71,6 +71,9 @@ class CompressedLayerView:
         # Arrays the model set in the current step (by attribute name), and
         # the step they belong to: what it reads back within that step.
         self._set: tuple[int, dict[str, mx.array]] = (-1, {})
+        # Parts written in a step (window, open group rows, entries), and that
+        # step: the layer has written its step once every part the step needs has.
+        self._parts: tuple[int, set[str]] = (-1, set())
 
     # --- start of a forward (the model reads the first layer's) -------------
 
@@ -116,6 +119,7 @@ class CompressedLayerView:
         values = mx.zeros((*keys.shape[:-1], 0), kv.dtype)
         k_hist, _ = self._window.update_and_fetch(keys, values)
         self._forwards += 1
+        self._part_written("window")
         return k_hist[:, 0]
 
     # --- the compressed entries ---------------------------------------------
@@ -258,6 +262,7 @@ class CompressedLayerView:
                                   mx.zeros((*shape, width), keys.dtype))
         rows, cols = _entry_index(plan, before, after, self._layer.ratio)
         pool.write(rows, cols, keys, values)
+        self._part_written("entries")
 
     def _open_view(self) -> Any:
         self._plan()
@@ -280,6 +285,28 @@ class CompressedLayerView:
         view = self._open_view()
         free = self._layer.ratio - 1 - value.shape[1]
         view[which] = mx.pad(value, [(0, 0), (0, free), (0, 0)]) if free else value
+        self._part_written(f"open{which}")
+
+    def _part_written(self, part: str) -> None:
+        """Record a written part; tell the batch once the step's parts are
+        all written: the window, the open group's two arrays (a layer that
+        has one), the entries of the groups the step closes (a layer that
+        compresses)."""
+        batch = self._batch
+        if self._parts[0] != batch.steps:
+            self._parts = (batch.steps, set())
+        parts = self._parts[1]
+        parts.add(part)
+        needed = {"window"}
+        if self._layer.has_open_group:
+            needed |= {"open0", "open1"}
+        if self._layer.compresses:
+            plan = batch.plans[self._entries_position()[0]]
+            start = plan.offsets[0]
+            if (start + plan.num_queries) // self._layer.ratio > start // self._layer.ratio:
+                needed.add("entries")
+        if needed <= parts:
+            batch.wrote(self)
 
 
 def _entry_index(plan: StepPlan, first: int, stop: int, ratio: int) -> tuple[mx.array, mx.array]:

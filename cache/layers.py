@@ -41,11 +41,16 @@ class LayerSpec:
     """One layer's cache kind; `window` is the sliding window in tokens (else
     None), or for `TOKENS` how many of the last input ids the layer reads.
     `num_arrays`: for a declared `RECURRENT` position (not an mlx-lm
-    ``ArraysCache``), its number of state arrays, allocated on first write."""
+    ``ArraysCache``), its number of state arrays, allocated on first write.
+    `written`: whether every forward writes the position (a declared False:
+    the model gives the cache to a layer that never uses it)."""
 
     kind: LayerKind
     window: int | None = None
     num_arrays: int | None = None  # a declared RECURRENT position's state arrays
+    # False: a cache the model hands to a layer that ignores it (no forward
+    # writes it), so a step is complete without its write (`views.BatchState`).
+    written: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +166,26 @@ def _compressed_layers(model: Any) -> dict[int, Declared]:
     return out
 
 
+def _linear_replaced_attention(model: Any) -> dict[int, Declared]:
+    """nemotron-nas: `make_cache()` has a ``KVCache`` for every layer with an
+    attention block, and a block "replaced with linear" ignores its cache."""
+    out: dict[int, Declared] = {}
+    entry = 0
+    for layer in model.layers:
+        if layer.self_attn is None:
+            continue
+        if layer.attention_config.replace_with_linear:
+            out[entry] = LayerSpec(LayerKind.ATTENTION, written=False)
+        entry += 1
+    return out
+
+
 #: `make_cache()` entries whose meaning a model file declares, by mlx-lm
 #: module: a function of the model giving {entry: declaration}.
 DECLARED: dict[str, Callable[[Any], dict[int, Declared]]] = {
     "mlx_lm.models.longcat_flash_ngram": _ngram_context,
     "mlx_lm.models.deepseek_v41": _compressed_layers,
+    "mlx_lm.models.nemotron-nas": _linear_replaced_attention,
 }
 
 

@@ -646,8 +646,13 @@ class PagedCache:
         (first step only) says how many of the N input tokens of row b are
         real; default: min(pending tokens, N). Views live as long as the
         batch does (e.g. a whole `generate_step` run). A step's tokens count
-        as computed at the next call that touches the sequence (use `step`
-        to have a failing forward rolled back instead).
+        as computed at the next forward or the next call that touches the
+        sequence (`free` included), if every layer that writes (attention,
+        sliding, recurrent, composite) wrote its part of that step. A forward
+        that raised midway is rolled back there instead, as `step` does, so no
+        page a layer never wrote reaches the prefix trie; views rolled back by
+        a call (rather than by their next forward) refuse further forwards
+        (`InvalidArgument`): take new ones.
         """
         return self._views(seq_ids, num_new, auto_commit=True)[0]
 
@@ -676,8 +681,26 @@ class PagedCache:
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
         if self._layout is None:
+            batch.expect_writes(self._written_views(out, range(len(out))))
             return out, batch
-        return nest_views(out, self._layout, lambda e: self._compressed_view(batch, e, out)), batch
+        composites: list = []
+
+        def composite(entry: CompressedLayer) -> CompressedLayerView:
+            composites.append(self._compressed_view(batch, entry, out))
+            return composites[-1]
+
+        nested = nest_views(out, self._layout, composite)
+        handed = [i for e in self._layout if not isinstance(e, CompressedLayer)
+                  for i in ((e,) if isinstance(e, int) else e)]
+        batch.expect_writes(self._written_views(out, handed) + composites)
+        return nested, batch
+
+    def _written_views(self, views: list, positions: Iterable[int]) -> list:
+        """The views at `positions` that every forward writes: attention and
+        recurrent ones (a token context stores nothing; a declared unused
+        cache is never written)."""
+        return [views[i] for i in positions
+                if self.specs[i].written and self.specs[i].kind is not LayerKind.TOKENS]
 
     def _compressed_view(self, batch: BatchState, layer: CompressedLayer,
                          flat: list) -> CompressedLayerView:
@@ -922,8 +945,20 @@ class PagedCache:
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
         if state.in_flight and state.batch.auto_commit:
-            self.commit_step(state.batch)
+            self._settle_views_step(state.batch)
         return state
+
+    def _settle_views_step(self, batch: BatchState) -> None:
+        """A `views()` step is still in flight when its sequences are next
+        touched: it counts as computed if every layer that writes wrote its
+        part of it; else the forward raised midway and the step is rolled
+        back, as `step` does (these views then take no further forward: their
+        layers' counters are out of step with the storage)."""
+        if batch.complete:
+            self.commit_step(batch)
+        else:
+            self.rollback_step(batch)
+            batch.closed = True
 
 
 def _runs_by_kind(ops: Sequence[MemoryOp]) -> list[tuple[type, list]]:

@@ -37,6 +37,7 @@ class StepSource(Protocol):
     def paged_attention(self) -> bool: ...
     def begin_step(self, batch: BatchState, n: int | None, num_new) -> dict[int, StepPlan]: ...
     def commit_step(self, batch: BatchState) -> None: ...
+    def rollback_step(self, batch: BatchState) -> None: ...
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]: ...
     def computed_counts(self, seq_ids: Sequence) -> list[int]: ...
     def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array: ...
@@ -46,10 +47,17 @@ class StepSource(Protocol):
 
 
 class BatchState:
-    """Step bookkeeping shared by the views of one `views()` call."""
+    """Step bookkeeping shared by the views of one `views()` call.
+
+    A step is *complete* once every view that writes (`expect_writes`: the
+    attention, recurrent and composite views the model was handed) wrote its
+    part of it (`wrote`). A step that is not (the forward raised between two
+    layers) counts as never run: the next step, or the owner's next call
+    about these sequences, rolls it back instead of committing it."""
 
     __slots__ = ("owner", "seq_ids", "auto_commit", "steps", "trims", "last_trim", "plans",
-                 "recurrent", "masked", "speculative", "_num_new")
+                 "recurrent", "masked", "speculative", "closed", "_num_new", "_writers",
+                 "_written")
 
     def __init__(
         self, owner: StepSource, seq_ids: Sequence, num_new=None, auto_commit: bool = True
@@ -68,7 +76,26 @@ class BatchState:
         self.masked = False  # the model builds masks: they start the steps
         # Fed by a `SpeculativeModel` only: every step's widths come from it.
         self.speculative = False
+        # Set when a step that did not complete was rolled back outside a
+        # forward: the views' own counters no longer follow the storage.
+        self.closed = False
         self._num_new = num_new  # explicit chunk lengths for the next step only
+        self._writers: tuple[int, ...] = ()  # ids of the views that write every step
+        self._written: set[int] = set()  # ... that wrote in the current step
+
+    def expect_writes(self, views: Sequence[object]) -> None:
+        """The views the model writes in every forward (one entry each)."""
+        self._writers = tuple(id(v) for v in views)
+
+    def wrote(self, view: object) -> None:
+        """`view` wrote its part of the current step. O(1)."""
+        self._written.add(id(view))
+
+    @property
+    def complete(self) -> bool:
+        """Did every expected view write in the current step? O(views)."""
+        written = self._written
+        return all(w in written for w in self._writers)
 
     def feed(self, num_new: Sequence[int] | None) -> None:
         """The real input tokens of each row in the next step (None: the
@@ -79,14 +106,22 @@ class BatchState:
         """The plan of the view's next step, starting the step if it is the
         first. `n` (input width) None: the step covers the pending tokens
         (for models that never tell their caches how many tokens they feed)."""
+        if self.closed:
+            raise InvalidArgument(
+                f"{list(self.seq_ids)!r}: the last forward through these views did not "
+                "finish and was rolled back; take new views for the next one")
         if calls == self.steps:
             if self.speculative and self._num_new is None:
                 raise InvalidArgument(
                     f"{list(self.seq_ids)!r}: these views are fed by a SpeculativeModel; "
                     "call the model through it (it records the input ids)")
-            if self.steps:
-                self.owner.commit_step(self)  # the model is past the last step
+            if self.steps:  # the model is past the last step: it counts if it completed
+                if self.complete:
+                    self.owner.commit_step(self)
+                else:
+                    self.owner.rollback_step(self)
             self.plans = self.owner.begin_step(self, n, self._num_new)
+            self._written = set()
             self.recurrent = self.owner.recurrent_views(self.seq_ids, self.plans[0])
             self._num_new = None
             self.steps += 1
@@ -179,6 +214,7 @@ class AttentionView:
         if src is not None:  # padded rows: keep real tokens only
             k, v = mx.take(k, src, axis=0), mx.take(v, src, axis=0)
         pool.write(rows, cols, k, v)
+        self._batch.wrote(self)
         self._calls += 1
         if plan.exact and plan.offsets[0] == 0:
             # A fresh prefill: the history is exactly the new keys, no gather.
@@ -383,6 +419,7 @@ class RecurrentLayerView(ArraysCache):
     def __setitem__(self, i: int, value: mx.array) -> None:
         self._view()[i] = value
         self._written.add(i)
+        self._batch.wrote(self)
 
     def __len__(self) -> int:
         return len(self._view())

@@ -13,9 +13,14 @@ their own request:
 Leaving the loop early, cancelling the task or closing the generator aborts
 the request (its pages are freed by the engine thread before its next
 step). A full waiting queue (`max_waiting`) refuses new requests with
-`QueueFull`; a stopped engine with `EngineStopped`. A `step()` that raises
-(which the engine's own fault containment leaves to states its checks rule
-out) ends every live request with that error and the loop goes on.
+`QueueFull`; a stopped engine with `EngineStopped`. Text prompts are
+tokenized on a worker thread (`encode`), and a request's stop-string
+automaton is built there too, so a long prompt never holds the engine
+thread. A request the engine ends with an error (its forward keeps failing,
+its text cannot be decoded, `abort_all` at shutdown) raises that error from
+its iteration. A `step()` that raises (which the engine's own fault
+containment leaves to states its checks rule out) ends every live request
+with that error and the loop goes on.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import RequestOutput
+from scheduler.text import is_text_prompt, stop_strings
 
 
 class QueueFull(BlockManagerError):
@@ -80,6 +86,7 @@ class AsyncEngine:
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
+        self._closing = False  # abort_all was called: no new request
         self._streams: dict[Hashable, _Stream] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="blockmgr-engine", daemon=True)
@@ -135,18 +142,36 @@ class AsyncEngine:
             yield out
 
     async def add(self, prompt, sampling=None, *, request_id=None, namespace=None) -> _Stream:
-        """Queue a request; returns its stream (see `outputs`)."""
-        if self._stopping or not self._started:
-            raise EngineStopped("the engine is not running")
+        """Queue a request; returns its stream (see `outputs`). A text prompt
+        is tokenized off the engine thread first (`encode`)."""
+        self._check_open()
+        self._check_place()  # refuse before spending a tokenization on it
+        sampling = sampling or SamplingParams()
+        if is_text_prompt(prompt):
+            prompt = await self.encode(prompt)
+        if sampling.stop:  # cached: the engine thread finds it built
+            await asyncio.to_thread(stop_strings, sampling.stop)
+        self._check_open()
         self._reserve_place()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        command = _Add(prompt, sampling or SamplingParams(), request_id, namespace, stream)
+        command = _Add(prompt, sampling, request_id, namespace, stream)
         self._send(command)
         await asyncio.wrap_future(command.future)
         return stream
+
+    async def encode(self, prompt: Any) -> list[int]:
+        """The checked token ids of `prompt` (`Engine.encode_prompt`),
+        computed on a worker thread: the tokenizer releases the GIL while it
+        encodes, so a long text holds no step for its whole tokenization (a
+        3.5 MB text: 0.24 s at most, against 5.6 s on the engine thread)."""
+        return await asyncio.to_thread(self.engine.encode_prompt, prompt)
+
+    def _check_open(self) -> None:
+        if self._stopping or self._closing or not self._started:
+            raise EngineStopped("the engine is not running")
 
     async def outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a stream's outputs until the final one; abort if left early."""
@@ -158,6 +183,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if finished and stream.request.error is not None:
+                    raise stream.request.error  # the engine ended it with an error
                 yield item
                 if finished:
                     return
@@ -170,15 +197,26 @@ class AsyncEngine:
         admission, those the engine thread has not taken yet included,
         reach `max_waiting`, even while a long step keeps that thread busy."""
         with self._pending_lock:
-            waiting = self.engine.scheduler.num_waiting + self._pending
-            if waiting >= self.max_waiting:
-                self.metrics.num_rejected += 1
-                raise QueueFull(f"{waiting} requests are waiting already; try again later")
+            self._check_place()
             self._pending += 1
+
+    def _check_place(self) -> None:
+        waiting = self.engine.scheduler.num_waiting + self._pending
+        if waiting >= self.max_waiting:
+            self.metrics.num_rejected += 1
+            raise QueueFull(f"{waiting} requests are waiting already; try again later")
 
     def abort(self, request_id: Hashable) -> None:
         """Abort a request (thread-safe, returns at once)."""
         self._send(("abort", request_id))
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every live request with `error` (its iteration raises it) and
+        refuse new ones (`EngineStopped`); thread-safe, returns at once. A
+        server calls it at its shutdown deadline, so every response can
+        still end cleanly before the connections are closed."""
+        self._closing = True
+        self._send(("abort_all", error))
 
     def _send(self, command) -> None:
         self._commands.append(command)
@@ -212,8 +250,11 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 self._admit(command)
-            else:
+            elif command[0] == "abort":
                 self.engine.abort(command[1])
+            else:  # abort_all
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id, command[1])
 
     def _admit(self, command: _Add) -> None:
         engine = self.engine
@@ -221,12 +262,17 @@ class AsyncEngine:
             self._pending -= 1
         stream = command.stream
         rid = command.request_id
+        if self._closing:  # sent just before abort_all: it would outlive the deadline
+            command.future.set_exception(EngineStopped("the server is shutting down"))
+            return
 
         def deliver(out: RequestOutput) -> None:
-            if out.finished:
-                self._streams.pop(rid, None)
-                self.metrics.observe_finished(stream.request, out)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            try:  # counted before its reader sees the end (a scrape then agrees)
+                if out.finished:
+                    self._streams.pop(rid, None)
+                    self.metrics.observe_finished(stream.request, out)
+            finally:  # whatever happens, the reader gets its output
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
         try:
             engine.add_request(command.prompt, command.sampling, request_id=rid,

@@ -325,14 +325,27 @@ def _add_serve_parser(sub) -> None:
                             "see design/serving.md)")
     serve.add_argument("--max-waiting", type=_positive_int, default=256,
                        help="waiting requests before new ones get 429 (default 256)")
+    serve.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+                       help="most prompt + output tokens of a request (default: the model's "
+                            "context from its config.json, at most what the pool holds); "
+                            "longer requests get 400")
+    serve.add_argument("--max-body-size", metavar="SIZE",
+                       help="largest request body, e.g. 16MiB; larger ones get 413 before they "
+                            "are read (default: 32 bytes per token of --max-model-len, at "
+                            "least 1MiB)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
     serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
                             "they are aborted (default 10)")
-    serve.add_argument("--kv-events", metavar="ENDPOINT",
+    serve.add_argument("--kv-events", metavar="ENDPOINT", nargs="?", const="",
                        help="publish the prefix cache's KV events for cache-aware routers "
-                            "(vLLM's format) on this ZMQ endpoint, e.g. tcp://*:5557 "
-                            "(needs the events extra; design/kv_events.md)")
+                            "(vLLM's format) over ZMQ; alone: bound on tcp://127.0.0.1:5557 "
+                            "(this machine only); an ENDPOINT follows vLLM's rule (tcp://*:5557 "
+                            "binds every interface, tcp://HOST:PORT connects) unless "
+                            "--kv-events-bind (needs the events extra; design/kv_events.md)")
+    serve.add_argument("--kv-events-bind", action="store_true",
+                       help="bind --kv-events' ENDPOINT whatever its host: loopback "
+                            "(tcp://127.0.0.1:5557) or one interface (tcp://eth0:5557)")
     serve.add_argument("--kv-events-topic", default="", metavar="TOPIC",
                        help="ZMQ topic of the events (llm-d reads kv@<pod>@<model>; default '')")
     serve.add_argument("--kv-events-replay", metavar="ENDPOINT",
@@ -769,12 +782,18 @@ def cmd_serve(args) -> int:
     from scheduler import serve
 
     serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
-    kv_events = serve.open_kv_events(args.kv_events, args.kv_events_topic, args.kv_events_replay)
+    max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
+    endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
+    warning = serve.kv_events_warning(endpoint, args.kv_events_replay, bind)
+    if warning:
+        print(f"blockmgr serve: {warning}", file=sys.stderr)
+    kv_events = serve.open_kv_events(endpoint, args.kv_events_topic, args.kv_events_replay,
+                                     bind=bind)
     engine, name = serve.load_engine(
         args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-        prefill_batch=args.prefill_batch,
+        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len,
     )
     hint = serve.blas_hint()
     if hint:
@@ -782,10 +801,12 @@ def cmd_serve(args) -> int:
     bm = engine.cache.store
     slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
     print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
-          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots} on http://{args.host}:{args.port}",
+          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots}, max model length "
+          f"{engine.scheduler.config.max_model_len} tokens, on http://{args.host}:{args.port}",
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
-              max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout)
+              max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
+              max_body_bytes=max_body_bytes)
     return 0
 
 

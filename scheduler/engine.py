@@ -65,7 +65,7 @@ from scheduler.scheduler import (
     SchedulerOutput,
 )
 from scheduler.speculative import Speculator
-from scheduler.text import SampleText, TextCodec, is_text_prompt
+from scheduler.text import SampleText, TextCodec, is_text_prompt, stop_strings
 
 Callback = Callable[[RequestOutput], None]
 #: Called after every non-empty step with its scheduled work and its duration
@@ -336,6 +336,24 @@ class Engine:
         self._queue(request, callback)
         return request.request_id
 
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """The checked token ids of a prompt: text or chat messages through
+        the tokenizer (`WrongArgumentType` without one; `InvalidArgument` for
+        text that is not valid Unicode), or token ids (ints in
+        [0, vocab_size)). Reads only the tokenizer and the vocabulary size,
+        so a server may call it off the thread that drives the engine (the
+        tokenizer's cost then stalls no step). Cost: tokenization + O(tokens)."""
+        if is_text_prompt(prompt):
+            if self.text is None:
+                raise WrongArgumentType(
+                    f"prompt_tokens must be token ids (text needs Engine(tokenizer=...)), "
+                    f"got {prompt!r:.80}"
+                )
+            prompt = self.text.encode(prompt)
+        tokens = prompt_list(prompt, "prompt_tokens", exact=True)
+        check_token_range(tokens, self.vocab_size, "prompt_tokens")
+        return tokens
+
     def _make_request(self, prompt_tokens, sampling, request_id, priority, namespace,
                       callback, arrival_time=None) -> Request:
         """A checked `Request` (nothing queued yet)."""
@@ -343,15 +361,7 @@ class Engine:
             raise WrongArgumentType(f"sampling must be SamplingParams, got {sampling!r:.80}")
         if callback is not None and not callable(callback):
             raise WrongArgumentType(f"callback must be callable, got {callback!r:.80}")
-        if is_text_prompt(prompt_tokens):
-            if self.text is None:
-                raise WrongArgumentType(
-                    f"prompt_tokens must be token ids (text needs Engine(tokenizer=...)), "
-                    f"got {prompt_tokens!r:.80}"
-                )
-            prompt_tokens = self.text.encode(prompt_tokens)
-        tokens = prompt_list(prompt_tokens, "prompt_tokens", exact=True)
-        check_token_range(tokens, self.vocab_size, "prompt_tokens")
+        tokens = self.encode_prompt(prompt_tokens)
         sampling = self._engine_sampling(sampling or SamplingParams())
         if request_id is None:
             request_id = AutoRequestId(next(self._ids))
@@ -392,14 +402,19 @@ class Engine:
         sampling, n = request.sampling, request.sampling.n
         texts = None
         if self.text is not None:
-            texts = [self.text.sample_text(sampling.stop, sampling.stop_token_ids,
+            stop = stop_strings(sampling.stop)  # one automaton for the request's samples
+            texts = [self.text.sample_text(stop, sampling.stop_token_ids,
                                            request.prompt_tokens) for _ in range(n)]
         logprobs = None if sampling.logprobs is None else [[] for _ in range(n)]
         return _Tracked(request, texts, logprobs)
 
-    def abort(self, request_id: Hashable) -> None:
+    def abort(self, request_id: Hashable, error: BaseException | None = None) -> None:
         """Stop a request and free its pages (call between steps or from a
-        callback). Its callback receives the final, aborted output."""
+        callback). Its callback receives the final, aborted output; `error`
+        (e.g. the server is shutting down) is kept in `Request.error`."""
+        request = self.scheduler.get_request(request_id)
+        if request is not None and error is not None:
+            request.error = error
         out = self.scheduler.abort(request_id)
         if out is not None:
             self._deliver([out])
@@ -488,20 +503,42 @@ class Engine:
 
     def _annotate(self, results: list[RequestOutput]) -> None:
         """Give each tracked request's outputs their logprobs and text deltas;
-        a sample whose text reached a stop string is stopped here."""
-        for r in results:
+        a sample whose text reached a stop string is stopped here. A fault
+        there (the tokenizer's decode raising on a token) is that request's
+        own: it ends aborted with the error (`Request.error`), its output
+        replaced by the aborted one, and the other requests go on."""
+        for k, r in enumerate(results):
             tracked = self._tracked.get(r.request_id)
             if tracked is None:
                 continue
-            if tracked.logprobs is not None:
-                r.logprobs = {}
-                for index in r.new_tokens:
-                    entry = self._step_logprobs.get((r.request_id, index))
-                    if entry is not None:
-                        r.logprobs[index] = [entry]
-                        tracked.logprobs[index].append(entry)
-            if tracked.texts is not None:
-                self._add_text(r, tracked)
+            try:
+                self._annotate_one(r, tracked)
+            except Exception as error:  # isolate: one request's text fault is its own
+                results[k] = self._text_failed(r, tracked.request, error)
+
+    def _text_failed(self, r: RequestOutput, request: Request,
+                     error: Exception) -> RequestOutput:
+        """End a request whose text failed with `error`: aborted if it is
+        still live, marked aborted if it finished in this very step."""
+        request.error = error
+        self._tracked.pop(r.request_id, None)
+        out = self.scheduler.abort(r.request_id)
+        if out is not None:
+            return out
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finish_reasons[:] = [RequestStatus.FINISHED_ABORTED] * len(request.finish_reasons)
+        return RequestOutput(r.request_id, {}, True, request.status, list(request.finish_reasons))
+
+    def _annotate_one(self, r: RequestOutput, tracked: _Tracked) -> None:
+        if tracked.logprobs is not None:
+            r.logprobs = {}
+            for index in r.new_tokens:
+                entry = self._step_logprobs.get((r.request_id, index))
+                if entry is not None:
+                    r.logprobs[index] = [entry]
+                    tracked.logprobs[index].append(entry)
+        if tracked.texts is not None:
+            self._add_text(r, tracked)
 
     def _add_text(self, r: RequestOutput, tracked: _Tracked) -> None:
         r.new_text = {}

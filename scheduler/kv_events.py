@@ -355,9 +355,23 @@ class EventsLost(RuntimeError):
     """The sink could not deliver an earlier batch."""
 
 
-def _binds(endpoint: str) -> bool:
+#: Where `blockmgr serve --kv-events` (no endpoint given) binds: this
+#: machine only (the events carry every cached prompt's token ids).
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+def vllm_binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard, IPv6 any or a local transport binds; else connect."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def exposes_beyond_machine(endpoint: str) -> bool:
+    """Does binding `endpoint` listen on every interface (a wildcard host,
+    IPv4 or IPv6 any)? Its events then reach the network, unauthenticated."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    return host in ("*", "0.0.0.0", "[::]", "::", "[*]")
 
 
 class ZmqSink:
@@ -370,10 +384,17 @@ class ZmqSink:
     `send` queues (at most `max_queue` batches; beyond that it raises
     `queue.Full`); a batch the thread could not send makes the next `send`
     raise `EventsLost`. Needs pyzmq.
+
+    `bind`: True binds `endpoint` whatever its host (loopback
+    "tcp://127.0.0.1:5557", an interface "tcp://lo:5557" or "tcp://eth0:5557"),
+    False connects to it; None follows vLLM's rule (a wildcard such as
+    "tcp://*:5557", which listens on every interface, or ipc/inproc binds;
+    anything else connects). The replay endpoint is always bound.
     """
 
     def __init__(self, endpoint: str, *, topic: str = "", replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 10_000,
+                 bind: bool | None = None) -> None:
         zmq = _optional("zmq")
         _optional("msgpack")  # fail here, not at the first event
         self.endpoint = endpoint
@@ -383,7 +404,8 @@ class ZmqSink:
         self._replay = None
         try:
             self._pub.set_hwm(hwm)
-            self._pub.bind(endpoint) if _binds(endpoint) else self._pub.connect(endpoint)
+            binds = vllm_binds(endpoint) if bind is None else bind
+            self._pub.bind(endpoint) if binds else self._pub.connect(endpoint)
             if replay_endpoint is not None:
                 self._replay = context.socket(zmq.ROUTER)
                 self._replay.bind(replay_endpoint)
@@ -536,8 +558,9 @@ class KVEventPublisher:
 
 def open_publisher(store: ServableStore, kv_events: str | EventSink, *,
                    topic: str = "", replay_endpoint: str | None = None) -> KVEventPublisher:
-    """A publisher on `store`: `kv_events` is a ZMQ endpoint
-    ("tcp://*:5557" binds, "tcp://host:5557" connects) or a sink."""
+    """A publisher on `store`: `kv_events` is a ZMQ endpoint (vLLM's rule:
+    "tcp://*:5557" binds on every interface, "tcp://host:5557" connects; a
+    `ZmqSink(..., bind=True)` binds loopback or one interface) or a sink."""
     if isinstance(kv_events, str):
         sink: EventSink = ZmqSink(kv_events, topic=topic, replay_endpoint=replay_endpoint)
     else:

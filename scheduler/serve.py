@@ -4,9 +4,12 @@
 and builds an `Engine` whose page pool fits a memory budget
 (`kv_memory`, e.g. "4GiB": a hybrid model's recurrent slots first, then
 pages of every layer group together; `size_pool`) unless a page count is
-given. `run(...)` serves it with uvicorn until SIGINT or
+given, and whose `max_model_len` is the model's context (`model_context`,
+read from config.json as vLLM reads it) or a smaller one asked for, never
+more than the pool holds. `run(...)` serves it with uvicorn until SIGINT or
 SIGTERM (uvicorn stops accepting, lets in-flight responses finish for
-`graceful_seconds`, then the engine aborts what is left).
+`graceful_seconds`, then the engine ends what is left so that every
+response still ends cleanly: `scheduler.shutdown`).
 `blas_hint()` is the one line printed on Linux when MLX's CPU backend runs
 on the reference BLAS (the `mlx[cpu]` wheel bundles it: about 5.5 GFLOPS on
 a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
@@ -14,6 +17,7 @@ a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -106,13 +110,48 @@ def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int) -> Po
     return PoolSize(left // per_page, num_slots, per_page, per_slot)
 
 
+#: config.json keys that bound a model's context, as vLLM reads them (the
+#: smallest one given wins), looked for in the config and its text_config.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_sequence_length", "max_seq_length", "seq_len")
+#: RoPE scalings whose factor does not stretch the context further (vLLM).
+_UNSCALED_ROPE = ("su", "longrope", "llama3", "mrope", "default")
+
+
+def model_context(config: dict) -> int | None:
+    """The context a model's config.json gives (None: it gives none): the
+    smallest of vLLM's keys, times the RoPE scaling factor where vLLM
+    multiplies it (yarn from its `original_max_position_embeddings`)."""
+    sections = [config] + [config[k] for k in ("text_config", "language_config")
+                           if isinstance(config.get(k), dict)]
+    for section in sections:
+        lengths = [v for k in _CONTEXT_KEYS if isinstance(v := section.get(k), int)
+                   and not isinstance(v, bool) and v > 0]
+        if not lengths:
+            continue
+        length = min(lengths)
+        rope = section.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        if kind not in _UNSCALED_ROPE and kind is not None and isinstance(factor, (int, float)):
+            if kind == "yarn" and isinstance(rope.get("original_max_position_embeddings"), int):
+                length = rope["original_max_position_embeddings"]
+            length = int(length * factor)
+        return length
+    return None
+
+
 def load_engine(path: str | Path, *, kv_memory: str | None = None,
                 num_blocks: int | None = None, block_size: int = 16,
-                prefill_batch: int = PREFILL_BATCH, **engine_kwargs):
+                prefill_batch: int = PREFILL_BATCH, max_model_len: int | None = None,
+                **engine_kwargs):
     """(Engine, model name) for an mlx-lm model directory. Without
     `num_blocks` the pool fits `kv_memory` (default 4GiB; `size_pool`).
     Prefill chunks that arrive together share forwards (`prefill_batch`,
-    default `PREFILL_BATCH`)."""
+    default `PREFILL_BATCH`). `max_model_len` (prompt + output tokens of a
+    sequence) defaults to the model's context (`model_context`) and may not
+    exceed it; the engine then caps it at what the pool holds, and refuses a
+    larger one asked for."""
     import mlx_lm
 
     from scheduler.engine import Engine
@@ -121,25 +160,66 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{str(path)!r} is not an mlx-lm model directory (no config.json)")
+    context = model_context(json.loads((path / "config.json").read_text()))
+    if max_model_len is not None and context is not None and max_model_len > context:
+        raise InvalidArgument(f"--max-model-len {max_model_len} is more than the model's context "
+                              f"({context} tokens in its config.json)")
     model, tokenizer = mlx_lm.load(str(path))
     if num_blocks is None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
         size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs)
         num_blocks = size.num_blocks
         engine_kwargs.setdefault("num_slots", size.num_slots or None)
+    if max_model_len is not None:
+        engine_kwargs["max_model_len"] = max_model_len
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
                     prefill_batch=prefill_batch, **engine_kwargs)
+    config = engine.scheduler.config
+    if max_model_len is None and context is not None and context < config.max_model_len:
+        config.max_model_len = context  # the pool holds more than the model reads
+        if engine.speculator is not None:
+            engine.speculator.max_model_len = context
     return engine, path.name
 
 
-def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str | None = None):
+def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str | None = None,
+                   bind: bool | None = None):
     """The ZMQ sink of `--kv-events` (None without an endpoint), opened
-    before the model loads so that a bad endpoint fails at once."""
+    before the model loads so that a bad endpoint fails at once. `bind`:
+    as `ZmqSink` (None: vLLM's rule)."""
     if endpoint is None:
         return None
     from scheduler.kv_events import ZmqSink
 
-    return ZmqSink(endpoint, topic=topic, replay_endpoint=replay_endpoint)
+    return ZmqSink(endpoint, topic=topic, replay_endpoint=replay_endpoint, bind=bind)
+
+
+def kv_events_endpoint(option: str | None, bind: bool) -> tuple[str | None, bool | None]:
+    """(endpoint, bind) of `--kv-events [ENDPOINT]` and `--kv-events-bind`:
+    the option alone ("") binds `kv_events.DEFAULT_ENDPOINT` (loopback); an
+    endpoint binds with `bind`, else follows vLLM's rule (None)."""
+    from scheduler.kv_events import DEFAULT_ENDPOINT
+
+    if option == "":
+        return DEFAULT_ENDPOINT, True
+    return option, True if bind else None
+
+
+def kv_events_warning(endpoint: str | None, replay_endpoint: str | None,
+                      bind: bool | None) -> str | None:
+    """One line when the KV events (every cached prompt's token ids, sent
+    unauthenticated) would listen on every network interface."""
+    from scheduler.kv_events import exposes_beyond_machine, vllm_binds
+
+    exposed = [e for e, binds in ((endpoint, bind), (replay_endpoint, True))
+               if e is not None and (binds or (binds is None and vllm_binds(e)))
+               and exposes_beyond_machine(e)]
+    if not exposed:
+        return None
+    return (f"warning: KV events on {', '.join(exposed)} listen on every network interface, "
+            f"unauthenticated (they carry every cached prompt's token ids); bind 127.0.0.1 or "
+            f"one interface (--kv-events tcp://127.0.0.1:5557 --kv-events-bind) to keep them "
+            f"on this machine")
 
 
 def blas_hint() -> str | None:
@@ -165,12 +245,18 @@ def blas_hint() -> str | None:
 
 
 def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-        max_waiting: int = 256, graceful_seconds: float = 10.0) -> None:
+        max_waiting: int = 256, graceful_seconds: float = 10.0,
+        max_body_bytes: int | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight requests get `graceful_seconds`
+    to finish, then end cleanly (`scheduler.shutdown`). `max_body_bytes`:
+    None for the server's default (`server.default_max_body_bytes`)."""
     import uvicorn
 
     from scheduler.async_engine import AsyncEngine
     from scheduler.server import build_app
+    from scheduler.shutdown import GracefulServer
 
-    app = build_app(AsyncEngine(engine, max_waiting=max_waiting), model_name)
-    uvicorn.run(app, host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=graceful_seconds)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    app = build_app(async_engine, model_name, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
+    GracefulServer(config, async_engine, graceful_seconds).run()

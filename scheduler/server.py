@@ -4,14 +4,23 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming by
 server-sent events, or one JSON answer), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text, `scheduler.metrics`).
 
-Every request body is checked before anything is queued: a malformed one
-gets 400 with OpenAI's error object naming the bad field (the checks are
-`SamplingParams`' and the engine's own, `blockmgr.validation`); an unknown
-model 404; a full waiting queue 429; a stopped engine 503. A completions
-body with several prompts queues one request per prompt, all or none. `usage` reports
-`prompt_tokens_details.cached_tokens`, the prefix-cache hit of the request.
-A client that disconnects (mid-stream or while waiting for a whole answer)
-has its request aborted, which frees its pages.
+Nothing a client sends, and no fault, can hurt another request
+(`design/errors.md`, "Server"). Work is bounded before a request is admitted
+or refused: the body is refused with 413 past `max_body_bytes` before it is
+buffered, stop strings are bounded (`MAX_STOP_STRINGS` of at most
+`MAX_STOP_LENGTH` characters; the engine matches them with one automaton),
+prompts are tokenized and measured against `max_model_len` off the engine
+thread. Every answer that is not a completion is OpenAI's error object:
+400 for a malformed body (naming the field, vLLM's words past the
+context), 404 for an unknown model or route, 405, 413, 429 for a full
+waiting queue, 500 for a fault in the request's own path (its tokenizer, a
+forward that keeps failing for it), 503 for a stopped or stopping engine.
+A stream that fails after its first chunk ends with an error event and
+`[DONE]`. A completions body with several prompts queues one request per
+prompt, all or none. `cache_salt` is the request's prefix-cache namespace.
+`usage` reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit
+of the request. A client that disconnects (mid-stream or while waiting for a
+whole answer) has its request aborted, which frees its pages.
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -42,6 +53,77 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 #: The most prompts one /v1/completions body may hold (each is a request).
 MAX_PROMPTS = 64
+#: The default request body limit (`blockmgr serve --max-body-size`) is
+#: this many bytes per token of `max_model_len`, at least `MIN_BODY_BYTES`:
+#: room for any prompt that fits, as text (JSON-escaped) or token ids, while
+#: the tokenization a refused body can cost stays in proportion to the
+#: context (a 5 MB text prompt: ~1 GB of RSS and 8-30 s of a worker thread).
+BODY_BYTES_PER_TOKEN = 32
+MIN_BODY_BYTES = 2**20
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The default body limit for a context of `max_model_len` tokens."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+#: Stop strings one request may give, and their length in characters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+#: Chat completions' default max_tokens (lowered to what the context leaves).
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+logger = logging.getLogger("uvicorn.error")
+
+
+def _off(*values: object) -> Callable[[object], bool]:
+    """A field's values that ask for nothing (None always does)."""
+    return lambda value: value is None or any(value == v for v in values)
+
+
+#: Fields of OpenAI's API and of vLLM's extensions that change the answer
+#: and that this server does not implement, with the values that ask for
+#: nothing (accepted): any other value is refused with a 400 naming them.
+_UNSUPPORTED_COMMON: dict[str, Callable[[object], bool]] = {
+    "response_format": _off({"type": "text"}),
+    "best_of": _off(1),
+    "use_beam_search": _off(False),
+    "length_penalty": _off(1, 1.0),
+    "min_tokens": _off(0),
+    "guided_json": _off(),
+    "guided_regex": _off(),
+    "guided_choice": _off(),
+    "guided_grammar": _off(),
+    "structured_outputs": _off(),
+    "allowed_token_ids": _off(),
+    "bad_words": _off([]),
+    "prompt_logprobs": _off(),
+    "truncate_prompt_tokens": _off(),
+    "include_stop_str_in_output": _off(False),
+    "skip_special_tokens": _off(True),
+    "spaces_between_special_tokens": _off(True),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "tools": _off([]),
+    "tool_choice": _off("none", "auto"),
+    "functions": _off([]),
+    "function_call": _off("none", "auto"),
+    "audio": _off(),
+    "modalities": _off(["text"]),
+    "reasoning_effort": _off(),
+    "verbosity": _off(),
+    "web_search_options": _off(),
+    "echo": _off(False),
+    "chat_template": _off(),
+    "chat_template_kwargs": _off({}),
+    "add_generation_prompt": _off(True),
+    "continue_final_message": _off(False),
+    "documents": _off(),
+}
+_UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED_COMMON,
+    "suffix": _off(""),
+    "echo": _off(False),
+}
 
 _FINISH = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -50,7 +132,7 @@ _FINISH = {
 }
 #: Body fields mapped one to one onto `SamplingParams` (OpenAI's, then vLLM's extensions).
 _PASSTHROUGH = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
-                "top_k", "min_p", "repetition_penalty", "ignore_eos")
+                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
 
 
 class HttpError(Exception):
@@ -59,15 +141,30 @@ class HttpError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
+    def body(self) -> dict:
+        """OpenAI's error object."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": None}}
-        return JSONResponse(body, status_code=self.status)
+
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    @classmethod
+    def of_fault(cls, error: BaseException) -> HttpError:
+        """The error a request's own fault answers: 503 when the engine
+        stopped (or is stopping), else 500 naming the exception."""
+        if isinstance(error, EngineStopped):
+            return cls(503, str(error), "server_error")
+        return cls(500, f"the request failed: {type(error).__name__}: {error}"[:500],
+                   "server_error")
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> Starlette:
-    """The Starlette app; starts `engine` on startup, shuts it down on exit."""
-    api = OpenAIServer(engine, model_name)
+def build_app(engine: AsyncEngine, model_name: str, *,
+              max_body_bytes: int | None = None) -> Starlette:
+    """The Starlette app; starts `engine` on startup, shuts it down on exit.
+    `max_body_bytes`: larger request bodies are refused (413) unread
+    (default: `default_max_body_bytes` of the engine's `max_model_len`)."""
+    api = OpenAIServer(engine, model_name, max_body_bytes=max_body_bytes)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -81,18 +178,39 @@ def build_app(engine: AsyncEngine, model_name: str) -> Starlette:
         engine.start()
         yield
         aborted = await asyncio.to_thread(engine.shutdown)
-        logging.getLogger("uvicorn.error").info(
-            "blockmgr serve: engine stopped, %d unfinished requests aborted", aborted)
+        logger.info("blockmgr serve: engine stopped, %d unfinished requests aborted", aborted)
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: _route_error, Exception: _unexpected_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+async def _route_error(request: HttpRequest, error: HTTPException) -> Response:
+    """Starlette's 404 (no such route) and 405 as OpenAI's error object."""
+    method, path = request.method, request.url.path
+    if error.status_code == 404:
+        message = f"Unknown request URL: {method} {path:.200}"
+    elif error.status_code == 405:
+        message = f"method {method} is not allowed on {path:.200}"
+    else:
+        message = str(error.detail)
+    return HttpError(error.status_code, message).response(error.headers)
+
+
+async def _unexpected_error(request: HttpRequest, error: Exception) -> Response:
+    """A bug that escaped a handler: still OpenAI's error object (uvicorn
+    logs the traceback)."""
+    return HttpError(500, f"internal error: {type(error).__name__}", "server_error").response()
 
 
 class OpenAIServer:
     """Request handlers (see the module doc)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, *,
+                 max_body_bytes: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_model_len = engine.engine.scheduler.config.max_model_len
+        self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_model_len)
         self.tokenizer = engine.engine.text.tokenizer if engine.engine.text else None
         self.created = int(time.time())
 
@@ -123,30 +241,64 @@ class OpenAIServer:
     async def _serve(self, request: HttpRequest, chat: bool) -> Response:
         streams = []
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, self.max_body_bytes)
             self._check_model(body)
-            prompts, sampling = (_chat_request if chat else _completion_request)(body)
+            _check_supported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
+            prompts, sampling, max_tokens_given = (
+                _chat_request if chat else _completion_request)(body)
+            namespace = _cache_salt(body)
             options = _Options.of(body, chat)
-            for prompt in prompts:
-                streams.append(await self.engine.add(prompt, sampling))
+            encoded = [await self.engine.encode(prompt) for prompt in prompts]  # off-thread
+            params = [self._fit_context(len(tokens), sampling, max_tokens_given, chat)
+                      for tokens in encoded]
+            for tokens, param in zip(encoded, params):
+                streams.append(await self.engine.add(tokens, param, namespace=namespace))
         except HttpError as error:
+            self._abort(streams)
             return error.response()
         except QueueFull as error:
             self._abort(streams)
             return HttpError(429, str(error), "rate_limit_exceeded").response()
-        except EngineStopped as error:
-            self._abort(streams)
-            return HttpError(503, str(error), "server_error").response()
         except InvalidArgument as error:  # every typed check (WrongArgumentType included)
             self._abort(streams)
             return HttpError(400, str(error)).response()
-        reply = _Reply(self, streams, sampling, options, chat)
+        except RecursionError:  # a body nested deeper than any API field
+            self._abort(streams)
+            return HttpError(400, "the request body is nested too deeply").response()
+        except Exception as error:  # noqa: BLE001 - a fault (the tokenizer): this request's
+            self._abort(streams)
+            if not isinstance(error, EngineStopped):
+                logger.exception("blockmgr serve: a request failed before it was queued")
+            return HttpError.of_fault(error).response()
+        reply = _Reply(self, streams, params[0], options, chat)
         if options.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         return await self._whole(request, reply)
 
+    def _fit_context(self, num_prompt: int, sampling: SamplingParams, max_tokens_given: bool,
+                     chat: bool) -> SamplingParams:
+        """Check a prompt and its max_tokens against `max_model_len` (400 in
+        vLLM's words); a default max_tokens is lowered to what is left."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise HttpError(400, f"This model's maximum context length is {limit} tokens. "
+                            f"However, your request has {num_prompt} input tokens. Please "
+                            f"reduce the length of the input messages.",
+                            param="messages" if chat else "prompt")
+        room = limit - num_prompt
+        if sampling.max_tokens <= room:
+            return sampling
+        if not max_tokens_given:
+            return replace(sampling, max_tokens=room)
+        raise HttpError(400, f"'max_tokens' or 'max_completion_tokens' is too large: "
+                        f"{sampling.max_tokens}. This model's maximum context length is {limit} "
+                        f"tokens and your request has {num_prompt} input tokens "
+                        f"({sampling.max_tokens} > {limit} - {num_prompt}).",
+                        param="max_tokens")
+
     async def _whole(self, request: HttpRequest, reply: _Reply) -> Response:
-        """Wait for the whole answer, aborting the request if the client leaves."""
+        """Wait for the whole answer, aborting the request if the client
+        leaves; a request that failed answers its error object."""
         answer = asyncio.ensure_future(reply.collect())
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -154,11 +306,14 @@ class OpenAIServer:
             answer.cancel()  # closes the output iteration: the request is aborted
             try:
                 await answer
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody to tell
                 pass
             return Response(status_code=499)
         gone.cancel()
-        return JSONResponse(answer.result())
+        try:
+            return JSONResponse(answer.result())
+        except Exception as error:  # noqa: BLE001 - its own fault: answered, logged
+            return _failed(error).response()
 
     def _abort(self, streams) -> None:
         """Abort the requests queued for a body that then failed (all or none)."""
@@ -282,7 +437,16 @@ class _Reply:
                 "usage": self.usage()}
 
     async def events(self) -> AsyncIterator[str]:
-        """SSE: a chunk per output and sample, the usage chunk if asked, [DONE]."""
+        """SSE: a chunk per output and sample, the usage chunk if asked,
+        [DONE]; a request that fails ends with an error event, then [DONE]."""
+        try:
+            async for event in self._events():
+                yield event
+        except Exception as error:  # noqa: BLE001 - its own fault: told, logged
+            yield _sse(_failed(error).body())
+        yield "data: [DONE]\n\n"
+
+    async def _events(self) -> AsyncIterator[str]:
         if self.chat:
             for i in range(self.sampling.n):
                 yield _sse(self._chunk(i, {"role": "assistant", "content": ""}, None, None))
@@ -300,7 +464,6 @@ class _Reply:
         if self.options.include_usage:
             yield _sse({"id": self.id, "object": self._chunk_object(), "created": self.created,
                         "model": self.server.model_name, "choices": [], "usage": self.usage()})
-        yield "data: [DONE]\n\n"
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
@@ -338,15 +501,57 @@ class _Reply:
 # ----------------------------------------------------------------- parsing
 
 
-async def _json_body(request: HttpRequest) -> Mapping:
-    raw = await request.body()
+def _failed(error: BaseException) -> HttpError:
+    """The error object of a request that failed after it was queued (logged
+    unless the server is stopping)."""
+    if not isinstance(error, EngineStopped):
+        logger.error("blockmgr serve: a request failed: %s: %s", type(error).__name__, error,
+                     exc_info=error)
+    return HttpError.of_fault(error)
+
+
+async def _json_body(request: HttpRequest, limit: int) -> Mapping:
+    """The body as a JSON object. Past `limit` bytes it is refused (413):
+    at once from its Content-Length, unread; while reading when it has none."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdecimal() and int(length) > limit:
+        raise HttpError(413, f"the request body has {int(length)} bytes; this server takes at "
+                        f"most {limit} bytes (blockmgr serve --max-body-size)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the request body has more than {limit} bytes; this server "
+                            f"takes at most {limit} (blockmgr serve --max-body-size)")
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HttpError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise HttpError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _check_supported(body: Mapping, unsupported: Mapping[str, Callable[[object], bool]]) -> None:
+    """Refuse (400, naming them) the fields that would change the answer
+    and are not implemented here."""
+    names = [name for name, off in unsupported.items() if name in body and not off(body[name])]
+    if names:
+        raise HttpError(400, f"not supported by this server: {', '.join(names)} (the answer "
+                        f"would not be what they ask for)", param=names[0])
+
+
+def _cache_salt(body: Mapping) -> str | None:
+    """`cache_salt`: the request's prefix-cache namespace (vLLM's meaning:
+    a prompt hits only prefixes cached with the same salt)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise HttpError(400, "cache_salt must be a non-empty string if provided",
+                        param="cache_salt")
+    return salt
 
 
 def _sampling(body: Mapping, extra: dict) -> SamplingParams:
@@ -357,6 +562,7 @@ def _sampling(body: Mapping, extra: dict) -> SamplingParams:
         del kwargs["top_k"]  # vLLM's spelling of "off"
     stop = body.get("stop")
     if stop is not None:
+        _check_stop_bounds(stop)
         kwargs["stop"] = stop
     bias = body.get("logit_bias")
     if bias is not None:
@@ -368,11 +574,28 @@ def _sampling(body: Mapping, extra: dict) -> SamplingParams:
         raise HttpError(400, str(error)) from None
 
 
-def _max_tokens(body: Mapping, names: tuple[str, ...], default: int | None) -> dict:
+def _check_stop_bounds(stop: object) -> None:
+    """At most `MAX_STOP_STRINGS` stop strings of `MAX_STOP_LENGTH`
+    characters (their types are `SamplingParams`' to check)."""
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list):
+        return
+    if len(strings) > MAX_STOP_STRINGS:
+        raise HttpError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got "
+                        f"{len(strings)}", param="stop")
+    for index, text in enumerate(strings):
+        if isinstance(text, str) and len(text) > MAX_STOP_LENGTH:
+            raise HttpError(400, f"stop[{index}]: at most {MAX_STOP_LENGTH} characters, got "
+                            f"{len(text)}", param="stop")
+
+
+def _max_tokens(body: Mapping, names: tuple[str, ...], default: int) -> tuple[dict, bool]:
+    """{"max_tokens": ...} from the first field given, else the default;
+    and whether the client gave it."""
     for name in names:
         if body.get(name) is not None:
-            return {"max_tokens": body[name]}
-    return {} if default is None else {"max_tokens": default}
+            return {"max_tokens": body[name]}, True
+    return {"max_tokens": default}, False
 
 
 def _prompts(body: Mapping) -> list:
@@ -392,11 +615,9 @@ def _prompts(body: Mapping) -> list:
     return prompts
 
 
-def _completion_request(body: Mapping) -> tuple[list, SamplingParams]:
+def _completion_request(body: Mapping) -> tuple[list, SamplingParams, bool]:
     prompts = _prompts(body)
-    if body.get("echo"):
-        raise HttpError(400, "echo is not supported", param="echo")
-    extra = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS)
+    extra, given = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) \
@@ -404,17 +625,16 @@ def _completion_request(body: Mapping) -> tuple[list, SamplingParams]:
             raise HttpError(400, f"logprobs must be an int in [0, {MAX_COMPLETION_LOGPROBS}], "
                             f"got {logprobs!r:.40}", param="logprobs")
         extra["logprobs"] = logprobs
-    return prompts, _sampling(body, extra)
+    return prompts, _sampling(body, extra), given
 
 
-def _chat_request(body: Mapping) -> tuple[list, SamplingParams]:
+def _chat_request(body: Mapping) -> tuple[list, SamplingParams, bool]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, f"messages must be a non-empty list, got {messages!r:.80}",
                         param="messages")
-    extra = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    if "max_tokens" not in extra:
-        extra["max_tokens"] = 512
+    extra, given = _max_tokens(body, ("max_completion_tokens", "max_tokens"),
+                               DEFAULT_CHAT_MAX_TOKENS)
     if _bool(body, "logprobs", False):
         top = body.get("top_logprobs", 0)
         if isinstance(top, bool) or not isinstance(top, int) \
@@ -422,7 +642,8 @@ def _chat_request(body: Mapping) -> tuple[list, SamplingParams]:
             raise HttpError(400, f"top_logprobs must be an int in [0, {MAX_CHAT_TOP_LOGPROBS}], "
                             f"got {top!r:.40}", param="top_logprobs")
         extra["logprobs"] = top
-    return [[_plain_message(m, i) for i, m in enumerate(messages)]], _sampling(body, extra)
+    return [[_plain_message(m, i) for i, m in enumerate(messages)]], _sampling(body, extra), \
+        given
 
 
 def _plain_message(message: object, index: int) -> dict:

@@ -8,12 +8,16 @@ prompt) into token ids. `SampleText` follows one sample: every new token
 goes through an `IncrementalDetokenizer`, and the text is released only
 up to where no stop string could still begin, so a streamed delta never
 holds part of a stop string (OpenAI's behaviour: the text is cut before the
-stop string, which is not returned). A token in `stop_token_ids` (the end of
-sequence) ends the sample and adds no text.
+stop string, which is not returned). Stop strings are searched by one
+automaton per request (`StopStrings`): O(1) per new character whatever
+their number. A token in `stop_token_ids` (the end of sequence) ends the
+sample and adds no text.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,10 +61,12 @@ class TextCodec:
 
     def encode(self, prompt: str | Messages) -> list[int]:
         """Token ids of text or chat messages. `InvalidArgument` for an
-        empty text, malformed messages, or a chat without a template."""
+        empty text, text that is not valid Unicode (a lone surrogate, which
+        JSON can carry), malformed messages, or a chat without a template."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgument("prompt is an empty string")
+            check_unicode(prompt, "prompt")
             return list(self.tokenizer.encode(prompt))
         return self.encode_chat(prompt)
 
@@ -81,10 +87,12 @@ class TextCodec:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
-    def sample_text(self, stop: Sequence[str], stop_token_ids: Sequence[int],
+    def sample_text(self, stop: StopStrings | Sequence[str], stop_token_ids: Sequence[int],
                     prompt: Sequence[int] = ()) -> SampleText:
+        """A sample's text; `stop` a request's `StopStrings` (shared by its
+        samples) or its stop strings."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt[-PROMPT_CONTEXT:])
-        return SampleText(detokenizer, tuple(stop), frozenset(stop_token_ids))
+        return SampleText(detokenizer, stop, frozenset(stop_token_ids))
 
 
 #: Prompt tokens an output's detokenizer starts from (see `IncrementalDetokenizer`).
@@ -128,8 +136,20 @@ class IncrementalDetokenizer:
             self._read = len(self._tokens)
 
 
+def check_unicode(text: str, what: str) -> None:
+    """`InvalidArgument` unless `text` can be encoded as UTF-8 (no lone
+    surrogate): a tokenizer cannot encode it. O(len(text)) at C speed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(
+            f"{what} is not valid Unicode: {error.reason} at character {error.start}"
+        ) from None
+
+
 def check_messages(messages: object) -> None:
-    """A non-empty list of {"role": str, "content": str | list | None} maps."""
+    """A non-empty list of {"role": str, "content": str | list | None} maps,
+    their strings valid Unicode."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise WrongArgumentType(f"messages must be a non-empty list, got {messages!r:.80}")
     for index, message in enumerate(messages):
@@ -143,23 +163,104 @@ def check_messages(messages: object) -> None:
             raise WrongArgumentType(
                 f"messages[{index}].content must be a string, got {content!r:.80}"
             )
+        check_unicode(role, f"messages[{index}].role")
+        for part in [content] if isinstance(content, str) else content or ():
+            text = part.get("text") if isinstance(part, Mapping) else part
+            if isinstance(text, str):
+                check_unicode(text, f"messages[{index}].content")
+
+
+class StopStrings:
+    """A request's stop strings as one Aho-Corasick automaton over
+    characters, built once per request and shared by its samples.
+
+    `advance(state, text)` feeds text from a state (0: nothing read) and
+    returns the new state and the start of the earliest stop string that
+    ends inside `text` (None: none does); `held_back(state)` is how many of
+    the last characters read begin some stop string. Feeding a character
+    costs O(1) amortized, whatever the number of stop strings (a search of
+    each string at each token costs O(count x longest)). Building costs
+    O(total characters)."""
+
+    __slots__ = ("strings", "_goto", "_fail", "_depth", "_match")
+
+    def __init__(self, strings: Sequence[str]) -> None:
+        self.strings = tuple(strings)
+        goto: list[dict[str, int]] = [{}]
+        depth, match = [0], [0]  # match: the longest stop string ending at the state
+        for text in self.strings:
+            node = 0
+            for char in text:
+                child = goto[node].get(char)
+                if child is None:
+                    child = goto[node][char] = len(goto)
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    match.append(0)
+                node = child
+            match[node] = len(text)
+        fail = [0] * len(goto)
+        queue = deque(goto[0].values())
+        while queue:  # breadth first: a state's fallback is shallower, set before it
+            node = queue.popleft()
+            for char, child in goto[node].items():
+                back = fail[node]
+                while back and char not in goto[back]:
+                    back = fail[back]
+                target = goto[back].get(char, 0)
+                fail[child] = target if target != child else 0
+                match[child] = match[child] or match[fail[child]]
+                queue.append(child)
+        self._goto, self._fail, self._depth, self._match = goto, fail, depth, match
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def advance(self, state: int, text: str, offset: int = 0) -> tuple[int, int | None]:
+        """Feed `text` (whose first character is at `offset` of the whole
+        text); returns (state, earliest start of a stop string ending in it)."""
+        goto, fail, match = self._goto, self._fail, self._match
+        cut = None
+        for i, char in enumerate(text):
+            while state and char not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(char, 0)
+            if match[state]:
+                start = offset + i - match[state] + 1
+                if cut is None or start < cut:
+                    cut = start
+        return state, cut
+
+    def held_back(self, state: int) -> int:
+        """Characters at the end of the text read that begin a stop string."""
+        return self._depth[state]
+
+
+@functools.lru_cache(maxsize=64)
+def stop_strings(stop: tuple[str, ...]) -> StopStrings:
+    """The automaton of `stop`, shared by the requests that give the same
+    strings (`functools.lru_cache` is thread-safe, so a server can build it
+    off the engine thread before it queues the request)."""
+    return StopStrings(stop)
 
 
 class SampleText:
     """The text of one sample, released as deltas (see the module doc).
 
     `add(token)` returns the new text that is safe to show; `stopped` is
-    set once a stop string was found (the text is then final). Cost per
-    token: the detokenizer's, plus a search of the last few characters."""
+    set once a stop string was found (the text is then final). `stop` is a
+    request's `StopStrings` (or the strings, built here). Cost per token:
+    the detokenizer's, plus O(new characters) for the stop strings."""
 
-    __slots__ = ("_detok", "_stop", "_stop_ids", "_longest", "_released", "_searched",
+    __slots__ = ("_detok", "_stop", "_stop_ids", "_state", "_released", "_searched",
                  "stopped", "text")
 
-    def __init__(self, detokenizer: Any, stop: tuple[str, ...], stop_ids: frozenset[int]):
+    def __init__(self, detokenizer: Any, stop: StopStrings | Sequence[str],
+                 stop_ids: frozenset[int]):
         self._detok = detokenizer
-        self._stop = stop
+        self._stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self._stop_ids = stop_ids
-        self._longest = max((len(s) for s in stop), default=0)
+        self._state = 0  # the stop automaton's state after the text searched
         self._released = 0  # characters of the text handed out
         self._searched = 0  # characters already searched for a stop string
         self.stopped = False
@@ -181,27 +282,17 @@ class SampleText:
     def _release(self, full: str, final: bool) -> str:
         end = len(full)
         if self._stop:
-            start = max(0, self._searched - self._longest + 1)
-            cut = min((i for i in (full.find(s, start) for s in self._stop) if i >= 0),
-                      default=None)
+            self._state, cut = self._stop.advance(self._state, full[self._searched :],
+                                                  self._searched)
+            self._searched = len(full)
             if cut is not None:
                 self.stopped = True
                 end = cut
             elif not final:
-                end -= _held_back(full, self._stop, self._longest)
-            self._searched = len(full)
+                end -= self._stop.held_back(self._state)
         if end <= self._released:
             return ""
         delta = full[self._released : end]
         self._released = end
         self.text += delta
         return delta
-
-
-def _held_back(text: str, stop: tuple[str, ...], longest: int) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
-    for size in range(min(longest - 1, len(text)), 0, -1):
-        tail = text[-size:]
-        if any(s.startswith(tail) for s in stop):
-            return size
-    return 0

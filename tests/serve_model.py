@@ -50,8 +50,9 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def build_model_dir(path: Path, seed: int = 3) -> Path:
-    """Write a tiny llama + tokenizer into `path`; returns `path`."""
+def build_model_dir(path: Path, seed: int = 3, context: int | None = None) -> Path:
+    """Write a tiny llama + tokenizer into `path`; returns `path`.
+    `context`: the config's max_position_embeddings (None: not given)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -61,6 +62,8 @@ def build_model_dir(path: Path, seed: int = 3) -> Path:
         "rms_norm_eps": 1e-5, "vocab_size": len(tokenizer), "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     }
+    if context is not None:
+        config["max_position_embeddings"] = context
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)

@@ -471,45 +471,44 @@ def test_the_server_advertises_exactly_what_it_serves(tmp_path):
 
 
 def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
-    """The CLI as a process: --kv-events connects its PUB socket to a bound
-    subscriber, --kv-events-replay serves the batches; a token-id prompt's
-    full blocks are advertised under the topic; a bad endpoint is one line."""
+    """The CLI as a process: --kv-events binds its PUB socket on loopback
+    (--kv-events-bind), a subscriber connects and gets live batches (the
+    test fails if none arrives), --kv-events-replay serves them all; a
+    token-id prompt's full blocks are advertised under the topic; a bad
+    endpoint is one line."""
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from tests.serve_model import build_model_dir
-    from tests.test_server_cli import _free_port, _serve
+    from tests.test_server_cli import _free_port, _serve, _wait_up
 
     bad = _serve("--model", ".", "--kv-events", "tcp://nowhere")
     _, err = bad.communicate(timeout=60)
     assert bad.returncode == 2 and err.strip().startswith("blockmgr serve: error: cannot open KV")
 
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub_port = sub.bind_to_random_port("tcp://127.0.0.1")
-    port, replay_port = _free_port(), _free_port()
+    port, events_port, replay_port = _free_port(), _free_port(), _free_port()
     proc = _serve("--model", str(build_model_dir(tmp_path / "tiny")), "--port", str(port),
                   "--num-blocks", "64", "--block-size", str(BLOCK_SIZE),
-                  "--kv-events", f"tcp://127.0.0.1:{sub_port}",
+                  "--kv-events", f"tcp://127.0.0.1:{events_port}", "--kv-events-bind",
                   "--kv-events-topic", "kv@pod-1@tiny",
                   "--kv-events-replay", f"tcp://127.0.0.1:{replay_port}")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
     try:
+        _wait_up(proc, f"http://127.0.0.1:{port}")
+        sub.connect(f"tcp://127.0.0.1:{events_port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=5, timeout=60)
-        prompt = list(range(3, 17))  # 14 ids: 3 full blocks of 4
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
-                                          temperature=0, extra_body={"ignore_eos": True})
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(0.2)
+                               max_retries=0, timeout=60)
+        prompts = [[3 + k] + list(range(4, 17)) for k in range(20)]  # 14 ids: 3 full blocks
         live = []
-        while sub.poll(500):
-            live.append(sub.recv_multipart())
+        for prompt in prompts:  # until the subscription has reached the publisher
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                      temperature=0, extra_body={"ignore_eos": True})
+            while sub.poll(300):
+                live.append(sub.recv_multipart())
+            if live:
+                break
+        assert live, "no KV event reached the subscriber"
         replay = zmq.Context.instance().socket(zmq.DEALER)
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         try:
@@ -526,12 +525,76 @@ def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
         sub.close(linger=0)
         proc.kill()
         proc.wait(timeout=10)
-    assert payloads and all(topic == b"kv@pod-1@tiny" for topic, _, _ in live)
-    assert [payload for _, _, payload in live] == payloads[len(payloads) - len(live):]
+    assert all(topic == b"kv@pod-1@tiny" for topic, _, _ in live)
+    for _, seq, payload in live:  # each live batch is the replayed one of its number
+        assert payloads[int.from_bytes(seq, "big")] == payload
     subscriber = Subscriber()
     for payload in payloads:
         subscriber.receive(payload)
-    assert {(None, tuple(prompt[:n])) for n in (4, 8, 12)} <= subscriber.prefixes()
+    sent = prompts[:len(payloads)]
+    assert {(None, tuple(sent[0][:n])) for n in (4, 8, 12)} <= subscriber.prefixes()
+
+
+def test_a_sink_binds_loopback_or_an_interface_and_connects_by_vllms_rule():
+    """bind=True binds any host: loopback or an interface name (not every
+    interface); vLLM's rule connects to a named host and binds a wildcard."""
+    zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
+    from scheduler.kv_events import ZmqSink, exposes_beyond_machine
+    from scheduler.serve import kv_events_warning
+
+    for endpoint in ("tcp://127.0.0.1:*", "tcp://lo:*"):
+        sink = ZmqSink(endpoint, bind=True)
+        try:
+            assert sink.last_endpoint.startswith("tcp://127.0.0.1:")
+            assert not exposes_beyond_machine(sink.last_endpoint)
+            sub = zmq.Context.instance().socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(sink.last_endpoint)
+            got = None
+            for k in range(50):  # until the subscription has landed
+                sink.send(b"payload %d" % k)
+                if sub.poll(100):
+                    got = sub.recv_multipart()
+                    break
+            sub.close(linger=0)
+            assert got is not None and got[2].startswith(b"payload")
+        finally:
+            sink.close()
+    sub = zmq.Context.instance().socket(zmq.SUB)  # vLLM's rule: a named host connects
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sink = ZmqSink(f"tcp://127.0.0.1:{port}")
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        got = None
+        for k in range(50):
+            sink.send(b"x")
+            if sub.poll(100):
+                got = sub.recv_multipart()
+                break
+        assert got is not None
+    finally:
+        sink.close()
+        sub.close(linger=0)
+    assert exposes_beyond_machine("tcp://*:5557") and exposes_beyond_machine("tcp://0.0.0.0:1")
+    assert "every network interface" in kv_events_warning("tcp://*:5557", None, None)
+    assert "tcp://*:5558" in kv_events_warning("tcp://127.0.0.1:5557", "tcp://*:5558", True)
+    assert kv_events_warning("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", True) is None
+    assert kv_events_warning("tcp://0.0.0.0:5557", None, None) is None  # vLLM's rule connects
+
+
+@pytest.mark.parametrize("argv, endpoint, bind", [
+    (["--kv-events"], "tcp://127.0.0.1:5557", True),  # alone: this machine only
+    (["--kv-events", "tcp://*:5557"], "tcp://*:5557", None),  # vLLM's rule: binds, warned
+    (["--kv-events", "tcp://router:5557"], "tcp://router:5557", None),  # connects
+    (["--kv-events", "tcp://eth0:5557", "--kv-events-bind"], "tcp://eth0:5557", True),
+    ([], None, None),
+])
+def test_the_kv_events_options_name_the_endpoint_and_how_to_open_it(argv, endpoint, bind):
+    from scheduler.cli import build_parser
+    from scheduler.serve import kv_events_endpoint
+
+    args = build_parser().parse_args(["serve", "--model", "m", *argv])
+    assert kv_events_endpoint(args.kv_events, args.kv_events_bind) == (endpoint, bind)
 
 
 # ------------------------------------------------------------- stateful

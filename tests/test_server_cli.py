@@ -4,12 +4,14 @@ down on SIGTERM with a request in flight; bad options are one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,32 +40,54 @@ def _serve(*args: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def _wait_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
 def test_serve_answers_and_stops_on_sigterm(tmp_path):
-    model = build_model_dir(tmp_path / "tiny")
+    """SIGTERM with a whole answer and a stream in flight: at the deadline
+    (--shutdown-timeout) the engine ends both first, so the whole answer is
+    a 503 error object and the stream ends with an error event and [DONE]
+    (uvicorn alone cut the stream mid-chunk and gave the other a bare 500)."""
+    model = build_model_dir(tmp_path / "tiny", context=4096)
     port = _free_port()
     proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "2MiB",
-                  "--block-size", "8", "--shutdown-timeout", "0.5")
+                  "--block-size", "8", "--shutdown-timeout", "0.5", "--max-model-len", "3000")
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        _wait_up(proc, url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         answer = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
                                            temperature=0, extra_body={"ignore_eos": True})
         assert answer.usage.completion_tokens == 4
         client.close()
-        with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
-                "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
-            next(r.iter_lines())  # in flight
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+        # the default body limit: 32 bytes per token of --max-model-len, at least 1 MiB
+        big = httpx.post(url + "/v1/completions", timeout=30,
+                         json={"prompt": "a" * (2**20 + 1), "max_tokens": 1})
+        assert big.status_code == 413 and "at most 1048576 bytes" in big.json()["error"]["message"]
+        long = {"prompt": "Hello", "max_tokens": 2900, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, url + "/v1/completions", json=long, timeout=60)
+            with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                              json={**long, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)  # in flight
+                deadline = time.monotonic() + 30
+                while "blockmgr_requests_running 2" not in httpx.get(url + "/metrics").text:
+                    assert time.monotonic() < deadline, "the whole answer is not running"
+                    time.sleep(0.02)  # both run: the signal comes with both in flight
+                proc.send_signal(signal.SIGTERM)
+                events = [line for line in lines if line.startswith("data: ")]
+            refused = whole.result()
+        proc.wait(timeout=30)
         # uvicorn re-raises the signal once it has shut down
         assert proc.returncode in (0, -signal.SIGTERM)
     finally:
@@ -71,12 +95,27 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
     err = proc.stderr.read()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert "shutting down" in error["message"] and error["type"] == "server_error"
+    assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-2])  # whole chunks
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     # 2 MiB of pages of 8 tokens: 2 layers x (K + V) x 2 heads x 16 dims x 4 bytes x 8 tokens
     assert "blockmgr serve: tiny: 512 pages of 8 tokens" in err
-    # the in-flight stream was cut by uvicorn's shutdown timeout, which aborts
-    # its request; the engine then stops with nothing left
+    assert "max model length 3000 tokens" in err
+    assert "shutdown deadline reached" in err
+    # the engine ended both requests at the deadline: nothing was left to abort at exit
     assert "engine stopped, 0 unfinished requests aborted" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "Cancel" not in err
+
+
+def test_serve_bad_max_model_len_is_one_line(tmp_path):
+    model = build_model_dir(tmp_path / "tiny", context=64)
+    proc = _serve("--model", str(model), "--max-model-len", "65")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip() == ("blockmgr serve: error: --max-model-len 65 is more than the "
+                           "model's context (64 tokens in its config.json)")
 
 
 @pytest.mark.parametrize(
@@ -85,6 +124,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
         (["--model", "/nonexistent-dir"], "not an mlx-lm model directory"),
         (["--model", ".", "--kv-memory", "lots"], "not a memory size"),
         (["--model", ".", "--port", "-1"], "--port"),
+        (["--model", ".", "--max-model-len", "0"], "--max-model-len"),
+        (["--model", ".", "--max-body-size", "huge"], "not a memory size"),
     ],
 )
 def test_serve_bad_options_are_one_line(args, message):

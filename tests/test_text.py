@@ -4,6 +4,8 @@ end of sequence (against mlx-lm's own greedy decode and the tokenizer's decode).
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from scheduler import Engine, SamplingParams
@@ -173,6 +175,110 @@ def test_sample_text_holds_back_a_possible_stop_string():
     sample = SampleText(Detok(), ("abc", "yx"), frozenset())
     assert "".join(sample.add(ord(c)) for c in "zzabyxq") == "zzab" and sample.stopped
     assert sample.add(ord("q")) == "" and sample.finish() == ""
+
+
+class ChunkDetok:
+    """Token i's text is `chunks[i]` (any number of characters)."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.text = ""
+
+    def add_token(self, token):
+        self.text += self.chunks[token]
+
+    def finalize(self):
+        pass
+
+
+def brute_force_release(chunks: list[str], stop: list[str]) -> tuple[list[str], bool]:
+    """The deltas a sample must release for text arriving in `chunks`, by
+    the definition: the text stops at the first chunk whose text so far
+    holds a stop string, cut at the earliest such string; until then every
+    character is released except the longest end that begins a stop string
+    (a proper prefix of one), and the rest at the end."""
+    deltas, released, text = [], 0, ""
+    for chunk in chunks:
+        text += chunk
+        found = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if found:
+            cut = min(found)
+            deltas.append(text[released:cut] if cut > released else "")
+            return deltas, True
+        held = max((k for k in range(1, len(text) + 1)
+                    if any(s.startswith(text[-k:]) and len(s) > k for s in stop)), default=0)
+        end = max(released, len(text) - held)
+        deltas.append(text[released:end])
+        released = end
+    deltas.append(text[released:])
+    return deltas, False
+
+
+@given(stop=st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=6),
+       chunks=st.lists(st.text("abcd", min_size=0, max_size=4), min_size=1, max_size=12))
+@settings(max_examples=400, deadline=None)
+def test_stop_strings_release_what_a_brute_force_search_releases(stop, chunks):
+    """One automaton for every stop string (`StopStrings`) against a search
+    of the whole text for each string after every chunk."""
+    sample = SampleText(ChunkDetok(chunks), stop, frozenset())
+    got = []
+    for token in range(len(chunks)):
+        got.append(sample.add(token))
+        if sample.stopped:
+            break
+    if not sample.stopped:
+        got.append(sample.finish())
+    want, stopped = brute_force_release(chunks, stop)
+    assert (got, sample.stopped) == (want, stopped)
+    assert sample.text == "".join(want)
+
+
+def test_the_stop_automaton_holds_back_and_cuts_at_the_longest_string():
+    """Long stop strings sharing their prefixes: after a long text that
+    only begins them, the held-back end is the longest one that begins a
+    string; the character that completes one cuts at its start."""
+    from scheduler.text import StopStrings
+
+    stops = [("ab" * 200)[:k] + "x" for k in range(100, 116)]  # 16 strings, 100-115 chars
+    automaton = StopStrings(stops)
+    text = "ab" * 5000
+    state, cut = automaton.advance(0, text)
+    assert cut is None and automaton.held_back(state) == 114  # "ab" * 57 begins k = 114, 115
+    state, cut = automaton.advance(state, "x", len(text))
+    assert cut == len(text) - 114  # "ab" * 57 + "x" (k = 114) ends here
+
+
+def test_a_decode_fault_aborts_only_its_request(tiny):
+    """The tokenizer's decode raises on one request's tokens: that request
+    ends aborted with the error, in the step that met it; the others' texts
+    are those of a run without it."""
+    _, tok = tiny
+    poison = 391
+
+    class Faulty:
+        def __init__(self, tokenizer):
+            self._tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self._tokenizer, name)
+
+        def decode(self, tokens, *args, **kwargs):
+            if poison in list(tokens):
+                raise RuntimeError("injected decode fault")
+            return self._tokenizer.decode(tokens, *args, **kwargs)
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = engine_of(tiny).generate(PROMPTS, params)
+    engine = Engine(tiny[0], num_blocks=64, block_size=8, tokenizer=Faulty(tok))
+    victim = engine.get_request(
+        engine.add_request(tok.encode("Numbers and symbols") + [poison], params))
+    got = engine.generate(PROMPTS, params)
+    assert [o.text for o in got] == [o.text for o in want]
+    assert victim.status is RequestStatus.FINISHED_ABORTED
+    assert "injected decode fault" in str(victim.error)
+    assert victim.outputs[0] and len(victim.outputs[0]) < 10  # it ended at its first token
+    engine.check_integrity()
+    assert engine.cache.block_manager.num_sequences == 0
 
 
 def test_text_needs_a_tokenizer_and_checks_its_input(tiny):
