@@ -27,16 +27,20 @@ from blockmgr.ops import (
     CopyBlock,
     CopySlot,
     MemoryOp,
+    MovePage,
+    MoveSlot,
     Plan,
     SwapIn,
     SwapInSlot,
     SwapOut,
     SwapOutSlot,
+    Tier,
     ZeroSlot,
 )
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
+from blockmgr.tiered_trie import TierCapacity, TieredTrie, TierUsage
 
 __all__ = [
     "Allocation",
@@ -52,6 +56,8 @@ __all__ = [
     "InvalidArgument",
     "KVStore",
     "MemoryOp",
+    "MovePage",
+    "MoveSlot",
     "NO_OPS",
     "NoSnapshot",
     "Plan",
@@ -68,6 +74,10 @@ __all__ = [
     "SwapInSlot",
     "SwapOut",
     "SwapOutSlot",
+    "Tier",
+    "TierCapacity",
+    "TierUsage",
+    "TieredTrie",
     "UnknownSequence",
     "WrongArgumentType",
     "ZeroSlot",

@@ -21,6 +21,11 @@ class BlockManagerConfig:
         last W tokens are released as a sequence grows.
     num_host_blocks / num_host_slots: host-memory pages and slots that
         preemption by swap copies sequences into (0: no swapping).
+    num_host_cache_blocks / num_host_cache_slots: the prefix cache's host
+        tier (pages, recurrent snapshots): evicted prefixes move there
+        instead of being dropped (0: no host tier; design/tiers.md).
+    num_disk_blocks / num_disk_slots: the prefix cache's disk tier, below
+        the host tier (0: none).
     """
 
     num_blocks: int
@@ -31,6 +36,10 @@ class BlockManagerConfig:
     sliding_window: int | None = None
     num_host_blocks: int = 0
     num_host_slots: int = 0
+    num_host_cache_blocks: int = 0
+    num_host_cache_slots: int = 0
+    num_disk_blocks: int = 0
+    num_disk_slots: int = 0
 
     def __post_init__(self) -> None:
         _require_int("num_blocks", self.num_blocks, minimum=1)
@@ -50,6 +59,12 @@ class BlockManagerConfig:
         _require_int("num_host_slots", self.num_host_slots, minimum=0)
         if self.num_host_slots and not self.num_slots:
             raise ValueError("num_host_slots needs num_slots > 0")
+        _check_tiers(self)
+
+    @property
+    def has_cache_tiers(self) -> bool:
+        """The prefix cache has a host or disk tier."""
+        return bool(self.num_host_cache_blocks or self.num_disk_blocks)
 
     @property
     def is_hybrid(self) -> bool:
@@ -75,7 +90,9 @@ class GroupedStoreConfig:
     num_blocks: KV pages of each full-attention group.
     window_blocks: KV pages of each sliding-window group (None: num_blocks).
     block_size, num_slots, enable_prefix_cache, watermark, num_host_blocks,
-    num_host_slots: as in `BlockManagerConfig` (host pages per group).
+    num_host_slots, num_host_cache_blocks, num_host_cache_slots,
+    num_disk_blocks, num_disk_slots: as in `BlockManagerConfig` (pages per
+    group).
     """
 
     num_blocks: int
@@ -87,6 +104,10 @@ class GroupedStoreConfig:
     window_blocks: int | None = None
     num_host_blocks: int = 0
     num_host_slots: int = 0
+    num_host_cache_blocks: int = 0
+    num_host_cache_slots: int = 0
+    num_disk_blocks: int = 0
+    num_disk_slots: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.windows, tuple) or not self.windows:
@@ -104,6 +125,11 @@ class GroupedStoreConfig:
     @property
     def num_groups(self) -> int:
         return len(self.windows)
+
+    @property
+    def has_cache_tiers(self) -> bool:
+        """The prefix cache has a host or disk tier."""
+        return bool(self.num_host_cache_blocks or self.num_disk_blocks)
 
     @property
     def is_hybrid(self) -> bool:
@@ -129,7 +155,31 @@ class GroupedStoreConfig:
             sliding_window=window,
             num_host_blocks=self.num_host_blocks,
             num_host_slots=self.num_host_slots if first else 0,
+            num_host_cache_blocks=self.num_host_cache_blocks,
+            num_host_cache_slots=self.num_host_cache_slots if first else 0,
+            num_disk_blocks=self.num_disk_blocks,
+            num_disk_slots=self.num_disk_slots if first else 0,
         )
+
+
+def _check_tiers(config: BlockManagerConfig) -> None:
+    """The prefix cache's tiers: counts, only with a prefix cache, slots only
+    for recurrent state."""
+    for name, value in (
+        ("num_host_cache_blocks", config.num_host_cache_blocks),
+        ("num_host_cache_slots", config.num_host_cache_slots),
+        ("num_disk_blocks", config.num_disk_blocks),
+        ("num_disk_slots", config.num_disk_slots),
+    ):
+        _require_int(name, value, minimum=0)
+    if config.has_cache_tiers and not config.enable_prefix_cache:
+        raise ValueError("host and disk cache tiers need enable_prefix_cache")
+    if (config.num_host_cache_slots or config.num_disk_slots) and not config.num_slots:
+        raise ValueError("cache tier slots need num_slots > 0")
+    if config.num_host_cache_slots and not config.num_host_cache_blocks:
+        raise ValueError("num_host_cache_slots needs num_host_cache_blocks > 0")
+    if config.num_disk_slots and not config.num_disk_blocks:
+        raise ValueError("num_disk_slots needs num_disk_blocks > 0")
 
 
 def _require_int(name: str, value: object, *, minimum: int) -> None:

@@ -66,6 +66,7 @@ from blockmgr.sequence import Allocation, Sequence, SequenceTable, Speculation
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
+from blockmgr.tiered_trie import TierCapacity, TieredTrie, TierUsage
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,
@@ -116,14 +117,7 @@ class BlockManager:
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._seqs = SequenceTable()
-        self._trie = (
-            PrefixTrie(
-                config.block_size, [(g.pages, g.window) for g in self._groups], self._slots,
-                listener,
-            )
-            if config.enable_prefix_cache
-            else None
-        )
+        self._trie = self._new_trie(config, listener) if config.enable_prefix_cache else None
         self._speculation = SpeculationTransactions(self._groups, self._slots, self._seqs)
         self._swap = HostSwap(self._groups, self._slots, self._host_slots)
         # Listener calls queued by the trie, delivered when a call is done.
@@ -133,6 +127,21 @@ class BlockManager:
         self._num_hits = 0
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
+
+    def _new_trie(
+        self, config: BlockManagerConfig | GroupedStoreConfig, listener: PrefixCacheListener | None
+    ) -> PrefixTrie:
+        """The prefix cache: a `TieredTrie` when host or disk tiers are asked for."""
+        groups = [(g.pages, g.window) for g in self._groups]
+        if not config.has_cache_tiers:
+            return PrefixTrie(config.block_size, groups, self._slots, listener)
+        host = disk = None
+        if config.num_host_cache_blocks:
+            host = TierCapacity(config.num_host_cache_blocks, config.num_host_cache_slots)
+        if config.num_disk_blocks:
+            disk = TierCapacity(config.num_disk_blocks, config.num_disk_slots)
+        return TieredTrie(config.block_size, groups, self._slots, listener, host=host, disk=disk,
+                          first_group=self._first_group)
 
     # ------------------------------------------------------------- queries
 
@@ -196,6 +205,14 @@ class BlockManager:
             )
             for g in self._groups
         )
+
+    def tier_usage(self) -> tuple[TierUsage, ...]:
+        """The prefix cache's tiers (device, then host and disk when it has
+        them): nodes, pages per group and slots in use, pages demoted and
+        loaded so far. Empty without cache tiers. O(nodes)."""
+        if not isinstance(self._trie, TieredTrie):
+            return ()
+        return self._trie.tier_usage()
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return len(self._seqs.live(seq_id).tokens)
@@ -335,6 +352,8 @@ class BlockManager:
         if match is None:
             match = self._match(namespace, checked, packed)
         needs = self._allocation_needs(len(checked), match.num_tokens)
+        if match.loads:
+            return self._can_load_hit(match, needs)
         if self._fits(needs, 1):
             return True  # the common case: no eviction, so nothing to protect
         if not match.num_tokens:
@@ -371,10 +390,14 @@ class BlockManager:
         if match is None:
             match = self._match(namespace, checked, packed)
         num_tokens, num_cached = len(checked), match.num_tokens
+        needs = self._allocation_needs(num_tokens, num_cached)
+        ops: list[MemoryOp] = []
+        if match.loads:  # colder tiers' pages: back to the device first
+            match = self._load_hit(namespace, checked, packed, match, needs, ops)
         if num_cached:
             self._hold_match(match)
         try:
-            self._reserve(self._allocation_needs(num_tokens, num_cached), 1)
+            ops.extend(self._reserve(needs, 1))
         except (OutOfBlocks, OutOfSlots):
             if num_cached:
                 self._release_match(match)
@@ -382,7 +405,6 @@ class BlockManager:
         trie = self._trie
         if match.path and trie is not None:
             trie.touch(match.path)
-        ops: list[MemoryOp] = []
         tables = []
         for group in self._groups:
             tables.append(group.new_table(match, num_tokens, ops))
@@ -404,6 +426,49 @@ class BlockManager:
         if self._events:
             self._deliver_events()
         return Allocation(seq_id, tables[0][:], slot, tuple(ops), num_cached, match.branch_point)
+
+    def _load_hit(
+        self,
+        namespace: Hashable,
+        tokens: list[int],
+        packed: bytes,
+        match: PrefixMatch,
+        needs: list[int],
+        ops: list[MemoryOp],
+    ) -> PrefixMatch:
+        """Bring a hit's demoted nodes back to the device (their room, and the
+        allocation's `needs`, reserved with the whole path locked: nothing
+        it uses is evicted meanwhile) and match again; the moves go to `ops`.
+        Raises `OutOfBlocks` / `OutOfSlots`, changing nothing, when the
+        device cannot take them."""
+        trie = self._tiered
+        deepest = match.path[-1]
+        load_pages, load_slots = trie.load_needs(match)
+        trie.defer_merges()  # the hit's nodes stay as they are until loaded
+        trie.lock(deepest)
+        try:
+            ops.extend(self._reserve([n + m for n, m in zip(needs, load_pages)], 1 + load_slots))
+            trie.load(match.loads)
+            ops.extend(trie.take_ops())
+        finally:
+            trie.unlock(deepest)
+            trie.resume_merges()
+        loaded = trie.match(namespace, tokens, match.num_tokens, packed)
+        if loaded.num_tokens != match.num_tokens or loaded.loads:
+            raise IntegrityError("a loaded hit matched differently")
+        return loaded
+
+    def _can_load_hit(self, match: PrefixMatch, needs: list[int]) -> bool:
+        """Would `_load_hit` find the room? Pure (the path locked meanwhile)."""
+        trie = self._tiered
+        load_pages, load_slots = trie.load_needs(match)
+        trie.lock(match.path[-1])
+        try:
+            return self._room_error(
+                "need", [n + m for n, m in zip(needs, load_pages)], 1 + load_slots
+            ) is None
+        finally:
+            trie.unlock(match.path[-1])
 
     def _checked_prompt(
         self, tokens: Iterable[int], namespace: Hashable, packed: bytes | None
@@ -512,9 +577,9 @@ class BlockManager:
     ) -> Plan:
         """`append` of checked tokens (at least one) to a resident sequence."""
         growth = self._growth(seq, len(new_tokens))
-        if growth.grows:
-            self._reserve(growth.needs, growth.copy_slot)  # may evict: events
         ops: list[MemoryOp] = []
+        if growth.grows:
+            ops.extend(self._reserve(growth.needs, growth.copy_slot))  # may evict: events
         grow(self._groups, self._slots, seq, growth, ops)
         num_before = len(seq.tokens)
         seq.tokens.extend(new_tokens)
@@ -778,9 +843,9 @@ class BlockManager:
             if slots.refcount(seq.slot) == 1:
                 slots.incref(seq.slot)  # the caller drops the old reference
                 return (ZeroSlot(seq.slot),), seq.slot
-            self._reserve([0] * len(self._groups), 1)
+            evicted = self._reserve([0] * len(self._groups), 1)
             slot = slots.take_one()
-            return (ZeroSlot(slot),), slot
+            return (*evicted, ZeroSlot(slot)), slot
         node = self._snapshot_at(seq, num_tokens)
         if node is None or node.slot is None:
             raise NoSnapshot(
@@ -836,8 +901,8 @@ class BlockManager:
         after eviction. O(sequences + draft pages).
         """
         plan = self._speculation.plan_begin(drafts, num_computed)
-        self._reserve(plan.needs, plan.num_slots)
-        ops = self._speculation.begin(plan)
+        evicted = self._reserve(plan.needs, plan.num_slots)
+        ops = (*evicted, *self._speculation.begin(plan))
         if self._events:
             self._deliver_events()
         return ops
@@ -896,8 +961,9 @@ class BlockManager:
         if trie is None or num_tokens == 0:
             return NO_OPS
         snapshot = None
+        evicted = NO_OPS
         if seq.slot is not None:
-            self._reserve([0] * len(self._groups), 1)
+            evicted = self._reserve([0] * len(self._groups), 1)
             snapshot = self._slot_pool.take_one()
         start = self._insert_start(seq, num_tokens)
         # From the sequence's lock (or with none) the lock moves to the node
@@ -905,11 +971,11 @@ class BlockManager:
         # then leaves a new leaf out of the LRU list instead of in and out.
         moves = start is not None or seq.locked_node is None
         node, took_slot = self._insert(trie, seq, num_tokens, snapshot, start, lock=moves)
-        ops = NO_OPS
+        ops = evicted
         if snapshot is not None and seq.slot is not None:
             self._slot_pool.release(snapshot)  # the trie holds its own reference
             if took_slot:
-                ops = (CopySlot(seq.slot, snapshot),)
+                ops = (*evicted, CopySlot(seq.slot, snapshot))
         self._move_lock(seq, node, locked=moves)
         if self._events:
             self._deliver_events()
@@ -1055,11 +1121,11 @@ class BlockManager:
         changing nothing, when device memory is short. O(pages).
         """
         seq = self._seqs.swapped_out(seq_id)
-        self._reserve(*self._swap.swap_in_needs(seq))
+        evicted = self._reserve(*self._swap.swap_in_needs(seq))
         ops = self._swap.swap_in(seq)
         if self._events:
             self._deliver_events()
-        return tuple(ops)
+        return (*evicted, *ops)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence is using."""
@@ -1089,6 +1155,14 @@ class BlockManager:
         event, an eviction)."""
         if self._trie is None:
             raise IntegrityError("a manager without a prefix cache was asked for it")
+        return self._trie
+
+    @property
+    def _tiered(self) -> TieredTrie:
+        """The tiered prefix trie, where a path runs only with one (a hit in
+        a colder tier)."""
+        if not isinstance(self._trie, TieredTrie):
+            raise IntegrityError("a manager without cache tiers was asked for them")
         return self._trie
 
     @property
@@ -1138,16 +1212,18 @@ class BlockManager:
             "not enough reclaimable from the prefix cache"
         )
 
-    def _reserve(self, needs: Seq[int], num_slots: int) -> None:
+    def _reserve(self, needs: Seq[int], num_slots: int) -> Plan:
         """Make `needs[i]` pages of group i and `num_slots` slots free,
         evicting LRU cache entries if needed; raise (changing nothing) when
-        that cannot work."""
+        that cannot work. Returns the moves of what eviction demoted to a
+        colder tier (first in the caller's plan: they read device pages
+        before anything reuses them)."""
         for group in self._groups:  # `_fits`, inline: this runs at every allocation
             if needs[group.index] > group.pages.num_free:
                 break
         else:
             if self._slots is None or num_slots <= self._slots.num_free:
-                return  # the common case: nothing to evict
+                return NO_OPS  # the common case: nothing to evict
         error = self._room_error("need", needs, num_slots)
         if error is not None:
             raise error
@@ -1160,6 +1236,9 @@ class BlockManager:
                 trie.evict_slots(num_slots)
         if not self._fits(needs, num_slots):
             raise IntegrityError("eviction freed less than its plan promised")
+        if isinstance(trie, TieredTrie):
+            return tuple(trie.take_ops())
+        return NO_OPS
 
     def _match(
         self, namespace: Hashable, tokens: list[int], packed: bytes, limit: int | None = None

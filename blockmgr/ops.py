@@ -7,16 +7,28 @@ forward passes are applied in call order; a page or slot freed by one call and
 handed out again by a later one is therefore only written after every earlier
 op that read it.
 
-Page ops (`CopyBlock`, `SwapOut`, `SwapIn`) name the layer group whose pages
-they move (`group`, 0 for a single group); slot ops need none: a model has one
-slot pool. Ops are small frozen records; applying them is the storage's
-business (one batched gather/scatter per layer per step, not one per op).
+Page ops (`CopyBlock`, `SwapOut`, `SwapIn`, `MovePage`) name the layer group
+whose pages they move (`group`, 0 for a single group); slot ops need none: a
+model has one slot pool. `MovePage` / `MoveSlot` move a cached prefix between
+the tiers of the prefix cache (`Tier`: device, host, disk). Ops are small
+frozen records; applying them is the storage's business (one batched
+gather/scatter per layer per step, not one per op).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Union
+
+
+class Tier(IntEnum):
+    """Where a cached prefix's pages (and snapshot) live: the device pools
+    the model reads, host memory, or disk. Colder tiers have larger numbers."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +92,33 @@ class SwapInSlot:
     dst: int
 
 
-MemoryOp = Union[CopyBlock, CopySlot, ZeroSlot, SwapOut, SwapIn, SwapOutSlot, SwapInSlot]
+@dataclass(frozen=True, slots=True)
+class MovePage:
+    """Copy page `src` of tier `src_tier` into page `dst` of tier `dst_tier`,
+    in `group`: a cached prefix demoted to a colder tier or loaded back to
+    the device (`blockmgr.tiered_trie`). The source is free after the copy."""
+
+    src: int
+    dst: int
+    group: int
+    src_tier: Tier
+    dst_tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class MoveSlot:
+    """Copy slot `src` of tier `src_tier` into slot `dst` of tier `dst_tier`
+    (a recurrent snapshot demoted or loaded with its prefix)."""
+
+    src: int
+    dst: int
+    src_tier: Tier
+    dst_tier: Tier
+
+
+MemoryOp = Union[
+    CopyBlock, CopySlot, ZeroSlot, SwapOut, SwapIn, SwapOutSlot, SwapInSlot, MovePage, MoveSlot
+]
 
 #: A memory-op plan: the ops of one call, in the order the storage applies them.
 Plan = tuple[MemoryOp, ...]

@@ -77,7 +77,10 @@ class TrieNode:
     only; holes come first). `end` is `start + len(tokens)`, stored: a split
     keeps the lower part, a merge the child, and with it the end; only
     `extend` moves it, on a leaf that one sequence alone locks (its own
-    cached tokens).
+    cached tokens). `tier` says where its pages and slot live (`Tier`: the
+    device unless a tiered trie demoted it; a child is never in a warmer
+    tier than its parent); `num_hot_children` counts the children in the
+    node's own tier (a node with none is its tier's eviction frontier).
     """
 
     node_id: int
@@ -91,9 +94,11 @@ class TrieNode:
     slot: int | None = None
     lock_count: int = 0
     last_access: int = 0
-    leaf_key: tuple[int, int] | None = None
+    leaf_key: tuple[int, int] | None = None  # in its tier's frontier LRU list
     slot_key: tuple[int, int] | None = None
     packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
+    tier: int = 0
+    num_hot_children: int = 0
 
     @property
     def is_root(self) -> bool:
@@ -122,6 +127,9 @@ class PrefixMatch:
     released: per page group, the first pages the hit does not need (sliding
         window only; they are `None` in `pages`): the new sequence starts
         with them released.
+    loads: nodes of the hit in a colder tier than the device (a tiered
+        trie's): `pages` name no device pages until `TieredTrie.load` brought
+        them back and the match is made again.
     """
 
     num_tokens: int = 0
@@ -132,6 +140,7 @@ class PrefixMatch:
     path: list[TrieNode] = field(default_factory=list)
     num_locked_pages: int = 0
     released: Sequence[int] = ()
+    loads: Sequence[TrieNode] = ()
 
 
 #: A page group's pages of a node or a path, one per page index; None: a
@@ -204,7 +213,8 @@ def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
 
 @dataclass(slots=True, eq=False)
 class _PageGroup:
-    """One page group of the trie: its pool, window and reference counts.
+    """One page group of the trie in one tier: its pool, window and
+    reference counts.
 
     trie_refs[page]: how many nodes hold `page`; num_pages_held: pages with
     one or more; num_evicted_pages: pages an eviction freed.
@@ -264,6 +274,13 @@ class PrefixTrie:
         # Unlocked non-root leaves, and unlocked nodes holding a slot, by LRU.
         self._leaf_lru: SortedList = SortedList()
         self._slot_lru: SortedList = SortedList()
+        #: Per tier: the page groups' records, the slot pool and the frontier
+        #: LRU list (a tiered trie adds the colder tiers).
+        self._tier_groups: list[tuple[_PageGroup, ...]] = [self._groups]
+        self._tier_slots: list[RefCountedPool | None] = [slots]
+        self._frontiers: list[SortedList] = [self._leaf_lru]
+        self._merges_deferred = 0
+        self._deferred_merges: list[TrieNode] = []
         self.num_slots_held = 0
         self.num_evicted_nodes = 0
         #: Grows at every insert, eviction and dropped snapshot: unchanged,
@@ -405,7 +422,7 @@ class PrefixTrie:
         if num_matched != len(tokens) or not path:
             return None
         node = path[-1]
-        if node.end != num_matched or node.slot is None:
+        if node.end != num_matched or node.slot is None or node.tier:
             return None
         return node
 
@@ -549,14 +566,16 @@ class PrefixTrie:
             return  # locked: in no list, and stays out
         unlocked = node.lock_count == 0 and node.parent is not None
         key = (node.last_access, node.node_id)
-        leaf_key = key if unlocked and not node.children else None
+        leaf_key = key if unlocked and not node.num_hot_children else None
         if leaf_key != node.leaf_key:
+            frontier = self._frontiers[node.tier]
             if node.leaf_key is not None:
-                self._leaf_lru.remove(node.leaf_key)
+                frontier.remove(node.leaf_key)
             if leaf_key is not None:
-                self._leaf_lru.add(leaf_key)
+                frontier.add(leaf_key)
             node.leaf_key = leaf_key
-        slot_key = key if unlocked and node.slot is not None else None
+        # Slot pressure is the device's: its list holds device snapshots.
+        slot_key = key if unlocked and node.slot is not None and not node.tier else None
         if slot_key != node.slot_key:
             if node.slot_key is not None:
                 self._slot_lru.remove(node.slot_key)
@@ -629,6 +648,8 @@ class PrefixTrie:
                     break
                 child = self._split(child, num_common)
             node = child
+            if node.tier:  # covered by the insert: its pages are the inserter's now
+                self._refresh(node, tables)
             path.append(node)
             pos += num_common
         if windowed:
@@ -769,10 +790,10 @@ class PrefixTrie:
         child = self._new_node(
             parent.namespace, tokens[pos:], pos, parent, pages, _packed_run(tokens, packed, pos)
         )
-        children = parent.children
-        children[tokens[pos]] = child
-        if len(children) == 1:
-            self._reindex(parent)  # it was a leaf
+        parent.children[tokens[pos]] = child
+        parent.num_hot_children += 1  # a new node is on the device, as its parent
+        if parent.num_hot_children == 1:
+            self._reindex(parent)  # it was its tier's frontier
         if self._listener is not None:
             self.events.append(("stored", _present(pages[0]), child.tokens))
         return child
@@ -793,7 +814,7 @@ class PrefixTrie:
         if cut % block_size:  # the straddled page: both sides hold it
             for group, pages in enumerate(node.pages):
                 if pages[0] is not None:
-                    self._hold_pages(pages[:1], group)
+                    self._hold_pages(pages[:1], group, node.tier)
         parent = _parent_of(node)
         head = self._new_node(
             node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_pages,
@@ -801,6 +822,7 @@ class PrefixTrie:
         )
         head.lock_count = node.lock_count
         head.last_access = node.last_access
+        head.tier, head.num_hot_children = node.tier, 1
         parent.children[head.tokens[0]] = head
         node.tokens = node.tokens[num_head_tokens:]
         node.packed = node.packed[num_head_tokens * TOKEN_BYTES :]
@@ -808,6 +830,19 @@ class PrefixTrie:
         node.parent = head
         head.children[node.tokens[0]] = node
         return head
+
+    def defer_merges(self) -> None:
+        """Keep every node where it is until `resume_merges` (a caller holding
+        nodes across evictions: a tiered trie's loads). Nests."""
+        self._merges_deferred += 1
+
+    def resume_merges(self) -> None:
+        """Undo one `defer_merges`; the last one makes the merges that came due."""
+        self._merges_deferred -= 1
+        if not self._merges_deferred:
+            deferred, self._deferred_merges = self._deferred_merges, []
+            for node in deferred:
+                self._try_merge(node)
 
     @staticmethod
     def _path_to(node: TrieNode) -> list[TrieNode]:
@@ -823,21 +858,25 @@ class PrefixTrie:
         """Merge a non-snapshot node into its only child when locks agree.
 
         A sliding-window trie never merges: each node end is a hit point whose
-        window pages the merged node could not keep.
+        window pages the merged node could not keep. While merges are
+        deferred (`defer_merges`) the node is kept for `resume_merges`.
         """
         if node is None or node.parent is None or node.slot is not None:
             return
         if self._windowed:
             return
+        if self._merges_deferred:
+            self._deferred_merges.append(node)
+            return
         if len(node.children) != 1:
             return
         (child,) = node.children.values()
-        if child.lock_count != node.lock_count:
+        if child.lock_count != node.lock_count or child.tier != node.tier:
             return
         # One page group, no window (a windowed trie never merges).
         (head_pages,), (child_pages,) = node.pages, child.pages
         if child.start % self._block_size:
-            self._drop_pages(_full(head_pages[-1:]), 0)  # the child's page supersedes it
+            self._drop_pages(_full(head_pages[-1:]), 0, node.tier)  # the child's page supersedes it
             head_pages = head_pages[:-1]
         child.pages = [head_pages + child_pages]
         child.tokens = node.tokens + child.tokens
@@ -880,7 +919,7 @@ class PrefixTrie:
             parent = _parent_of(node)
             if parent.parent is None or parent.lock_count:
                 continue
-            left = children_left.get(parent.node_id, len(parent.children)) - 1
+            left = children_left.get(parent.node_id, parent.num_hot_children) - 1
             children_left[parent.node_id] = left
             if left == 0:
                 exposed.append(parent)
@@ -931,7 +970,7 @@ class PrefixTrie:
         slots = self._slot_pool
         while slots.num_free < num_free_wanted and self._slot_lru:
             node = self._nodes[self._slot_lru[0][1]]
-            if node.children:
+            if node.num_hot_children:
                 self._drop_snapshot(node)
             else:
                 self._evict(node)
@@ -954,18 +993,7 @@ class PrefixTrie:
         """Remove an unlocked leaf; cascade to a parent left a tombstone leaf."""
         self.version += 1
         while True:
-            parent = _parent_of(node)
-            del parent.children[node.tokens[0]]
-            for group, record in enumerate(self._groups):
-                record.num_evicted_pages += self._drop_pages(self._group_pages(node, group), group)
-            if node.slot is not None:
-                self._slot_pool.release(node.slot)
-                node.slot = None
-                self.num_slots_held -= 1
-            self.num_evicted_nodes += 1
-            if self._listener is not None:
-                self.events.append(("removed", self._group_pages(node, 0), None))
-            self._detach(node)
+            parent = self._remove_leaf(node)
             if parent.parent is None:
                 if not parent.children:
                     del self._roots[parent.namespace]
@@ -981,6 +1009,34 @@ class PrefixTrie:
                 continue
             self._try_merge(parent)
             return
+
+    def _remove_leaf(self, node: TrieNode) -> TrieNode:
+        """Take a leaf out of the trie, dropping its pages and slot (in its
+        tier); its parent. O(pages)."""
+        parent = _parent_of(node)
+        del parent.children[node.tokens[0]]
+        if node.tier == parent.tier:
+            parent.num_hot_children -= 1
+        tier = node.tier
+        for group, record in enumerate(self._tier_groups[tier]):
+            record.num_evicted_pages += self._drop_pages(
+                self._group_pages(node, group), group, tier
+            )
+        if node.slot is not None:
+            self._tier_slot_pool(tier).release(node.slot)
+            node.slot = None
+            if not tier:
+                self.num_slots_held -= 1
+        self.num_evicted_nodes += 1
+        if self._listener is not None and not tier:
+            self.events.append(("removed", self._group_pages(node, 0), None))
+        self._detach(node)
+        return parent
+
+    def _refresh(self, node: TrieNode, tables: Sequence[PageList]) -> None:
+        """Give a demoted node on an insert's path the inserter's device pages
+        (a tiered trie's; a device-only trie has no demoted node)."""
+        raise IntegrityError(f"{_node_where(node)} is in tier {node.tier} of a device-only trie")
 
     def deliver_events(self) -> list[tuple[str, BaseException]]:
         """Call the listener for every queued event, oldest first; return the
@@ -1028,9 +1084,14 @@ class PrefixTrie:
     @property
     def _slot_pool(self) -> RefCountedPool:
         """The slot pool (a hybrid trie's; the slot paths run only there)."""
-        if self._slots is None:
-            raise IntegrityError("a trie without recurrent slots was asked for one")
-        return self._slots
+        return self._tier_slot_pool(0)
+
+    def _tier_slot_pool(self, tier: int) -> RefCountedPool:
+        """The slot pool of `tier` (a hybrid trie's; the slot paths run only there)."""
+        pool = self._tier_slots[tier]
+        if pool is None:
+            raise IntegrityError(f"a trie without recurrent slots in tier {tier} was asked for one")
+        return pool
 
     def _detach(self, node: TrieNode) -> None:
         node.parent = None
@@ -1038,10 +1099,10 @@ class PrefixTrie:
         self._reindex(node)
         del self._nodes[node.node_id]
 
-    def _hold_pages(self, pages: PageList, group: int) -> None:
-        """Take the trie's reference to each page (of page group `group`;
-        a windowed group's holes are skipped). O(len(pages))."""
-        record = self._groups[group]
+    def _hold_pages(self, pages: PageList, group: int, tier: int = 0) -> None:
+        """Take the trie's reference to each page (of page group `group` in
+        `tier`; a windowed group's holes are skipped). O(len(pages))."""
+        record = self._tier_groups[tier][group]
         # A full-attention group's pages have no holes (typed so without a call).
         held: list[int] = pages  # type: ignore[assignment]
         if record.window is not None:
@@ -1055,9 +1116,10 @@ class PrefixTrie:
                 num_new += 1
         record.num_pages_held += num_new
 
-    def _drop_pages(self, pages: list[int], group: int) -> int:
-        """Drop the trie's reference to each page; return how many became free."""
-        record = self._groups[group]
+    def _drop_pages(self, pages: list[int], group: int, tier: int = 0) -> int:
+        """Drop the trie's reference to each page (of page group `group` in
+        `tier`); return how many became free."""
+        record = self._tier_groups[tier][group]
         refs = record.trie_refs
         num_gone = 0
         for page in pages:
@@ -1085,6 +1147,8 @@ class PrefixTrie:
                 node.leaf_key,
                 node.slot_key,
                 tuple(sorted(child.node_id for child in node.children.values())),
+                node.tier,
+                node.num_hot_children,
             )
             for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
         )
@@ -1093,18 +1157,24 @@ class PrefixTrie:
             self._next_node_id,
             self.num_slots_held,
             self.num_evicted_nodes,
-            tuple((g.num_pages_held, g.num_evicted_pages) for g in self._groups),
+            tuple(
+                (g.num_pages_held, g.num_evicted_pages) for tier in self._tier_groups for g in tier
+            ),
         )
         roots = tuple(
-            (namespace, tuple(sorted(c.node_id for c in root.children.values())))
+            (namespace, tuple(sorted(c.node_id for c in root.children.values())),
+             root.num_hot_children)
             for namespace, root in self._roots.items()
         )
-        return nodes, roots, counters, tuple(tuple(g.trie_refs) for g in self._groups)
+        refs = tuple(tuple(g.trie_refs) for tier in self._tier_groups for g in tier)
+        return nodes, roots, counters, refs
 
     def add_references(self, page_refs: Sequence[list[int]], slot_refs: list[int] | None) -> None:
         """Add the trie's page references (`page_refs`: one counter list per
         page group) and slot references to the given counters. O(state)."""
         for node in self._nodes.values():
+            if node.tier:
+                continue  # a colder tier's pages: the trie alone holds them
             for group, refs in enumerate(page_refs):
                 for page in self._group_pages(node, group):
                     refs[page] += 1
@@ -1118,12 +1188,13 @@ class PrefixTrie:
         locked path contains that node.
         """
         seen: set[int] = set()
-        held_refs = [[0] * len(group.trie_refs) for group in self._groups]
+        held_refs = [[[0] * len(g.trie_refs) for g in tier] for tier in self._tier_groups]
         for namespace, root in self._roots.items():
             if root.parent is not None or root.tokens or any(root.pages) or root.slot is not None:
                 raise IntegrityError(f"root of namespace {namespace!r} is not empty")
             if not root.children:
                 raise IntegrityError(f"namespace {namespace!r} has an empty root")
+            _check_children(root)
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()
@@ -1132,24 +1203,30 @@ class PrefixTrie:
                 stack.extend(node.children.values())
         if seen != set(self._nodes):
             raise IntegrityError("the node index and the trie disagree")
-        for g, (group, refs) in enumerate(zip(self._groups, held_refs)):
-            if refs != group.trie_refs:
-                raise IntegrityError(f"per-page trie reference counts of group {g} are wrong")
-            if group.num_pages_held != len(refs) - refs.count(0):
-                raise IntegrityError(f"num_pages_held of group {g} is wrong")
-        if self.num_slots_held != sum(1 for n in self._nodes.values() if n.slot is not None):
+        for tier, (groups, tier_refs) in enumerate(zip(self._tier_groups, held_refs)):
+            for g, (group, refs) in enumerate(zip(groups, tier_refs)):
+                where = f"group {g}" if not tier else f"group {g} in tier {tier}"
+                if refs != group.trie_refs:
+                    raise IntegrityError(f"per-page trie reference counts of {where} are wrong")
+                if group.num_pages_held != len(refs) - refs.count(0):
+                    raise IntegrityError(f"num_pages_held of {where} is wrong")
+        device_slots = sum(1 for n in self._nodes.values() if n.slot is not None and not n.tier)
+        if self.num_slots_held != device_slots:
             raise IntegrityError("num_slots_held is wrong")
-        leaf_keys = sorted(n.leaf_key for n in self._nodes.values() if n.leaf_key)
         slot_keys = sorted(n.slot_key for n in self._nodes.values() if n.slot_key)
-        if leaf_keys != list(self._leaf_lru) or slot_keys != list(self._slot_lru):
-            raise IntegrityError("the LRU lists and the nodes disagree")
+        if slot_keys != list(self._slot_lru):
+            raise IntegrityError("the slot LRU list and the nodes disagree")
+        for tier, frontier in enumerate(self._frontiers):
+            keys = sorted(n.leaf_key for n in self._nodes.values() if n.leaf_key and n.tier == tier)
+            if keys != list(frontier):
+                raise IntegrityError(f"the LRU list of tier {tier} and the nodes disagree")
 
     def _check_node(
         self,
         node: TrieNode,
         namespace: Hashable,
         expected_locks: dict[int, int],
-        held_refs: list[list[int]],
+        held_refs: list[list[list[int]]],
     ) -> None:
         parent = _parent_of(node)
         if not node.tokens:
@@ -1176,7 +1253,7 @@ class PrefixTrie:
                 raise IntegrityError(f"{where} lacks a page without a sliding window")
             if None in pages[pages.count(None) :]:
                 raise IntegrityError(f"{where} holds a page before a hole")
-            refs = held_refs[g]
+            refs = held_refs[node.tier][g]
             for page in pages:
                 if page is not None:
                     refs[page] += 1
@@ -1191,14 +1268,26 @@ class PrefixTrie:
             raise IntegrityError(f"{_node_where(node)} holds a slot without recurrent state")
         if node.slot is None and len(node.children) == 1 and not self._windowed:
             (child,) = node.children.values()
-            if child.lock_count == node.lock_count:
+            if child.lock_count == node.lock_count and child.tier == node.tier:
                 raise IntegrityError(f"{_node_where(node)} should have been merged into its child")
+        _check_children(node)
         key = (node.last_access, node.node_id)
         unlocked = node.lock_count == 0
-        want_leaf = key if unlocked and not node.children else None
-        want_slot = key if unlocked and node.slot is not None else None
+        want_leaf = key if unlocked and not node.num_hot_children else None
+        want_slot = key if unlocked and node.slot is not None and not node.tier else None
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
             raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
+
+
+def _check_children(node: TrieNode) -> None:
+    """No child in a warmer tier than `node`; `num_hot_children` counts the
+    children in its own."""
+    tiers = [child.tier for child in node.children.values()]
+    if any(tier < node.tier for tier in tiers):
+        raise IntegrityError(f"{_node_where(node)} has a child in a warmer tier")
+    if node.num_hot_children != tiers.count(node.tier):
+        raise IntegrityError(f"{_node_where(node)} counts {node.num_hot_children} children "
+                             f"in its tier, has {tiers.count(node.tier)}")
 
 
 def _present(pages: PageList) -> list[int]:

@@ -16,6 +16,8 @@ from blockmgr import (
     BlockManager,
     CopyBlock,
     CopySlot,
+    MovePage,
+    MoveSlot,
     SwapIn,
     SwapInSlot,
     SwapOut,
@@ -39,11 +41,26 @@ class ShadowStorage:
         self.slots: list[tuple[int, ...] | None] = [None] * config.num_slots
         self.host_pages = np.full((config.num_host_blocks, config.block_size), UNWRITTEN, np.int64)
         self.host_slots: list[tuple[int, ...] | None] = [None] * config.num_host_slots
+        # The prefix cache's tiers: device (the pools above), host, disk.
+        self.tier_pages = [
+            self.pages,
+            np.full((config.num_host_cache_blocks, config.block_size), UNWRITTEN, np.int64),
+            np.full((config.num_disk_blocks, config.block_size), UNWRITTEN, np.int64),
+        ]
+        self.tier_slots: list[list] = [
+            self.slots, [None] * config.num_host_cache_slots, [None] * config.num_disk_slots
+        ]
         self.computed: dict[object, int] = {}
 
     def apply(self, ops) -> None:
         for op in ops:
-            if isinstance(op, CopyBlock):
+            if isinstance(op, MovePage):
+                assert op.src_tier != op.dst_tier
+                self.tier_pages[op.dst_tier][op.dst] = self.tier_pages[op.src_tier][op.src]
+            elif isinstance(op, MoveSlot):
+                assert op.src_tier != op.dst_tier
+                self.tier_slots[op.dst_tier][op.dst] = self.tier_slots[op.src_tier][op.src]
+            elif isinstance(op, CopyBlock):
                 assert op.src != op.dst
                 self.pages[op.dst] = self.pages[op.src]
             elif isinstance(op, CopySlot):
@@ -130,7 +147,7 @@ class GroupedShadowStorage:
 
     def apply(self, ops) -> None:
         for op in ops:
-            group = op.group if isinstance(op, (CopyBlock, SwapOut, SwapIn)) else 0
+            group = op.group if isinstance(op, (CopyBlock, SwapOut, SwapIn, MovePage)) else 0
             self.groups[group].apply([op])
 
     def compute(self, seq_id, upto: int | None = None) -> None:

@@ -33,10 +33,10 @@ from blockmgr import (
     OutOfSlots,
     SpeculationInFlight,
 )
-from blockmgr.ops import CopyBlock, SwapIn, SwapOut
+from blockmgr.ops import CopyBlock, MovePage, SwapIn, SwapOut
 from tests.shadow import ShadowStorage
 
-PAGE_OPS = (CopyBlock, SwapIn, SwapOut)  # the ops that name their layer group
+PAGE_OPS = (CopyBlock, SwapIn, SwapOut, MovePage)  # the ops that name their layer group
 
 # A few shared stems make prefix hits, splits and branch points common.
 STEMS = [[], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [5] * 11, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]]
@@ -450,6 +450,30 @@ class SlidingWindowMachine(BlockManagerMachine):
     config = BlockManagerConfig(num_blocks=24, block_size=4, sliding_window=6, num_host_blocks=6)
 
 
+class TieredMachine(BlockManagerMachine):
+    """A small device pool over host and disk tiers: prefixes are demoted
+    and loaded back all the time; every read-back goes through the moves."""
+
+    config = BlockManagerConfig(
+        num_blocks=16, block_size=4, num_host_blocks=6, num_host_cache_blocks=6,
+        num_disk_blocks=9,
+    )
+
+
+class TieredHybridMachine(BlockManagerMachine):
+    config = BlockManagerConfig(
+        num_blocks=20, block_size=4, num_slots=6, num_host_blocks=8, num_host_slots=2,
+        num_host_cache_blocks=6, num_host_cache_slots=2, num_disk_blocks=8, num_disk_slots=3,
+    )
+
+
+class TieredSlidingMachine(BlockManagerMachine):
+    config = BlockManagerConfig(
+        num_blocks=18, block_size=4, sliding_window=6, num_host_blocks=6,
+        num_disk_blocks=10,
+    )
+
+
 class NoPrefixCacheMachine(BlockManagerMachine):
     config = BlockManagerConfig(num_blocks=16, block_size=3, enable_prefix_cache=False)
 
@@ -478,4 +502,7 @@ TestBlockManager = _test_case(BlockManagerMachine)
 TestHybrid = _test_case(HybridMachine)
 TestSlidingWindow = _test_case(SlidingWindowMachine)
 TestNoPrefixCache = _test_case(NoPrefixCacheMachine)
+TestTiered = _test_case(TieredMachine)
+TestTieredHybrid = _test_case(TieredHybridMachine)
+TestTieredSliding = _test_case(TieredSlidingMachine)
 TestWatermark = _test_case(WatermarkMachine)
