@@ -40,7 +40,7 @@ from blockmgr.ops import (
 from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
-from blockmgr.tiered_trie import TierCapacity, TieredTrie, TierUsage
+from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage
 
 __all__ = [
     "Allocation",
@@ -49,6 +49,7 @@ __all__ = [
     "BlockManagerError",
     "CopyBlock",
     "CopySlot",
+    "DiskEntry",
     "DuplicateSequence",
     "GroupedStore",
     "GroupedStoreConfig",

@@ -50,7 +50,7 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.growth import Growth, grow, plan_growth
-from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, ZeroSlot
+from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, Tier, ZeroSlot
 from blockmgr.page_group import PageGroup
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import (
@@ -61,12 +61,13 @@ from blockmgr.prefix_trie import (
     PrefixTrie,
     TrieNode,
     pack_tokens,
+    path_tokens,
 )
 from blockmgr.sequence import Allocation, Sequence, SequenceTable, Speculation
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
-from blockmgr.tiered_trie import TierCapacity, TieredTrie, TierUsage
+from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,
@@ -1127,6 +1128,56 @@ class BlockManager:
             self._deliver_events()
         return (*evicted, *ops)
 
+    # --------------------------------------------------- the disk tier
+
+    def disk_loads(self, match: PrefixMatch) -> tuple[list[list[int]], list[int]]:
+        """The disk pages of each group and disk slots that allocating with
+        `match` (a `find_prefix` result) reads: a storage verifies or reads
+        them ahead first. Pure."""
+        if not match.loads:
+            return [[] for _ in self._groups], []
+        return self._tiered.disk_loads(match)
+
+    def forget_disk_pages(self, group: int, pages: Seq[int]) -> None:
+        """Drop the cached prefixes whose disk pages of `group` include any of
+        `pages` (their records turned out unreadable): no hit serves them
+        again. Any `find_prefix` result from before is stale."""
+        self._tiered.forget_disk_pages(self._group_index(group), pages)
+
+    def disk_entries(self) -> list[DiskEntry]:
+        """The disk tier's nodes as a restart restores them (`restore_disk`).
+        Empty without a disk tier. Pure; O(disk nodes x depth)."""
+        if not isinstance(self._trie, TieredTrie) or Tier.DISK not in self._trie.tiers:
+            return []
+        return self._trie.disk_entries()
+
+    def restore_disk(self, entries: Seq[DiskEntry]) -> list[DiskEntry]:
+        """Rebuild the disk tier from `entries` (what `disk_entries` gave
+        before a restart, read back by the storage); returns the entries it
+        could not take (the storage forgets them). Call it on a new manager
+        before any sequence. O(entries x path length)."""
+        if self._seqs:
+            raise InvalidArgument("restore the disk tier before any sequence is allocated")
+        trie = self._tiered
+        if Tier.DISK not in trie.tiers:
+            raise InvalidArgument("this manager has no disk tier")
+        rejected = trie.restore(entries)
+        if self._events:
+            self._deliver_events()
+        return rejected
+
+    def flush_to_disk(self) -> Plan:
+        """Move every cached prefix no live sequence uses to the disk tier (a
+        graceful shutdown: a restart finds them there), dropping what the
+        disk cannot hold; the plan of moves."""
+        trie = self._tiered
+        if Tier.DISK not in trie.tiers:
+            raise InvalidArgument("this manager has no disk tier")
+        trie.demote_all()
+        if self._events:
+            self._deliver_events()
+        return tuple(trie.take_ops())
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence is using."""
         if self._trie is not None:
@@ -1310,7 +1361,7 @@ class BlockManager:
         node = seq.locked_node
         if node is not None and node.parent is None:
             raise IntegrityError(f"{where} locks a node that left the trie")
-        if seq.anchored and (node is None or _path_tokens(node) != seq.tokens[: node.end]):
+        if seq.anchored and (node is None or path_tokens(node) != seq.tokens[: node.end]):
             raise IntegrityError(f"{where} is anchored at a node that spells other tokens")
         if seq.num_borrowed:
             self._check_borrowed(seq, where)
@@ -1358,7 +1409,7 @@ class BlockManager:
             raise IntegrityError(f"{where} borrows pages without a lock (or while swapped out)")
         if end > node.end or end > len(seq.tokens):
             raise IntegrityError(f"{where} borrows {num_borrowed} pages past its lock or end")
-        if _path_tokens(node)[:end] != seq.tokens[:end]:
+        if path_tokens(node)[:end] != seq.tokens[:end]:
             raise IntegrityError(f"{where} borrows pages that hold other tokens")
         held: set[tuple[int, int, int | None]] = set()
         while node.parent is not None:
@@ -1412,15 +1463,6 @@ class BlockManager:
         )
         trie = self._trie.debug_state() if self._trie is not None else None
         return seqs, pools, counters, trie
-
-
-def _path_tokens(node: TrieNode) -> list[int]:
-    """The tokens the path from the root to `node` spells. O(end)."""
-    runs = []
-    while node.parent is not None:
-        runs.append(node.tokens)
-        node = node.parent
-    return list(chain.from_iterable(reversed(runs)))  # flattened at C speed
 
 
 #: The match of a manager without a prefix cache (never mutated: no hit).

@@ -72,6 +72,19 @@ class RefCountedPool:
         self._refcounts[item] = 1
         return item
 
+    def claim(self, items: Iterable[int]) -> None:
+        """One more reference to each of `items`, free or not (rebuilding a
+        holder's references after a restart); the free list keeps its order
+        for the rest. The caller checks the ids are in range. O(num_items)."""
+        refcounts = self._refcounts
+        newly_held = set()
+        for item in items:
+            if refcounts[item] == 0:
+                newly_held.add(item)
+            refcounts[item] += 1
+        if newly_held:
+            self._free = [item for item in self._free if item not in newly_held]
+
     def incref(self, item: int) -> None:
         self._refcounts[item] += 1
 

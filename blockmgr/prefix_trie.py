@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol, cast
 
 from sortedcontainers import SortedList
@@ -1277,6 +1278,15 @@ class PrefixTrie:
         want_slot = key if unlocked and node.slot is not None and not node.tier else None
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
             raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
+
+
+def path_tokens(node: TrieNode) -> list[int]:
+    """The tokens the path from the root to `node` spells. O(end)."""
+    runs = []
+    while node.parent is not None:
+        runs.append(node.tokens)
+        node = node.parent
+    return list(chain.from_iterable(reversed(runs)))  # flattened at C speed
 
 
 def _check_children(node: TrieNode) -> None:

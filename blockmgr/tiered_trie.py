@@ -46,6 +46,7 @@ from blockmgr.prefix_trie import (
     _PageGroup,
     _parent_of,
     _present,
+    path_tokens,
 )
 
 COLD_TIERS = (Tier.HOST, Tier.DISK)
@@ -58,6 +59,21 @@ class TierCapacity:
 
     num_pages: int
     num_slots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DiskEntry:
+    """One disk-tier node, as a restart rebuilds it (`TieredTrie.disk_entries`,
+    `restore`): its namespace, the tokens of its whole path from the root
+    (its own are `tokens[start:]`), per page group its disk pages (one per
+    page index from `start // block_size`; None: a window's hole) and the
+    disk slot of its snapshot (None: none)."""
+
+    namespace: Hashable
+    tokens: tuple[int, ...]
+    start: int
+    pages: tuple[tuple[int | None, ...], ...]
+    slot: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +196,129 @@ class TieredTrie(PrefixTrie):
                 self.events.append(("stored", self._group_pages(node, 0)[:], node.tokens[:]))
             self._try_merge(node.parent)  # a tombstone above may now have one child of its tier
 
+    def disk_loads(self, match: PrefixMatch) -> tuple[list[list[int]], list[int]]:
+        """The disk pages of each group and the disk slots that loading
+        `match` reads (what a storage verifies or reads ahead). Pure."""
+        pages: list[list[int]] = [[] for _ in self._groups]
+        slots = []
+        for node in match.loads:
+            if node.tier == Tier.DISK:
+                for group, group_pages in enumerate(pages):
+                    group_pages.extend(self._group_pages(node, group))
+                if node.slot is not None:
+                    slots.append(node.slot)
+        return pages, slots
+
+    # --------------------------------------------------------- persistence
+
+    def disk_entries(self) -> list[DiskEntry]:
+        """Every disk-tier node, shortest path first (a restart restores
+        them in this order). O(disk nodes x depth)."""
+        entries = [
+            DiskEntry(node.namespace, tuple(path_tokens(node)), node.start,
+                      tuple(tuple(pages) for pages in node.pages), node.slot)
+            for node in self._nodes.values() if node.tier == Tier.DISK
+        ]
+        entries.sort(key=lambda entry: len(entry.tokens))
+        return entries
+
+    def restore(self, entries: Sequence[DiskEntry]) -> list[DiskEntry]:
+        """Rebuild disk-tier nodes (a restart: the disk pool's ids are the
+        storage's records), shortest path first; returns the entries that
+        could not be restored (their path's start is not cached, their pages
+        do not fit the node or the pools, or the place is taken): the storage
+        forgets those. O(entries x path length)."""
+        rejected = []
+        for entry in sorted(entries, key=lambda e: len(e.tokens)):
+            if not self._restore_one(entry):
+                rejected.append(entry)
+        if self._hybrid:  # a snapshot-less node whose children were rejected: no use
+            for node in [n for n in self._nodes.values() if not n.children and n.slot is None]:
+                if node.parent is not None:
+                    super()._evict(node)
+        return rejected
+
+    def _restore_one(self, entry: DiskEntry) -> bool:
+        tokens = list(entry.tokens)
+        if not 0 <= entry.start < len(tokens) or not self._restorable(entry):
+            return False
+        root = self._roots.get(entry.namespace)
+        if root is None:
+            if entry.start:
+                return False
+            root = self._new_node(entry.namespace, [], 0, None, [[] for _ in self._groups])
+            self._roots[entry.namespace] = root
+        parent = root
+        if entry.start:
+            path, num_matched = self._walk(root, tokens[: entry.start])
+            if num_matched != entry.start:
+                return False
+            parent = path[-1]
+            if parent.end > entry.start:
+                parent = self._split(parent, entry.start - parent.start)
+        if tokens[entry.start] in parent.children:
+            return False
+        node = self._new_node(entry.namespace, tokens[entry.start:], entry.start, parent,
+                              [list(pages) for pages in entry.pages])
+        for group, record in enumerate(self._tier_groups[Tier.DISK]):
+            held = _present(node.pages[group])
+            record.pool.claim(held)
+            self._hold_pages(node.pages[group], group, Tier.DISK)
+            record.pool.release_all(held)  # `claim` took the trie's reference
+        if entry.slot is not None:
+            self._tier_slot_pool(Tier.DISK).claim([entry.slot])
+            node.slot = entry.slot
+        node.tier = Tier.DISK
+        parent.children[tokens[entry.start]] = node
+        if parent.tier == Tier.DISK:
+            parent.num_hot_children += 1
+        self._reindex(node)
+        self._reindex(parent)
+        self.version += 1
+        self._try_merge(parent)
+        return True
+
+    def _restorable(self, entry: DiskEntry) -> bool:
+        """Does the entry's shape fit this trie (page counts, holes only
+        where a window allows, ids in range, a slot exactly when hybrid)?"""
+        block_size = self._block_size
+        num_pages = (len(entry.tokens) - 1) // block_size - entry.start // block_size + 1
+        records = self._tier_groups[Tier.DISK]
+        if len(entry.pages) != len(records):
+            return False
+        for pages, record in zip(entry.pages, records):
+            held = [page for page in pages if page is not None]
+            if len(pages) != num_pages or None in pages[pages.count(None):]:
+                return False
+            if record.window is None and len(held) != num_pages:
+                return False
+            if any(not 0 <= page < record.pool.num_items for page in held):
+                return False
+        slot_pool = self._tier_slots[Tier.DISK]
+        if entry.slot is None:
+            return True
+        return slot_pool is not None and 0 <= entry.slot < slot_pool.num_items
+
+    def forget_disk_pages(self, group: int, pages: Sequence[int]) -> None:
+        """Drop the disk nodes holding any of `pages` of `group` (their
+        records turned out unreadable), with everything below them."""
+        bad = set(pages)
+        for node in list(self._nodes.values()):
+            if node.parent is not None and node.tier == Tier.DISK and not bad.isdisjoint(
+                self._group_pages(node, group)
+            ):
+                self._drop_subtree(node)
+
+    def demote_all(self) -> None:
+        """Move every unlocked node of the warmer tiers to disk (a graceful
+        shutdown's flush), or drop it when the disk cannot take it."""
+        for tier in (Tier.HOST, Tier.DEVICE):
+            frontier = self._frontiers[tier]
+            while frontier:
+                node = self._nodes[frontier[0][1]]
+                if self._demote(node, Tier.DISK) is False:
+                    self._drop_subtree(node)
+
     # ------------------------------------------------------------ eviction
 
     def _evict(self, node: TrieNode) -> None:
@@ -187,29 +326,38 @@ class TieredTrie(PrefixTrie):
         take it (making room there), else drop it and the nodes below it."""
         self.version += 1
         for tier in self.tiers:
-            while tier > node.tier:
-                # Making room below must not drop or merge the node: locked,
-                # merges deferred. The merges that came due may fold a
-                # tombstone above into it (more pages): then the room is
-                # asked for again.
-                self.defer_merges()
-                self.lock(node)
-                has_room = self._make_room(tier, *self._needs(node))
-                self.unlock(node)
-                self.resume_merges()
-                if node.parent is None:
-                    return  # merged into its child or dropped: no longer to evict
-                if not has_room:
-                    break
-                needs, num_slots = self._needs(node)
-                if self._fits(tier, needs, num_slots):
-                    if not node.tier and self._listener is not None:
-                        self.events.append(("removed", self._group_pages(node, 0)[:], None))
-                    self._num_demoted_pages[tier] += sum(needs)
-                    self._move(node, tier)
-                    self._try_merge(node)  # a tombstone may now have one child of its tier
+            if tier > node.tier:
+                moved = self._demote(node, tier)
+                if moved is None or moved:
                     return
         self._drop_subtree(node)
+
+    def _demote(self, node: TrieNode, tier: Tier) -> bool | None:
+        """Move an unlocked frontier node to the colder `tier`, making room
+        there first: True when moved, False when `tier` cannot take it, None
+        when making room took the node itself out of the trie (merged into
+        its child: nothing left to do)."""
+        while True:
+            # Making room below must not drop or merge the node: locked,
+            # merges deferred. The merges that came due may fold a tombstone
+            # above into it (more pages): then the room is asked for again.
+            self.defer_merges()
+            self.lock(node)
+            has_room = self._make_room(tier, *self._needs(node))
+            self.unlock(node)
+            self.resume_merges()
+            if node.parent is None:
+                return None
+            if not has_room:
+                return False
+            needs, num_slots = self._needs(node)
+            if self._fits(tier, needs, num_slots):
+                if not node.tier and self._listener is not None:
+                    self.events.append(("removed", self._group_pages(node, 0)[:], None))
+                self._num_demoted_pages[tier] += sum(needs)
+                self._move(node, tier)
+                self._try_merge(node)  # a tombstone may now have one child of its tier
+                return True
 
     def _needs(self, node: TrieNode) -> tuple[list[int], int]:
         """Pages of each group and slots that holding `node` takes in a tier."""

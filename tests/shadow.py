@@ -79,6 +79,11 @@ class ShadowStorage:
             else:
                 raise AssertionError(f"unknown op {op!r}")
 
+    def take_disk_from(self, other: ShadowStorage) -> None:
+        """The disk tier's records of `other` (the files a restart reads)."""
+        self.tier_pages[2][:] = other.tier_pages[2]
+        self.tier_slots[2][:] = other.tier_slots[2]
+
     def compute(self, seq_id, upto: int | None = None) -> None:
         """Run the 'forward pass' over the sequence's uncomputed tokens."""
         tokens = self.bm.tokens(seq_id)
@@ -159,6 +164,10 @@ class GroupedShadowStorage:
     def check_reads_back(self, seq_id) -> None:
         for group in self.groups:
             group.check_reads_back(seq_id)
+
+    def take_disk_from(self, other: GroupedShadowStorage) -> None:
+        for group, old in zip(self.groups, other.groups):
+            group.take_disk_from(old)
 
     def check_all(self) -> None:
         for group in self.groups:

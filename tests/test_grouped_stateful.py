@@ -145,7 +145,25 @@ class SlidingPressureMachine(GroupedMachine):
     )
 
 
+class TieredGroupedMachine(GroupedMachine):
+    """gemma3-like groups over host and disk tiers (restarts included)."""
+
+    config = GroupedStoreConfig(
+        num_blocks=18, block_size=4, windows=(None, 6), window_blocks=14, num_host_blocks=6,
+        num_host_cache_blocks=5, num_disk_blocks=9,
+    )
+
+
+class TieredHybridSlidingMachine(GroupedMachine):
+    config = GroupedStoreConfig(
+        num_blocks=20, block_size=4, windows=(None, 6), num_slots=6, num_host_blocks=6,
+        num_host_slots=2, num_disk_blocks=10, num_disk_slots=4,
+    )
+
+
 TestGrouped = _test_case(GroupedMachine)
+TestTieredGrouped = _test_case(TieredGroupedMachine)
+TestTieredHybridSliding = _test_case(TieredHybridSlidingMachine)
 TestSlidingPressure = _test_case(SlidingPressureMachine)
 TestHybridSliding = _test_case(HybridSlidingMachine)
 TestSlidingRecurrent = _test_case(SlidingRecurrentMachine)

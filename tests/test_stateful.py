@@ -403,6 +403,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
 
+    @precondition(lambda self: self.config.num_disk_blocks > 0)
+    @rule()
+    def restart(self) -> None:
+        """A graceful shutdown and a new process: every sequence ends, the
+        cache goes to disk, a new manager restores it from the disk tier's
+        entries and records (the shadow's disk arrays stand for the files);
+        every prefix hits as far as before the restart."""
+        for seq_id in self.live():
+            self.free_sequence(seq_id)
+        self.shadow.apply(self.bm.flush_to_disk())
+        self.bm.check_integrity()
+        hits = [self.bm.cached_prefix_length(p, ns) for p in self.seen for ns in (None, "tenant-b")]
+        new = type(self.bm)(self.config)
+        assert new.restore_disk(self.bm.disk_entries()) == []
+        shadow = type(self.shadow)(new)
+        shadow.take_disk_from(self.shadow)
+        self.bm, self.shadow = new, shadow
+        new.check_integrity()
+        assert hits == [new.cached_prefix_length(p, ns) for p in self.seen for ns in (None, "tenant-b")]
+
     # -------------------------------------------------------------- checking
 
     @invariant()
