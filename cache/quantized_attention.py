@@ -13,8 +13,9 @@ skip that dequantization where it pays:
   place: nothing is gathered or dequantized.
 
 When they pay (`use_quantized_matmul`, measured in design/cache.md): on the
-CPU quantized matmuls are fast for a few query rows only, and only in
-float32 (half precision ran 3-4x slower than dequantize-then-attend).
+CPU quantized matmuls win for a few queries only (decode, short speculative
+verification steps), and only in float32 (half precision ran 3-4x slower
+than dequantize-then-attend).
 """
 
 from __future__ import annotations
@@ -26,16 +27,24 @@ import mlx.core as mx
 from cache.paged_attention import per_group
 from cache.step_plan import MASKED, PairIndex
 
-#: Most queries per row a quantized matmul serves: past a few rows the
-#: CPU's quantized matmul loses to dequantize + the fused kernel (measured:
-#: 1 query 2.3x faster, 4 about even, 16 2.6x slower at 1k context).
-QUANTIZED_MAX_QUERIES = 4
+#: Most queries per step quantized matmuls serve, for one row and for a
+#: batch (`paged_quantized_attention`): past that the CPU's quantized
+#: matmul loses to dequantize + the fused kernel. Measured, one layer of
+#: Qwen3-0.6B's shape, quantized / dequantized time (BENCHMARKS.md, "kv
+#: quantization"): one row at 4k context 0.40 (1 query), 0.41 (2), 0.58-0.98
+#: (4), 1.32 (8); 8 rows of 200..4000: 0.14 (1), 0.20 (2), 0.49 (4), 0.66
+#: (8), 1.59 (16).
+ONE_ROW_MAX_QUERIES = 2
+BATCH_MAX_QUERIES = 8
 
 
-def use_quantized_matmul(dtype: mx.Dtype, num_queries: int) -> bool:
-    """Whether quantized matmuls beat dequantizing the history for a step
-    of `num_queries` queries on pools of `dtype` on the default device."""
-    if num_queries > QUANTIZED_MAX_QUERIES:
+def use_quantized_matmul(dtype: mx.Dtype, num_queries: int, batch: int) -> bool:
+    """Whether quantized matmuls beat dequantizing the history for a step of
+    `batch` rows of `num_queries` queries on pools of `dtype` on the default
+    device. On the CPU only float32 (half precision quantized matmuls ran
+    3-4x slower than dequantize-then-attend); elsewhere mlx-lm's choice."""
+    limit = ONE_ROW_MAX_QUERIES if batch == 1 else BATCH_MAX_QUERIES
+    if num_queries > limit:
         return False
     return dtype == mx.float32 or mx.default_device().type != mx.cpu
 

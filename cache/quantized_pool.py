@@ -205,7 +205,7 @@ class QuantizedPagePool:
         keys, values = self._keys, self._values
         if not (keys.quantized and values.quantized):
             return None
-        if not use_quantized_matmul(self.shape.dtype, plan.num_queries):
+        if not use_quantized_matmul(self.shape.dtype, plan.num_queries, plan.batch):
             return None
         if plan.batch == 1:
             k_parts, v_parts = self._packed_history(plan)

@@ -37,8 +37,8 @@ def tokens(n, seed):
     return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
 
 
-def fmt_of(name, key_bits, value_bits=None):
-    return KVFormat(key_bits, key_bits if value_bits is None else value_bits, group_size(name))
+def fmt_of(name, key_bits, value_bits):
+    return KVFormat(key_bits, value_bits, group_size(name))
 
 
 def paged(name, fmt, num_blocks=96, block_size=8, **kwargs):
@@ -69,10 +69,10 @@ def decode(pc, model, seq, toks):
     return mx.concatenate(out)
 
 
-FORMATS = [(8, 8), (4, 4), (8, 4)]
+FORMATS = [(8, 8), (4, 4), (8, 4), (None, 4)]  # None: keys at the model's dtype
 
 
-@pytest.mark.parametrize("bits", FORMATS, ids=lambda b: f"k{b[0]}v{b[1]}")
+@pytest.mark.parametrize("bits", FORMATS, ids=lambda b: f"k{b[0] or 'full'}v{b[1]}")
 @pytest.mark.parametrize("name", ALL)
 def test_chunked_prefill_then_decode_equals_the_reference(name, bits):
     model = built(name)
@@ -105,7 +105,7 @@ def test_quantized_kv_cache_and_dequantize_then_attend_agree():
 
 
 @pytest.mark.parametrize("bits", [(8, 8), (4, 4)], ids=["k8v8", "k4v4"])
-@pytest.mark.parametrize("name", ["llama", "sliding", "gemma3", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama", "sliding", "gemma3", "gpt_oss", "lfm2", "qwen3_next"])
 def test_ragged_prefill_and_batched_decode_equal_each_row_alone(name, bits):
     model = built(name)
     fmt = fmt_of(name, *bits)
@@ -220,7 +220,7 @@ def test_sinks_attend_over_dequantized_pages():
     model = built("gpt_oss")
     with pytest.raises(ValueError, match="sinks"):
         run_chunks(model, quantized_caches(model, 8, 32), [tokens(5, 9)])
-    fmt = fmt_of("gpt_oss", 8)
+    fmt = fmt_of("gpt_oss", 8, 8)
     seq = tokens(30, 9)
     pc = paged("gpt_oss", fmt)
     pc.allocate("a", seq[:24])
@@ -254,7 +254,7 @@ def count_quantized(monkeypatch):
 def test_decode_uses_quantized_matmuls_and_equals_the_dequantized_path(name, count_quantized):
     model = built(name)
     fmt = fmt_of(name, 8, 4)
-    prompts = [tokens(n, n) for n in (5, 22, 9, 30)]  # prefills: more than 4 queries
+    prompts = [tokens(n, n) for n in (5, 22, 9, 30)]  # prefills: dequantized history
     outs = []
     for paged_attention in (True, False):
         pc = paged(name, fmt, paged_attention=paged_attention)
@@ -274,7 +274,7 @@ def test_decode_uses_quantized_matmuls_and_equals_the_dequantized_path(name, cou
 
 def test_prefill_chunks_attend_over_the_dequantized_history(count_quantized):
     model = built("llama")
-    pc = paged("llama", fmt_of("llama", 8))
+    pc = paged("llama", fmt_of("llama", 8, 8))
     pc.allocate("a", tokens(30, 1))
     forward(pc, model, ["a"], [tokens(30, 1)])
     assert count_quantized == {"sdpa": 0, "paged": 0}
