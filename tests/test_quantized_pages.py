@@ -224,8 +224,10 @@ def test_sinks_attend_over_dequantized_pages():
     seq = tokens(30, 9)
     pc = paged("gpt_oss", fmt)
     pc.allocate("a", seq[:24])
-    got = mx.concatenate([forward(pc, model, ["a"], [seq[:24]])[0], decode(pc, model, "a", seq[24:])])
-    close(got, run_chunks(model, fake_quant_caches(model, fmt), [seq[:24]] + [[t] for t in seq[24:]]))
+    got = mx.concatenate([forward(pc, model, ["a"], [seq[:24]])[0],
+                          decode(pc, model, "a", seq[24:])])
+    want = run_chunks(model, fake_quant_caches(model, fmt), [seq[:24]] + [[t] for t in seq[24:]])
+    close(got, want)
 
 
 # --- attention kernels: quantized matmuls where they pay ------------------------
@@ -293,7 +295,8 @@ def test_half_precision_quantized_pages(dtype):
     want = run_chunks(model, quantized_caches(model, 8, 32), chunks)
     pc = PagedCache.for_model(model, 32, 8, kv_bits=8, kv_group_size=32)
     pc.allocate("a", seq[:20])
-    got = mx.concatenate([forward(pc, model, ["a"], [seq[:20]])[0], decode(pc, model, "a", seq[20:])])
+    got = mx.concatenate([forward(pc, model, ["a"], [seq[:20]])[0],
+                          decode(pc, model, "a", seq[20:])])
     assert pc.views(["a"])[0].state[1].dtype == dtype  # the scales
     close(got, want, 5e-2)
 
