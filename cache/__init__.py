@@ -1,6 +1,10 @@
 """MLX storage for paged KV caches: page pools and mlx-lm-compatible views.
 
 * `page_pool`: `PagePool`, one attention layer's K/V pages (head-major).
+* `page_format`: `KVFormat`, how pages store K/V (model dtype or affine-
+  quantized, keys and values apart), and `PageStore`, the pools' protocol.
+* `quantized_pool`: `QuantizedPagePool`, pages of quantized K/V rows;
+  `quantized_attention`: attention on them with quantized matmuls.
 * `layers`: which cache kind each model layer needs.
 * `step_plan`: per-step scatter/gather indices and masks for a page group.
 * `views`: `AttentionView` / `RecurrentLayerView`, mlx-lm's cache protocol
@@ -23,18 +27,23 @@ never imports `cache`; `cache.model_storage` is where they meet.
 from cache.buckets import length_buckets
 from cache.host_pool import HostPagePool
 from cache.layers import LayerKind, LayerSpec, layer_specs
+from cache.page_format import KVFormat, PageStore
 from cache.page_pool import PagePool, PoolShape, copy_waves
 from cache.paged_cache import PagedCache, RecurrentBackend
+from cache.quantized_pool import QuantizedPagePool
 from cache.views import AttentionView, RecurrentLayerView
 
 __all__ = [
     "AttentionView",
     "HostPagePool",
+    "KVFormat",
     "LayerKind",
     "LayerSpec",
     "PagePool",
+    "PageStore",
     "PagedCache",
     "PoolShape",
+    "QuantizedPagePool",
     "RecurrentBackend",
     "RecurrentLayerView",
     "copy_waves",

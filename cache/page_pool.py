@@ -23,6 +23,8 @@ import numpy as np
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.ops import CopyBlock
+from cache.paged_attention import PAGED_MAX_QUERIES, paged_attention, supports
+from cache.step_plan import StepPlan, head_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,8 @@ class PoolShape:
 
 
 class PagePool:
-    """K and V pages of one attention layer.
+    """K and V pages of one attention layer, at the model's dtype (the
+    `page_format.PageStore` protocol; `QuantizedPagePool` is the other format).
 
     All index arguments are head-major row indices (see `head_rows`), built
     once per step and shared by every layer with the same number of kv heads.
@@ -66,6 +69,11 @@ class PagePool:
         """Bytes held by the pool arrays (every page, used or not)."""
         return self._keys.nbytes + self._values.nbytes
 
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page, K and V, all heads."""
+        return self.shape.page_nbytes
+
     def write(self, rows: mx.array, cols: mx.array, keys: mx.array, values: mx.array) -> None:
         """Scatter token K/V in place: ``pool[rows[i], cols[i]] = keys[i]``.
 
@@ -76,6 +84,11 @@ class PagePool:
         self._keys[rows, cols] = keys.astype(self.shape.dtype)
         if self.shape.v_head_dim:
             self._values[rows, cols] = values.astype(self.shape.dtype)
+
+    def stored(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """New K/V as the pool keeps them: unchanged (the history of a fresh
+        prefill, handed back without reading the pool)."""
+        return keys, values
 
     def gather(self, rows: mx.array, batch: int, length: int) -> tuple[mx.array, mx.array]:
         """Pages `rows` (``[batch * n_kv_heads * pages]``, batch-major) as arrays.
@@ -130,7 +143,7 @@ class PagePool:
         return keys, mx.take(self._values, rows, axis=0)
 
     def write_pages(self, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Overwrite whole page rows in place (`keys`/`values` as from `read_pages`)."""
+        """Overwrite whole page rows in place (the parts `read_pages` gave)."""
         self._keys[rows] = keys
         if self.shape.v_head_dim:
             self._values[rows] = values
@@ -150,23 +163,28 @@ class PagePool:
         write makes that write copy the whole pool."""
         return self._keys, self._values
 
+    def attend(self, queries: mx.array, plan: StepPlan, scale: float, mask) -> mx.array | None:
+        """Attention over the step's pages read in place (`paged_attention`),
+        or None where the dense kernel on the gathered history is the better
+        choice: one row (its exact history and the fused kernel beat
+        per-page products, measured ~1.2x), more than `PAGED_MAX_QUERIES`
+        queries (compute-bound), or a dtype the device's `gather_mm` lacks.
+        `mask` is the step's own (the caller checks that); the plan's masks
+        mean the same."""
+        if plan.batch == 1 or plan.num_queries > PAGED_MAX_QUERIES:
+            return None
+        if not supports(self.shape.dtype):
+            return None
+        index = plan.pair_index(self.shape.n_kv_heads)
+        return paged_attention(queries, self._keys, self._values, index, scale)
 
-def page_rows(pool: PagePool, pages: Sequence[int]) -> mx.array:
-    """Flat head-major rows of whole `pages` in `pool`, ``[n_kv_heads * len(pages)]``."""
+
+def page_rows(pool, pages: Sequence[int]) -> mx.array:
+    """Flat head-major rows of whole `pages` in `pool` (any `PageStore`),
+    ``[n_kv_heads * len(pages)]``."""
     p = np.asarray(pages, dtype=np.int64)
     rows = head_rows(p, pool.shape.n_kv_heads, pool.shape.num_blocks)
     return mx.array(rows.reshape(-1).astype(np.int32))
-
-
-def head_rows(pages: np.ndarray, n_kv_heads: int, num_blocks: int) -> np.ndarray:
-    """Head-major pool rows for `pages` (any shape ``[..., P]``).
-
-    Returns ``[..., n_kv_heads, P]`` with ``rows[..., h, j] = h * num_blocks
-    + pages[..., j]``, i.e. the order `PagePool.gather` expects once flattened,
-    in the pages' integer dtype.
-    """
-    heads = np.arange(n_kv_heads, dtype=pages.dtype)[:, None] * num_blocks
-    return heads + pages[..., None, :]
 
 
 def copy_waves(ops: Sequence[CopyBlock]) -> list[tuple[list[int], list[int]]]:

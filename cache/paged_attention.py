@@ -24,6 +24,11 @@ import mlx.core as mx
 
 from cache.step_plan import MASKED, PairIndex
 
+# Steps with more queries than this (prefill chunks) gather the history and
+# use the dense kernel: there the gather is small next to the compute.
+PAGED_MAX_QUERIES = 16
+
+
 def supports(dtype: mx.Dtype) -> bool:
     """Whether `paged_attention` runs on pools of `dtype` on the default
     device (MLX's CPU `gather_mm` is float32-only). Probed once per
@@ -65,17 +70,17 @@ def paged_attention(
     scores = mx.gather_mm(key_pool, q_t.astype(key_pool.dtype), index.rows, index.bh)
     scores = scores.astype(mx.float32).reshape(pairs, bs, g, n) + index.mask
     scores = scores.reshape(pairs, bs, g * n)
-    top = _per_group(scores.max(axis=1), index, MASKED).max(axis=1)  # [B*H, G*N]
+    top = per_group(scores.max(axis=1), index, MASKED).max(axis=1)  # [B*H, G*N]
     weights = mx.exp(scores - mx.take(top, index.bh, axis=0)[:, None, :])
-    total = _per_group(weights.sum(axis=1), index, 0.0).sum(axis=1)  # [B*H, G*N]
+    total = per_group(weights.sum(axis=1), index, 0.0).sum(axis=1)  # [B*H, G*N]
     parts = mx.gather_mm(
         weights.swapaxes(1, 2).astype(value_pool.dtype), value_pool, None, index.rows
     )  # [pairs, G*N, Dv]
-    out = _per_group(parts.astype(mx.float32), index, 0.0).sum(axis=1) / total[..., None]
+    out = per_group(parts.astype(mx.float32), index, 0.0).sum(axis=1) / total[..., None]
     return out.reshape(bsz, h, g, n, dv).reshape(bsz, hq, n, dv).astype(queries.dtype)
 
 
-def _per_group(x: mx.array, index: PairIndex, fill: float) -> mx.array:
+def per_group(x: mx.array, index: PairIndex, fill: float) -> mx.array:
     """Per-pair `x` ``[pairs, ...]`` laid out as ``[B*H, P, ...]`` (missing
     pages filled with `fill`), for reductions over each group's pages."""
     filler = mx.full((1, *x.shape[1:]), fill, dtype=x.dtype)

@@ -39,7 +39,8 @@ from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
-from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
+from cache.page_format import KVFormat, PageStore, check_model
+from cache.page_pool import PoolShape, copy_waves, page_rows
 from cache.recurrent_backend import RecurrentBackend, RecurrentStepView
 from cache.speculative_model import SpeculativeModel
 from cache.step_plan import StepPlan, plan_step
@@ -59,7 +60,7 @@ class _Group:
     window: int | None
     layers: list[int]
     num_pages: int
-    pools: dict[int, PagePool] = field(default_factory=dict)
+    pools: dict[int, PageStore] = field(default_factory=dict)
     host: dict[int, HostPagePool] = field(default_factory=dict)
     pending: list[CopyBlock | SwapOut | SwapIn] = field(default_factory=list)
 
@@ -116,6 +117,9 @@ class PagedCache:
         num_host_slots: int = 0,
         paged_attention: bool = True,
         layout: Sequence[LayoutEntry] | None = None,
+        kv_format: KVFormat | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
     ) -> None:
         """`specs`: one per cache position (`layers.layer_specs`); `layout`
         nests positions into model layers (`layers.cache_layout`; None: one
@@ -126,7 +130,15 @@ class PagedCache:
         for recurrent state (the backend must have as many host slots).
         `paged_attention`: serve mlx-lm's attention calls from the pool in
         place (`cache.attention_hook`, installed process-wide) instead of
-        from a gathered history; False always gathers."""
+        from a gathered history; False always gathers.
+        `kv_bits` (8 or 4) with `kv_group_size` (32, 64 or 128, default 64):
+        affine-quantized pages for keys and values (mlx-lm's ``--kv-bits``);
+        `kv_format` (a `KVFormat`, instead) sets key and value bits apart,
+        e.g. ``KVFormat(key_bits=8, value_bits=4)``. Default: the model's
+        dtype. A layer whose head size the group size does not divide
+        raises `InvalidArgument` naming it at its first write (`for_model`
+        checks the model when built)."""
+        self.kv_format = KVFormat.of(kv_format, kv_bits, kv_group_size)
         specs = list(specs)
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
         if has_recurrent and (recurrent is None or num_slots < 1):
@@ -180,16 +192,22 @@ class PagedCache:
         model, num_slots)`` (`cache.model_storage`); an attention-only model
         holds no slots whatever `num_slots` says. Layers that keep several
         caches (mlx-lm's ``CacheList``) get one view per cache, nested the
-        same way. Other keywords go to the constructor.
+        same way. Other keywords go to the constructor (`kv_bits`,
+        `kv_group_size`, `kv_format` among them). A quantized format is
+        checked against the model's head sizes first (`page_format.
+        check_model`, one one-token forward), so a layer it cannot store
+        raises `InvalidArgument` here, naming the layer.
         """
         parts = model_storage_parts(
             model, num_slots=num_slots, recurrent=recurrent, num_host_slots=num_host_slots
         )
-        return cls(
+        storage = cls(
             parts.specs, num_blocks, block_size, num_slots=num_slots,
             recurrent=parts.recurrent, num_host_slots=num_host_slots, layout=parts.layout,
             **kwargs,
         )
+        check_model(model, storage.kv_format)
+        return storage
 
     # --- inspection ----------------------------------------------------------
 
@@ -343,16 +361,18 @@ class PagedCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every allocated pool array (all pages, used or not)."""
+        """Bytes of every allocated pool array (all pages, used or not; a
+        quantized pool's packed values, scales and biases)."""
         return sum(p.nbytes for g in self._groups for p in g.pools.values())
 
     @property
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the pages currently held (by sequences or the prefix trie)."""
+        """Bytes of the pages currently held (by sequences or the prefix
+        trie), in the pages' format (scales and biases included)."""
         total = 0
         for g, usage in zip(self._groups, self.store.group_usage()):
             used = usage.num_pages - usage.num_free_pages
-            total += used * sum(p.shape.page_nbytes for p in g.pools.values())
+            total += used * sum(p.page_nbytes for p in g.pools.values())
         return total
 
     # --- sequence calls (the store's meaning; plans queued and applied here) --
@@ -901,17 +921,20 @@ class PagedCache:
         if pool is None:
             return 0
         pages = {p for s in seq_ids for p in self.store.block_table(s, group) if p is not None}
-        return len(pages) * pool.shape.page_nbytes
+        return len(pages) * pool.page_nbytes
 
-    def pool_for(self, layer: int, keys: mx.array | None, values: mx.array | None) -> PagePool | None:
-        """The layer's pool, created on its first write from the K/V shapes."""
+    def pool_for(self, layer: int, keys: mx.array | None,
+                 values: mx.array | None) -> PageStore | None:
+        """The layer's pool, created on its first write from the K/V shapes
+        in the cache's `kv_format` (`InvalidArgument` naming the layer when
+        the format cannot store its head sizes; nothing is created)."""
         gi = self._group_of[layer]
         g = self._groups[gi]
         pool = g.pools.get(layer)
         if pool is None and keys is not None:
             shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
-            pool = g.pools[layer] = PagePool(shape)
+            pool = g.pools[layer] = self.kv_format.make_pool(shape, layer)
         return pool
 
     # --- internals -------------------------------------------------------------
@@ -976,9 +999,10 @@ def _runs_by_kind(ops: Sequence[MemoryOp]) -> list[tuple[type, list]]:
 def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
     for src, dst in copy_waves(ops):
         # Read every layer's sources, evaluate once, then write (see
-        # PagePool.read_pages for why the read is evaluated first).
+        # PagePool.read_pages for why the read is evaluated first). The
+        # parts are stored bytes: quantized rows are copied, not re-quantized.
         reads = {layer: pool.read_pages(page_rows(pool, src)) for layer, pool in g.pools.items()}
         mx.eval(list(reads.values()))
-        for layer, (k, v) in reads.items():
+        for layer, parts in reads.items():
             pool = g.pools[layer]
-            pool.write_pages(page_rows(pool, dst), k, v)
+            pool.write_pages(page_rows(pool, dst), *parts)

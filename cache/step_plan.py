@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 
 from blockmgr.errors import InvalidArgument
-from cache.page_pool import head_rows
 
 
 # Masked scores: finite (so a query row with no visible key, which only
@@ -262,6 +261,17 @@ def plan_step(
         pages, starts_np * block_size, (stops_np - starts_np) * block_size,
         np.array(write_pages, dtype=np.int32), np.array(write_cols, dtype=np.int32),
     )
+
+
+def head_rows(pages: np.ndarray, n_kv_heads: int, num_blocks: int) -> np.ndarray:
+    """Head-major pool rows for `pages` (any shape ``[..., P]``).
+
+    Returns ``[..., n_kv_heads, P]`` with ``rows[..., h, j] = h * num_blocks
+    + pages[..., j]``, i.e. the order `PagePool.gather` expects once flattened,
+    in the pages' integer dtype.
+    """
+    heads = np.arange(n_kv_heads, dtype=pages.dtype)[:, None] * num_blocks
+    return heads + pages[..., None, :]
 
 
 def _i32(x: np.ndarray) -> mx.array:

@@ -20,14 +20,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from blockmgr.errors import InvalidArgument
-from cache.page_pool import PagePool
-from cache.paged_attention import paged_attention, supports
+from cache.page_format import PageStore
 from cache.step_plan import StepPlan
-
-
-# Steps with more queries than this (prefill chunks) gather the history and
-# use the dense kernel: there the gather is small next to the compute.
-PAGED_MAX_QUERIES = 16
 
 
 class StepSource(Protocol):
@@ -156,7 +150,7 @@ class AttentionView:
         batch: BatchState,
         group: int,
         layer: int,
-        pool_for: Callable[[int, mx.array, mx.array], PagePool],
+        pool_for: Callable[[int, mx.array, mx.array], PageStore],
         window: int | None,
     ) -> None:
         self._batch = batch
@@ -217,8 +211,9 @@ class AttentionView:
         self._batch.wrote(self)
         self._calls += 1
         if plan.exact and plan.offsets[0] == 0:
-            # A fresh prefill: the history is exactly the new keys, no gather.
-            k_hist, v_hist = keys, values
+            # A fresh prefill: the history is exactly the new keys (as the
+            # pool stores them), no gather.
+            k_hist, v_hist = pool.stored(keys, values)
         else:
             k_hist, v_hist = _history(plan, pool)
         self._fetched = (weakref.ref(k_hist), weakref.ref(v_hist))
@@ -240,32 +235,23 @@ class AttentionView:
     def attend(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     ) -> mx.array | None:
-        """Attention over this step's pages, read in place (`paged_attention`),
-        or None when the call is not one it can serve exactly: `keys`/`values`
-        must be what `update_and_fetch` just returned and the mask what this
-        step's `make_mask` gives. Only batches of several rows with at most
-        `PAGED_MAX_QUERIES` queries are served: there the padded gather is
-        the big cost. One row's history is gathered exactly (no padding) and
-        the fused kernel on it beats per-page products (measured ~1.2x), and
-        long prefill chunks are compute-bound. Pool dtypes the device's
-        `gather_mm` lacks (half precision on CPU) gather too.
+        """Attention over this step's pages read in place (the pool's
+        `attend`: `paged_attention`, or quantized matmuls on quantized
+        pages), or None when the call is not one it can serve exactly:
+        `keys`/`values` must be what `update_and_fetch` just returned and the
+        mask what this step's `make_mask` gives. The pool declines (None)
+        where the model's kernel on the gathered history is faster.
         """
         batch = self._batch
         fetched, self._fetched = self._fetched, None
         if fetched is None or fetched[0]() is not keys or fetched[1]() is not values:
             return None
-        plan = batch.plans[self._group]
-        if plan.batch == 1 or plan.num_queries > PAGED_MAX_QUERIES:
-            return None
         if not batch.owner.paged_attention:
             return None
+        plan = batch.plans[self._group]
         if not _is_step_mask(mask, plan, self._window):
             return None
-        pool = self._pool_for(self._layer, None, None)
-        if not supports(pool.shape.dtype):
-            return None
-        index = plan.pair_index(pool.shape.n_kv_heads)
-        return paged_attention(queries, *pool.arrays(), index, scale)
+        return self._pool_for(self._layer, None, None).attend(queries, plan, scale, mask)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         self._batch.masked = True
@@ -304,7 +290,7 @@ class AttentionView:
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """The layer's pool arrays, for `mx.eval` only (see `PagePool.arrays`)."""
+        """The layer's pool arrays, for `mx.eval` only (see `PageStore.arrays`)."""
         pool = self._pool_for(self._layer, None, None)
         return () if pool is None else pool.arrays()
 
@@ -335,7 +321,7 @@ class AttentionView:
         return f"AttentionView(layer={self._layer}, seqs={list(self._batch.seq_ids)})"
 
 
-def _history(plan: StepPlan, pool: PagePool) -> tuple[mx.array, mx.array]:
+def _history(plan: StepPlan, pool: PageStore) -> tuple[mx.array, mx.array]:
     """The step's history ``[B, H, T, D]`` after its write: a strided view of
     the pool when a lone row's pages are one run, else a lazy gather (never
     evaluated when `attend` serves the attention call), sliced to exactly the

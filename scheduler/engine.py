@@ -44,7 +44,7 @@ import mlx.core as mx
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
-from cache import LayerKind, PagedCache, layer_specs
+from cache import KVFormat, LayerKind, PagedCache, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.faults import ForwardFaults
 from scheduler.kv_events import EventSink, open_publisher
@@ -199,6 +199,12 @@ class Engine:
     after every step and abort, publish what the prefix cache can serve in
     vLLM's KV-event format, for cache-aware routers (`scheduler.kv_events`;
     needs the `events` extra). `close()` closes its socket.
+
+    `kv_bits` (8 or 4) and `kv_group_size` (32, 64, 128; default 64), or a
+    `cache.KVFormat` as `kv_format` (key and value bits apart): quantized KV
+    pages (`PagedCache`; design/cache.md, "Page formats"), so `num_blocks`
+    pages take about 0.53x (8-bit) or 0.28x (4-bit) of the memory of the
+    model's float16. The draft model's pages stay at its dtype.
     """
 
     def __init__(
@@ -223,6 +229,9 @@ class Engine:
         kv_events: str | EventSink | None = None,
         draft_model: Any = None,
         num_speculative_tokens: int = 4,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+        kv_format: KVFormat | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -243,7 +252,8 @@ class Engine:
         self.model = model
         self.cache = PagedCache.for_model(
             model, num_blocks, block_size, num_slots=num_slots,
-            enable_prefix_cache=enable_prefix_cache, watermark=watermark, **store_kwargs,
+            enable_prefix_cache=enable_prefix_cache, watermark=watermark, kv_format=kv_format,
+            kv_bits=kv_bits, kv_group_size=kv_group_size, **store_kwargs,
         )
         # Rows the model's own code cannot batch run one by one (see batch_probe).
         self.batching = (

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-import cache.views
+import cache.page_pool
 from cache import PagedCache, attention_hook
 from cache.paged_attention import paged_attention, supports
 from cache.step_plan import plan_step
@@ -99,13 +99,13 @@ def test_half_precision_pools(dtype):
 @pytest.fixture
 def count_paged(monkeypatch):
     calls = []
-    real = cache.views.paged_attention
+    real = cache.page_pool.paged_attention
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache.views, "paged_attention", counting)
+    monkeypatch.setattr(cache.page_pool, "paged_attention", counting)
     return calls
 
 
