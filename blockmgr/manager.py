@@ -41,12 +41,14 @@ from typing import Callable
 
 from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
+    DuplicateSequence,
     IntegrityError,
     InvalidArgument,
     NoSnapshot,
     OutOfBlocks,
     OutOfHostMemory,
     OutOfSlots,
+    UnknownSequence,
     WrongArgumentType,
 )
 from blockmgr.growth import Growth, grow, plan_growth
@@ -118,6 +120,7 @@ class BlockManager:
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._seqs = SequenceTable()
+        self._pins: dict[Hashable, TrieNode] = {}  # pin id -> the node it locks
         self._trie = self._new_trie(config, listener) if config.enable_prefix_cache else None
         self._speculation = SpeculationTransactions(self._groups, self._slots, self._seqs)
         self._swap = HostSwap(self._groups, self._slots, self._host_slots)
@@ -1178,6 +1181,56 @@ class BlockManager:
             self._deliver_events()
         return tuple(trie.take_ops())
 
+    def disable_tier(self, tier: Tier) -> None:
+        """Stop using the prefix cache's `tier` (host or disk: its storage
+        failed, e.g. the disk is full): its prefixes are dropped and nothing
+        goes there again. Any `find_prefix` result from before is stale."""
+        if tier == Tier.DEVICE:
+            raise InvalidArgument("the device tier cannot be disabled")
+        self._tiered.disable(tier)
+
+    # ---------------------------------------------------------------- pins
+
+    def pin(self, pin_id: Hashable, tokens: Iterable[int], namespace: Hashable = None) -> Plan:
+        """Keep the cached prefix of `tokens` (the whole node its hit ends
+        in) from eviction and demotion until `unpin(pin_id)`: a system
+        prompt or tool list that many requests share. A demoted prefix is
+        loaded back first (the plan). Nothing cached: nothing pinned (and
+        no plan). Raises `DuplicateSequence` for a pin id in use,
+        `OutOfBlocks` / `OutOfSlots` when the load finds no room (nothing
+        changed). O(path)."""
+        check_hashable("pin_id", pin_id)
+        if pin_id in self._pins:
+            raise DuplicateSequence(f"pin {pin_id!r} is already held")
+        checked, packed = self._checked_prompt(tokens, namespace, None)
+        trie = self._cache
+        match = trie.match(namespace, checked, len(checked), packed)
+        if not match.num_tokens:
+            return NO_OPS
+        ops: list[MemoryOp] = []
+        if match.loads:
+            match = self._load_hit(namespace, checked, packed, match, [0] * len(self._groups), ops)
+        node = match.path[-1]
+        trie.lock(node)
+        self._pins[pin_id] = node
+        if self._events:
+            self._deliver_events()
+        return tuple(ops)
+
+    def unpin(self, pin_id: Hashable) -> None:
+        """Let the prefix `pin(pin_id, ...)` held be evicted again."""
+        try:
+            node = self._pins.pop(pin_id)
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no pin {pin_id!r}") from None
+        self._cache.unlock(node)
+        if self._events:
+            self._deliver_events()
+
+    def pinned(self) -> dict[Hashable, int]:
+        """Each pin's id and the tokens it keeps cached. O(pins)."""
+        return {pin_id: node.end for pin_id, node in self._pins.items()}
+
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix no live sequence is using."""
         if self._trie is not None:
@@ -1331,6 +1384,12 @@ class BlockManager:
             for group in self._groups:
                 group.check_sequence(seq, refs[group.index], where)
             self._check_sequence(seq, host_slot_refs if seq.swapped else slot_refs, locks, where)
+        for node in self._pins.values():
+            if node.parent is None or node.tier:
+                raise IntegrityError(f"a pin locks node {node.node_id}, off the device or the trie")
+            while node.parent is not None:
+                locks[node.node_id] = locks.get(node.node_id, 0) + 1
+                node = node.parent
         if self._trie is not None:
             self._trie.check_integrity(locks)  # first: the nodes' shape
             self._trie.add_references(page_refs, slot_refs)
@@ -1359,8 +1418,8 @@ class BlockManager:
             self._check_speculation(seq, seq.speculation, where, slot_refs)
         self._check_recompute_hold(seq, seq.recompute_from, len(seq.tokens), where)
         node = seq.locked_node
-        if node is not None and node.parent is None:
-            raise IntegrityError(f"{where} locks a node that left the trie")
+        if node is not None and (node.parent is None or node.tier):
+            raise IntegrityError(f"{where} locks a node off the device or the trie")
         if seq.anchored and (node is None or path_tokens(node) != seq.tokens[: node.end]):
             raise IntegrityError(f"{where} is anchored at a node that spells other tokens")
         if seq.num_borrowed:
@@ -1462,7 +1521,8 @@ class BlockManager:
             self._num_hit_tokens,
         )
         trie = self._trie.debug_state() if self._trie is not None else None
-        return seqs, pools, counters, trie
+        pins = tuple((pin_id, node.node_id) for pin_id, node in self._pins.items())
+        return seqs, pools, counters, trie, pins
 
 
 #: The match of a manager without a prefix cache (never mutated: no hit).

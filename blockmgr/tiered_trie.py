@@ -309,6 +309,16 @@ class TieredTrie(PrefixTrie):
             ):
                 self._drop_subtree(node)
 
+    def disable(self, tier: Tier) -> None:
+        """Stop using `tier` (its storage failed): drop its nodes and
+        everything below them; nothing is demoted there again."""
+        if tier not in self._capacities:
+            return
+        for node in [n for n in self._nodes.values() if n.tier == tier]:
+            if node.parent is not None and node.parent.tier < tier:
+                self._drop_subtree(node)
+        del self._capacities[tier]
+
     def demote_all(self) -> None:
         """Move every unlocked node of the warmer tiers to disk (a graceful
         shutdown's flush), or drop it when the disk cannot take it."""

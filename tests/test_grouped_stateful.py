@@ -81,6 +81,7 @@ class GroupedMachine(BlockManagerMachine):
         self.next_id = 0
         self.seen: list[list[int]] = []
         self.speculating: dict[str, tuple[int, int]] = {}
+        self.pins: list[str] = []
 
     @rule(data=st.data(), which=st.integers(0, len(BAD_CALLS) - 1))
     def bad_call(self, data, which) -> None:

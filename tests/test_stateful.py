@@ -27,6 +27,7 @@ from blockmgr import (
     BlockManager,
     BlockManagerConfig,
     BlockManagerError,
+    DuplicateSequence,
     NoSnapshot,
     OutOfBlocks,
     OutOfHostMemory,
@@ -64,6 +65,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seen: list[list[int]] = []  # every prompt allocated so far
         # Open speculations: seq_id -> (token count at begin, computed at begin).
         self.speculating: dict[str, tuple[int, int]] = {}
+        self.pins: list[str] = []
 
     # ---------------------------------------------------------------- helpers
 
@@ -403,6 +405,49 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
 
+    @precondition(lambda self: self.config.enable_prefix_cache and self.seen)
+    @rule(data=st.data())
+    def pin(self, data) -> None:
+        """Pin a prefix: it stays cached (and on the device) whatever comes."""
+        tokens = data.draw(st.sampled_from(self.seen))
+        self.next_id += 1
+        pin_id = f"pin{self.next_id}"
+        if self.refused(lambda: self.bm.pin(pin_id, tokens), OutOfBlocks, OutOfSlots):
+            return
+        self.shadow.apply(self.result)
+        if self.bm.pinned().get(pin_id) is None:
+            return  # nothing was cached
+        self.pins.append(pin_id)
+        self.pinned_ends = getattr(self, "pinned_ends", {})
+        self.pinned_ends[pin_id] = self.bm.pinned()[pin_id]
+        assert isinstance(self.error_of(lambda: self.bm.pin(pin_id, tokens)), DuplicateSequence)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data) -> None:
+        pin_id = data.draw(st.sampled_from(self.pins))
+        # Whatever came since, the pinned node is still cached to its end
+        # (integrity: on the device, locked, in the trie).
+        assert self.bm.pinned()[pin_id] == self.pinned_ends.pop(pin_id)
+        self.bm.unpin(pin_id)
+        self.pins.remove(pin_id)
+
+    def unpin_all(self) -> None:
+        for pin_id in self.pins:
+            self.bm.unpin(pin_id)
+        self.pins = []
+        self.pinned_ends = {}
+
+    def error_of(self, call):
+        """The error `call` raises (the state must not move), or None."""
+        before = self.bm.debug_state()
+        try:
+            call()
+        except BlockManagerError as exc:
+            assert self.bm.debug_state() == before, "a refused call changed the state"
+            return exc
+        return None
+
     @precondition(lambda self: self.config.num_disk_blocks > 0)
     @rule()
     def restart(self) -> None:
@@ -412,6 +457,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         every prefix hits as far as before the restart."""
         for seq_id in self.live():
             self.free_sequence(seq_id)
+        self.unpin_all()
         self.shadow.apply(self.bm.flush_to_disk())
         self.bm.check_integrity()
         hits = [self.bm.cached_prefix_length(p, ns) for p in self.seen for ns in (None, "tenant-b")]
@@ -437,6 +483,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq_id in self.live():
             self.free_sequence(seq_id)
+        self.unpin_all()
         self.bm.check_integrity()
         for g in self.bm.group_usage():  # nothing leaks: what is not free is held by the trie
             assert g.num_pages - g.num_free_pages == g.num_cached_pages
