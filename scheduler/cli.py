@@ -26,6 +26,7 @@ from pathlib import Path
 
 from blockmgr.errors import IntegrityError
 from scheduler.serve import PREFILL_BATCH
+from scheduler.simulator.kv_memory import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_workload_options(sim)
     _add_pool_options(sim)
+    _add_kv_memory_options(sim)
     r = _add_run_options(sim)
     r.add_argument("--cost", type=_costs, metavar="K=S,...",
                    help="cost model seconds, e.g. step_overhead=0.01,decode_per_token=0.0005")
@@ -187,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_options(rep)
     _add_pool_options(rep)
     _add_run_options(rep)
-    rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None, ray=None)
+    rep.set_defaults(cost=None, profile=None, sweep=None, jobs=None, ray=None, **KV_DEFAULTS)
 
     cal = sub.add_parser(
         "calibrate",
@@ -289,6 +291,65 @@ def _add_pool_options(parser) -> None:
 
 
 
+#: The KV options of simulate that replay and bench do not take (a replay
+#: runs the format of its --config).
+KV_DEFAULTS = {"kv_memory": None, "kv_shape": None, "kv_bits": None, "kv_key_bits": None,
+               "kv_value_bits": None, "kv_group_size": None}
+
+
+def _add_kv_format_options(parser, title: str):
+    """--kv-bits, --kv-key-bits, --kv-value-bits, --kv-group-size (serve,
+    simulate), in a group of their own, which is returned."""
+    k = parser.add_argument_group(title)
+    bits = ", ".join(map(str, BITS))
+    k.add_argument("--kv-bits", type=int, choices=BITS, metavar="BITS",
+                   help=f"quantize cached keys and values to {bits} bits (affine, along the head "
+                        f"dimension, as mlx-lm's QuantizedKVCache; default: the model's dtype)")
+    k.add_argument("--kv-key-bits", type=int, choices=BITS, metavar="BITS",
+                   help="keys' bits, over --kv-bits (e.g. --kv-bits 4 --kv-key-bits 8)")
+    k.add_argument("--kv-value-bits", type=int, choices=BITS, metavar="BITS",
+                   help="values' bits, over --kv-bits")
+    k.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, metavar="N",
+                   help=f"elements per scale and bias ({', '.join(map(str, GROUP_SIZES))}; "
+                        f"default {DEFAULT_GROUP_SIZE}); the model's head size must be a "
+                        f"multiple of it")
+    return k
+
+
+def _add_kv_memory_options(parser) -> None:
+    """simulate: a pool sized by KV memory, as the engine sizes its own."""
+    k = _add_kv_format_options(parser, "KV memory (design/simulator.md, \"KV memory\")")
+    k.add_argument("--kv-memory", metavar="SIZE",
+                   help="size the pool as blockmgr serve does: the pages (in the --kv-bits "
+                        "format) that SIZE (e.g. 4GiB) holds after the recurrent slots, for "
+                        "a model of --kv-shape (instead of --num-blocks)")
+    k.add_argument("--kv-shape", type=_shape, metavar="K=V,...",
+                   help="the model's KV: layers (attention layers), kv_heads, head_dim, "
+                        "v_head_dim (default head_dim), dtype (float16, bfloat16, float32; "
+                        "default float16), slot_bytes (hybrid: one recurrent slot), e.g. "
+                        "layers=28,kv_heads=8,head_dim=128,dtype=bfloat16")
+
+
+def kv_format_fields(args) -> dict | None:
+    """`KVFormat` fields of the --kv-*bits and --kv-group-size options (None:
+    none given, the model's dtype). --kv-key-bits / --kv-value-bits replace
+    --kv-bits on their side. Raises ValueError for a group size without bits
+    or a --kv-bits both sides replace."""
+    key, value = args.kv_key_bits, args.kv_value_bits
+    if key is not None and value is not None and args.kv_bits is not None:
+        raise ValueError("--kv-bits has no effect beside both --kv-key-bits and "
+                         "--kv-value-bits; drop one of them")
+    key = args.kv_bits if key is None else key
+    value = args.kv_bits if value is None else value
+    if key is None and value is None:
+        if args.kv_group_size is not None:
+            raise ValueError("--kv-group-size needs --kv-bits (or --kv-key-bits / "
+                             "--kv-value-bits)")
+        return None
+    size = DEFAULT_GROUP_SIZE if args.kv_group_size is None else args.kv_group_size
+    return {"key_bits": key, "value_bits": value, "group_size": size}
+
+
 def _add_run_options(parser):
     r = parser.add_argument_group("run and report")
     r.add_argument("--check", nargs="?", const=DEFAULT_CHECK_EVERY, type=_positive_int, metavar="K",
@@ -320,6 +381,7 @@ def _add_serve_parser(sub) -> None:
                        help="sequences running at once (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                        help="token budget of one step (default 2048)")
+    _add_kv_format_options(serve, "KV pages quantized")
     serve.add_argument("--prefill-batch", type=_positive_int, default=PREFILL_BATCH, metavar="N",
                        help=f"prefill chunks per forward (default {PREFILL_BATCH}; "
                             "see design/serving.md)")
@@ -386,7 +448,7 @@ def _add_bench_parser(sub) -> None:
     scratch = _Parser(add_help=False)
     _add_pool_options(scratch)
     bench.set_defaults(**vars(scratch.parse_args([])), check=None, sample_every=None, cost=None,
-                       profile=None)
+                       profile=None, **KV_DEFAULTS)
 
 
 # ---------------------------------------------------------------- config
@@ -394,7 +456,7 @@ def _add_bench_parser(sub) -> None:
 
 def build_config(args):
     """The SimulationConfig the options describe. Raises ValueError."""
-    from scheduler.simulator.config import SimulationConfig
+    from scheduler.simulator.config import SimulationConfig, apply_kv_memory
 
     data = SimulationConfig().to_dict() if args.config is None else _load_config(args.config)
     defaults = SimulationConfig().to_dict()
@@ -451,6 +513,13 @@ def build_config(args):
         bm["num_slots"] = 2 * sc["max_num_seqs"]
     if args.hybrid and not bm.get("num_slots"):
         raise ValueError("--hybrid needs --num-slots >= 2")
+    data["kv_memory"] = _kv_memory(args, data.get("kv_memory"))
+    if data["kv_memory"] is not None:
+        if args.num_blocks is not None:
+            where = "--kv-memory" if args.kv_memory is not None else "the config's kv_memory"
+            raise ValueError(f"give --num-blocks or {where}, not both (the memory sizes the "
+                             f"pool)")
+        apply_kv_memory({"kv_memory": data["kv_memory"], "block_manager": bm})
     if sc["preemption"] == "swap" and not bm.get("num_host_blocks"):
         bm["num_host_blocks"] = bm["num_blocks"]
     if sc["preemption"] == "swap" and bm.get("num_slots") and args.num_host_slots is None \
@@ -482,6 +551,36 @@ def build_config(args):
                 raise ValueError(f"--{opt.replace('_', '-')} needs --trace")
             data[opt] = getattr(args, opt)
     return SimulationConfig.from_dict(data)
+
+
+def _kv_memory(args, loaded: dict | None) -> dict | None:
+    """The config's kv_memory section: `loaded` (a --config's, or None)
+    with the --kv-memory, --kv-shape and format options applied. Raises
+    ValueError for a format or shape without a memory, a memory without a
+    shape, or values `KVMemory` refuses."""
+    from scheduler.serve import parse_bytes
+    from scheduler.simulator.kv_memory import KVMemory
+
+    fields = kv_format_fields(args)
+    if args.kv_memory is None and args.kv_shape is None and fields is None:
+        return loaded
+    if loaded is None and args.kv_memory is None:
+        given = "--kv-shape" if fields is None else "a --kv-*bits option"
+        raise ValueError(f"{given} needs --kv-memory: the format and shape say how many pages a "
+                         f"KV memory holds (without one the pool is --num-blocks pages)")
+    section = dict(loaded or {})
+    if args.kv_memory is not None:
+        section["budget"] = parse_bytes(args.kv_memory)
+    if args.kv_shape is not None:
+        section["shape"] = args.kv_shape
+    if fields is not None:
+        section["format"] = fields
+    if "shape" not in section:
+        raise ValueError("--kv-memory needs the model's KV shape, e.g. --kv-shape layers=28,"
+                         "kv_heads=8,head_dim=128,dtype=bfloat16 (its config.json's "
+                         "num_hidden_layers, num_key_value_heads, head_dim, torch_dtype)")
+    KVMemory.from_dict(section)  # refused here with the option's words, not later
+    return section
 
 
 #: The most tokens one traced request may have in its prompt or its output
@@ -779,8 +878,11 @@ def cmd_sweep(args, base) -> int:
 
 def cmd_serve(args) -> int:
     """Load the model, size the pool, serve until SIGINT/SIGTERM."""
+    from cache import KVFormat
     from scheduler import serve
 
+    fields = kv_format_fields(args)  # bad options fail before the model loads
+    kv_format = None if fields is None else KVFormat(**fields)
     serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
     max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
@@ -790,7 +892,8 @@ def cmd_serve(args) -> int:
     kv_events = serve.open_kv_events(endpoint, args.kv_events_topic, args.kv_events_replay,
                                      bind=bind)
     engine, name = serve.load_engine(
-        args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
+        args.model, kv_memory=args.kv_memory, kv_format=kv_format,
+        num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
         prefill_batch=args.prefill_batch, max_model_len=args.max_model_len,
@@ -798,10 +901,8 @@ def cmd_serve(args) -> int:
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
-    bm = engine.cache.store
-    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
-    print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
-          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots}, max model length "
+    pool = serve.pool_line(serve.engine_pool(engine), engine.cache.kv_format, args.block_size)
+    print(f"blockmgr serve: {name}: {pool}, max model length "
           f"{engine.scheduler.config.max_model_len} tokens, on http://{args.host}:{args.port}",
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,

@@ -5,8 +5,10 @@ step, `observe_finished` when a request ends) and rendered by
 `render(engine)` for `/metrics`: gauges read from the engine at scrape time
 (requests running / waiting, pages and slots used, prefix hit rate),
 counters (requests by finish reason, prompt / generated / cached tokens,
-preemptions, forward errors, rejected requests) and histograms of time to
-first token and time per output token. Metric names start with `blockmgr_`.
+preemptions, forward errors, rejected requests), histograms of time to
+first token and time per output token, and `cache_config_info` (value 1,
+the KV page format, page size and page count in its labels, as vLLM's
+`cache_config_info`). Metric names start with `blockmgr_`.
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ class ServingMetrics:
         lines: list[str] = []
         for name, kind, help_text, value in single:
             _family(lines, name, kind, help_text, [f"{name} {value!r}"])
+        config = bm.config
+        _family(lines, "cache_config_info", "gauge",  # as vLLM's cache_config_info
+                "The KV cache's configuration in its labels: page format (model-dtype, or "
+                "k<bits>v<bits>-g<group size>), tokens per page, pages.",
+                [f'cache_config_info{{kv_format="{cache.kv_format.name}",'
+                 f'block_size="{config.block_size}",num_pages="{config.num_blocks}"}} 1'])
         _family(lines, "requests_finished_total", "counter", "Requests finished, by reason.", [
             # dict() copies in one C call: the engine thread may add a reason meanwhile
             f'requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(

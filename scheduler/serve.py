@@ -22,9 +22,12 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockmgr.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from cache import KVFormat
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
@@ -48,15 +51,17 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def page_bytes(model: Any, block_size: int) -> int:
-    """Bytes one page of the model's KV takes, over every layer group: the
-    pools of a one-page storage, sized by one forward of one token (pools
-    take their head shapes from the first K/V written)."""
+def page_bytes(model: Any, block_size: int, kv_format: KVFormat | None = None) -> int:
+    """Bytes one page of the model's KV takes, over every layer group, in
+    `kv_format` (None: the model's dtype; a quantized one counts packed
+    values, scales and biases): the pools of a one-page storage, sized by
+    one forward of one token (pools take their head shapes from the first
+    K/V written)."""
     import mlx.core as mx
 
     from cache import PagedCache
 
-    storage = PagedCache.for_model(model, 1, block_size, num_slots=1)
+    storage = PagedCache.for_model(model, 1, block_size, num_slots=1, kv_format=kv_format)
     storage.allocate("probe", [0])
     with storage.step(["probe"], num_new=[1]) as views:
         mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=views))
@@ -90,17 +95,20 @@ class PoolSize:
         return self.num_blocks * self.page_bytes + self.num_slots * self.slot_bytes
 
 
-def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int) -> PoolSize:
-    """Pages and slots that fit `budget` bytes. A hybrid model gets the
-    engine's default slots (`default_num_slots`: each running sequence's
-    state and a prefix snapshot), whose bytes come off the budget first;
-    pages take the rest. Raises `InvalidArgument` when not even the slots
-    and one page fit. Cost: two one-token forwards."""
+def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int,
+              kv_format: KVFormat | None = None) -> PoolSize:
+    """Pages (in `kv_format`, None: the model's dtype) and slots that fit
+    `budget` bytes. A hybrid model gets the engine's default slots
+    (`default_num_slots`: each running sequence's state and a prefix
+    snapshot), whose bytes come off the budget first; pages take the rest.
+    Raises `InvalidArgument` when not even the slots and one page fit.
+    Cost: two one-token forwards (three for a quantized format, whose head
+    sizes are checked first)."""
     from scheduler.engine import default_num_slots
 
     per_slot = slot_bytes(model)
     num_slots = default_num_slots(max_num_seqs) if per_slot else 0
-    per_page = max(1, page_bytes(model, block_size))
+    per_page = max(1, page_bytes(model, block_size, kv_format))
     left = budget - num_slots * per_slot
     if left < per_page:
         raise InvalidArgument(
@@ -108,6 +116,37 @@ def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int) -> Po
             f"{per_slot} bytes and one page of {per_page} bytes; give at least "
             f"{num_slots * per_slot + per_page} bytes (or fewer --max-num-seqs)")
     return PoolSize(left // per_page, num_slots, per_page, per_slot)
+
+
+def engine_pool(engine: Any) -> PoolSize:
+    """The pool `engine` holds, in bytes of its page format: its pages and
+    recurrent slots at `page_bytes` and `slot_bytes` of its model (pools are
+    allocated at their first write, so `engine.cache.nbytes` is 0 before the
+    first request). Cost: two or three one-token forwards on one-page
+    storage."""
+    config = engine.cache.store.config
+    per_slot = slot_bytes(engine.model) if config.num_slots else 0
+    return PoolSize(config.num_blocks, config.num_slots,
+                    page_bytes(engine.model, config.block_size, engine.cache.kv_format), per_slot)
+
+
+def pool_line(size: PoolSize, kv_format: KVFormat, block_size: int) -> str:
+    """The start-up line's account of the pool: "512 pages of 8 tokens,
+    k8v8-g32 (2.50 KiB each), 10 recurrent slots (1.25 KiB each): 1.26 MiB
+    of KV"."""
+    name = kv_format.name if kv_format.quantized else "at the model's dtype"
+    slots = (f", {size.num_slots} recurrent slots ({format_bytes(size.slot_bytes)} each)"
+             if size.num_slots else "")
+    return (f"{size.num_blocks} pages of {block_size} tokens, {name} "
+            f"({format_bytes(size.page_bytes)} each){slots}: {format_bytes(size.nbytes)} of KV")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """1536 -> "1.50 KiB" (binary units, as `parse_bytes` reads them)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 #: config.json keys that bound a model's context, as vLLM reads them (the
@@ -167,7 +206,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     model, tokenizer = mlx_lm.load(str(path))
     if num_blocks is None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
-        size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs)
+        size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs,
+                         engine_kwargs.get("kv_format"))
         num_blocks = size.num_blocks
         engine_kwargs.setdefault("num_slots", size.num_slots or None)
     if max_model_len is not None:

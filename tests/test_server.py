@@ -126,6 +126,8 @@ def test_models_health_and_metrics(served, client):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)  # every sample line parses
     assert samples["blockmgr_kv_pages_total"] == 512
+    info = 'blockmgr_cache_config_info{kv_format="model-dtype",block_size="8",num_pages="512"}'
+    assert samples[info] == 1
     for family in ("requests_running", "kv_pages_used", "prefix_cache_hit_rate",
                    'time_to_first_token_seconds_bucket{le="+Inf"}', "preemptions_total"):
         assert f"blockmgr_{family}" in samples

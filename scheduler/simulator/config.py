@@ -13,6 +13,7 @@ from typing import Any
 from blockmgr import BlockManagerConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.simulator.cost_model import CostModel
+from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.workloads import WorkloadConfig
 
@@ -36,6 +37,10 @@ class SimulationConfig:
         trace's header, else 512 with a warning).
     time_scale: multiplies the trace's arrival and think times (0.5: twice
         as fast).
+    kv_memory: the KV memory that sizes the pool (`KVMemory`: budget, the
+        model's KV shape, the page format); `block_manager.num_blocks` must
+        be the pages it holds (`apply_kv_memory` sets them). None: the pool
+        is `num_blocks` pages, of no stated size.
     """
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -51,6 +56,7 @@ class SimulationConfig:
     trace: str | None = None
     trace_block_tokens: int | None = None
     time_scale: float = 1.0
+    kv_memory: KVMemory | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -85,6 +91,13 @@ class SimulationConfig:
         if sched.preemption == "swap" and bm.num_host_blocks == 0:
             raise ValueError("preemption 'swap' needs host pages (num_host_blocks > 0)")
         self.layout.store_config(bm)  # raises ValueError when they do not fit
+        if self.kv_memory is not None:
+            if not isinstance(self.kv_memory, KVMemory):
+                raise ValueError("kv_memory must be a KVMemory")
+            pages = self.kv_memory.num_blocks(bm.block_size, bm.num_slots)
+            if bm.num_blocks != pages:
+                raise ValueError(f"num_blocks {bm.num_blocks} is not the {pages} pages the KV "
+                                 f"memory holds; give one or the other")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +112,8 @@ class SimulationConfig:
             "trace": self.trace,
             "trace_block_tokens": self.trace_block_tokens,
             "time_scale": self.time_scale,
+            # only when given, so that configs and reports without it stay as they were
+            **({} if self.kv_memory is None else {"kv_memory": self.kv_memory.to_dict()}),
         }
 
     @classmethod
@@ -115,6 +130,8 @@ class SimulationConfig:
             values["workload"] = WorkloadConfig.from_dict(data["workload"])
         if "layout" in data:
             values["layout"] = ModelLayout.from_dict(data["layout"])
+        if data.get("kv_memory") is not None:
+            values["kv_memory"] = KVMemory.from_dict(data["kv_memory"])
         for name, kind in (
             ("block_manager", BlockManagerConfig),
             ("scheduler", SchedulerConfig),
@@ -127,6 +144,21 @@ class SimulationConfig:
             if name in data:
                 values[name] = data[name]
         return cls(**values)
+
+
+def apply_kv_memory(data: dict[str, Any]) -> None:
+    """Set the `block_manager.num_blocks` of a config dict (`to_dict`'s
+    form) to the pages its `kv_memory` holds at its block size and slots;
+    nothing without one. Raises ValueError."""
+    bm = data["block_manager"]
+    size, slots = bm.get("block_size"), bm.get("num_slots") or 0
+    if data.get("kv_memory") is None or not (_is_int(size) and size >= 1 and _is_int(slots)):
+        return  # a bad block size or slot count is the block manager's own error
+    bm["num_blocks"] = KVMemory.from_dict(data["kv_memory"]).num_blocks(size, slots)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _fields(obj) -> dict[str, Any]:

@@ -1,0 +1,205 @@
+"""KV memory of a simulated pool: the pages a memory budget holds.
+
+The engine sizes its pool from a KV memory budget (`blockmgr serve
+--kv-memory`, `serve.size_pool`): a hybrid model's recurrent slots come off
+first, then as many pages as fit, one page being a page of every attention
+layer (of every layer group) in the page format (`cache.KVFormat`). A
+simulation has no model, so `KVShape` states what those bytes depend on and
+`KVMemory.num_blocks` gives the engine's page count:
+
+    page = block_size x layers x kv_heads x (key row + value row)
+    row  = head_dim x dtype bytes                                    model dtype
+         = head_dim x bits / 8 + 2 x (head_dim / group_size) x dtype bytes   quantized
+
+`KVFormatSpec` is `cache.KVFormat` as data (the same choices, checks, names
+and bytes; tested against it and against allocated pools) without
+importing MLX, which a simulation never does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Bits of a quantized side and elements per scale and bias (`cache.page_format`).
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+#: Bytes per element of the dtypes a model's K/V (and quantization scales) take.
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormatSpec:
+    """How pages store K and V rows: `key_bits` / `value_bits` 8 or 4
+    (affine-quantized along the head dimension in groups of `group_size`,
+    each group with a scale and a bias in the model's dtype) or None (the
+    model's dtype). Raises `ValueError` for other values."""
+
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("key_bits", "value_bits"):
+            bits = getattr(self, name)
+            if bits is not None and (isinstance(bits, bool) or bits not in BITS):
+                raise ValueError(f"{name} must be one of {BITS} or None, got {bits!r}")
+        size = self.group_size
+        if isinstance(size, bool) or size not in GROUP_SIZES:
+            raise ValueError(f"kv group size must be one of {GROUP_SIZES}, got {size!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def name(self) -> str:
+        """``"k8v4-g64"``, or ``"model-dtype"`` (`cache.KVFormat.name`)."""
+        if not self.quantized:
+            return "model-dtype"
+        def side(bits: int | None) -> str:
+            return "full" if bits is None else str(bits)
+        return f"k{side(self.key_bits)}v{side(self.value_bits)}-g{self.group_size}"
+
+    def row_bytes(self, bits: int | None, head_dim: int, dtype_bytes: int) -> int:
+        """Bytes of one token's row of one kv head on a side with `bits`."""
+        if bits is None:
+            return head_dim * dtype_bytes
+        return head_dim * bits // 8 + 2 * (head_dim // self.group_size) * dtype_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key_bits": self.key_bits, "value_bits": self.value_bits,
+                "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KVFormatSpec:
+        return cls(**_known(data, "kv_memory.format", ("key_bits", "value_bits", "group_size")))
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What a page's bytes depend on in the simulated model.
+
+    num_layers: attention layers that hold pages (full and sliding), in the
+        whole model (a page is one page of each).
+    num_kv_heads, head_dim: per layer; v_head_dim: the values' (None: head_dim).
+    dtype: the K/V dtype, a key of `DTYPE_BYTES`.
+    slot_bytes: one recurrent slot over every recurrent layer (hybrid
+        models; `blockmgr serve` prints it at start-up).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "float16"
+    slot_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1),
+                              ("slot_bytes", 0)):
+            _int_at_least(f"kv shape {_KEYS[name]}", getattr(self, name), minimum)
+        if self.v_head_dim is not None:
+            _int_at_least("kv shape v_head_dim", self.v_head_dim, 1)
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"kv shape dtype must be one of {', '.join(DTYPE_BYTES)}, "
+                             f"got {self.dtype!r}")
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        """Keys as `--kv-shape` spells them."""
+        return {_KEYS[name]: getattr(self, name) for name in _KEYS}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KVShape:
+        """Inverse of `to_dict`; `layers`, `kv_heads` and `head_dim` are needed."""
+        given = _known(data, "kv shape", tuple(_KEYS.values()))
+        missing = [key for key in ("layers", "kv_heads", "head_dim") if key not in given]
+        if missing:
+            raise ValueError(f"kv shape needs {', '.join(missing)} (e.g. "
+                             f"layers=28,kv_heads=8,head_dim=128,dtype=bfloat16)")
+        names = {key: name for name, key in _KEYS.items()}
+        return cls(**{names[key]: value for key, value in given.items()})
+
+
+#: `KVShape` field -> its key in `--kv-shape` and in report.json.
+_KEYS = {"num_layers": "layers", "num_kv_heads": "kv_heads", "head_dim": "head_dim",
+         "v_head_dim": "v_head_dim", "dtype": "dtype", "slot_bytes": "slot_bytes"}
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """A KV memory `budget` (bytes) for a model of `shape` with pages in
+    `format`. Raises `ValueError` when a quantized side's head size is not
+    a multiple of the group size (`mx.quantize` could not store it)."""
+
+    budget: int
+    shape: KVShape
+    format: KVFormatSpec = KVFormatSpec()
+
+    def __post_init__(self) -> None:
+        _int_at_least("kv memory budget", self.budget, 1)
+        if not isinstance(self.shape, KVShape) or not isinstance(self.format, KVFormatSpec):
+            raise ValueError("kv memory needs a KVShape and a KVFormatSpec")
+        fmt = self.format
+        for side, bits, dim in (("key", fmt.key_bits, self.shape.head_dim),
+                                ("value", fmt.value_bits, self.shape.value_head_dim)):
+            if bits is not None and dim % fmt.group_size:
+                raise ValueError(f"{side} head size {dim} is not a multiple of the kv group "
+                                 f"size {fmt.group_size}")
+
+    def page_bytes(self, block_size: int) -> int:
+        """One page of every attention layer, K and V, scales and biases
+        included: `cache.KVFormat.page_nbytes` summed over the layers."""
+        shape, fmt = self.shape, self.format
+        size = DTYPE_BYTES[shape.dtype]
+        row = (fmt.row_bytes(fmt.key_bits, shape.head_dim, size)
+               + fmt.row_bytes(fmt.value_bits, shape.value_head_dim, size))
+        return block_size * shape.num_layers * shape.num_kv_heads * row
+
+    def num_blocks(self, block_size: int, num_slots: int) -> int:
+        """Pages the budget holds after `num_slots` recurrent slots, as
+        `serve.size_pool` counts them. Raises `ValueError` when not even
+        the slots and one page fit, or when slots are asked for with no
+        `slot_bytes` (they would take no memory)."""
+        if num_slots and not self.shape.slot_bytes:
+            raise ValueError("a hybrid pool's recurrent slots come off the KV memory first: "
+                             "give one slot's bytes (kv shape slot_bytes=N)")
+        per_page = self.page_bytes(block_size)
+        left = self.budget - num_slots * self.shape.slot_bytes
+        if left < per_page:
+            raise ValueError(
+                f"a KV memory of {self.budget} bytes does not hold {num_slots} recurrent slots "
+                f"of {self.shape.slot_bytes} bytes and one page of {per_page} bytes")
+        return left // per_page
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "format": self.format.to_dict(),
+                "shape": self.shape.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KVMemory:
+        given = _known(data, "kv_memory", ("budget", "format", "shape"))
+        if "budget" not in given or "shape" not in given:
+            raise ValueError("kv_memory needs a budget and a shape")
+        return cls(budget=given["budget"], shape=KVShape.from_dict(given["shape"]),
+                   format=KVFormatSpec.from_dict(given.get("format", {})))
+
+
+def _known(data: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise ValueError(f"unknown {what} settings: {', '.join(unknown)} "
+                         f"(known: {', '.join(keys)})")
+    return data
+
+
+def _int_at_least(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
