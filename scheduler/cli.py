@@ -278,6 +278,14 @@ def _add_pool_options(parser) -> None:
     m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
     m.add_argument("--num-host-slots", type=_nonneg_int,
                    help="host recurrent slots for swap (default with --hybrid and swap: num slots)")
+    m.add_argument("--num-host-cache-blocks", type=_nonneg_int,
+                   help="pages of the prefix cache's host tier (default 0: none; design/tiers.md)")
+    m.add_argument("--num-host-cache-slots", type=_nonneg_int,
+                   help="recurrent snapshots of the host tier (default with --hybrid: num slots)")
+    m.add_argument("--num-disk-blocks", type=_nonneg_int,
+                   help="pages of the prefix cache's disk tier (default 0: none)")
+    m.add_argument("--num-disk-slots", type=_nonneg_int,
+                   help="recurrent snapshots of the disk tier (default with --hybrid: num slots)")
 
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
@@ -425,7 +433,9 @@ def build_config(args):
     for opt, key in (
         ("num_blocks", "num_blocks"), ("block_size", "block_size"), ("num_slots", "num_slots"),
         ("watermark", "watermark"), ("num_host_blocks", "num_host_blocks"),
-        ("num_host_slots", "num_host_slots"),
+        ("num_host_slots", "num_host_slots"), ("num_host_cache_blocks", "num_host_cache_blocks"),
+        ("num_host_cache_slots", "num_host_cache_slots"), ("num_disk_blocks", "num_disk_blocks"),
+        ("num_disk_slots", "num_disk_slots"),
     ):
         if getattr(args, opt) is not None:
             bm[key] = getattr(args, opt)
@@ -458,6 +468,11 @@ def build_config(args):
         bm["num_host_slots"] = bm["num_slots"]  # a hybrid sequence swaps its slot too
     if sc["preemption"] == "swap" and bm.get("num_slots") and not bm.get("num_host_slots"):
         raise ValueError("--hybrid --preemption swap needs --num-host-slots >= 1")
+    for pages, slots in (("num_host_cache_blocks", "num_host_cache_slots"),
+                         ("num_disk_blocks", "num_disk_slots")):
+        if bm.get(pages) and bm.get("num_slots") and getattr(args, slots) is None \
+                and not bm.get(slots):
+            bm[slots] = bm["num_slots"]  # a hybrid prefix moves with its snapshot
     _check_pool_sizes(bm)
     if args.profile is not None:
         from scheduler.simulator.profile import read_cost
@@ -521,7 +536,9 @@ MAX_POOL_ITEMS = 1 << 24
 
 
 def _check_pool_sizes(bm: dict) -> None:
-    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots"):
+    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots",
+                "num_host_cache_blocks", "num_host_cache_slots", "num_disk_blocks",
+                "num_disk_slots"):
         value = bm.get(key)
         if isinstance(value, int) and value > MAX_POOL_ITEMS:
             option = "--" + key.replace("_", "-")

@@ -93,6 +93,10 @@ class ModelLayout:
             watermark=bm.watermark,
             num_host_blocks=bm.num_host_blocks,
             num_host_slots=bm.num_host_slots,
+            num_host_cache_blocks=bm.num_host_cache_blocks,
+            num_host_cache_slots=bm.num_host_cache_slots,
+            num_disk_blocks=bm.num_disk_blocks,
+            num_disk_slots=bm.num_disk_slots,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -323,6 +323,19 @@ class Simulation:
         summary["requests"]["submitted"] = self._num_added
         if self._bound is not None:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
+        tiers = bm.tier_usage()
+        if tiers:  # the prefix cache's host and disk tiers (design/tiers.md)
+            summary["prefix_cache"]["tiers"] = {
+                usage.tier.name.lower(): {
+                    "nodes": usage.num_nodes,
+                    "pages_used": list(usage.num_used_pages),
+                    "pages": list(usage.num_pages),
+                    "slots_used": usage.num_used_slots,
+                    "pages_demoted_in": usage.num_demoted_pages,
+                    "pages_loaded_from": usage.num_loaded_pages,
+                }
+                for usage in tiers
+            }
         if cfg.check_every is not None:
             bm.check_integrity()
             self.metrics.num_integrity_checks += 1
