@@ -14,7 +14,7 @@ paged cache holds for hybrid models:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -146,7 +146,8 @@ class RecurrentPools:
     def bytes_per_slot(self) -> int | None:
         """Bytes of one slot over all layers; `None` while some shape is unknown."""
         per = [p.bytes_per_slot for p in self._pools.values()]
-        return None if any(b is None for b in per) else sum(per)
+        known = [b for b in per if b is not None]
+        return None if len(known) < len(per) else sum(known)
 
     # ---- plans and views -------------------------------------------------------
 
@@ -170,8 +171,8 @@ class RecurrentPools:
         for kind, run in runs:
             if kind is None:
                 self._apply_remap(run)
-            else:
-                self._swap(kind, run)
+            else:  # a swap kind's run holds only ops of that kind (built above)
+                self._swap(kind, cast("list[SwapOutSlot | SwapInSlot]", run))
 
     def _swap(self, kind: type, ops: list[SwapOutSlot | SwapInSlot]) -> None:
         """One batched host<->device move per layer for a run of slot swaps."""

@@ -22,7 +22,9 @@ import dataclasses
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from blockmgr.errors import IntegrityError
 from scheduler.serve import PREFILL_BATCH
@@ -679,6 +681,18 @@ def _write_and_print(args, result, title: str, write=None, rows=None) -> int:
     return 0
 
 
+def _bar_progress(bar: Any) -> Callable[[str], None] | None:
+    """A calibration progress callback advancing a tqdm `bar` (None without one)."""
+    if bar is None:
+        return None
+
+    def progress(label: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(label)
+
+    return progress
+
+
 def cmd_calibrate(args) -> int:
     from dataclasses import replace
 
@@ -696,9 +710,8 @@ def cmd_calibrate(args) -> int:
 
         bar = tqdm(total=grid.num_points, unit="point", desc="calibrating", file=sys.stderr)
     try:
-        profile = calibrate(model, description, grid,
-                            progress=(lambda label: (bar.update(1), bar.set_postfix_str(label)))
-                            if bar is not None else None, clock=args.clock)
+        profile = calibrate(model, description, grid, progress=_bar_progress(bar),
+                            clock=args.clock)
     finally:
         if bar is not None:
             bar.close()
@@ -780,15 +793,15 @@ def cmd_sweep(args, base) -> int:
                      ray_address=args.ray)
     if bar is not None:
         bar.close()
-    params = list(grid)
+    names = list(grid)
     out_dir = Path(args.out or DEFAULT_OUT)
-    folder, note = write_sweep(rows, params, out_dir, plots=not args.no_plots)
+    folder, note = write_sweep(rows, names, out_dir, plots=not args.no_plots)
     if note:
         print(f"blockmgr: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps([{"params": r["params"], "summary": r["summary"]} for r in rows], indent=1))
     else:
-        header, body = table_rows(rows, params)
+        header, body = table_rows(rows, names)
         print(format_text_table(header, body))
         print(f"sweep: {folder / 'sweep.md'}, {folder / 'sweep.json'}")
     return 0

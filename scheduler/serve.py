@@ -22,9 +22,9 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
@@ -164,7 +164,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     if max_model_len is not None and context is not None and max_model_len > context:
         raise InvalidArgument(f"--max-model-len {max_model_len} is more than the model's context "
                               f"({context} tokens in its config.json)")
-    model, tokenizer = mlx_lm.load(str(path))
+    # without return_config, load gives (model, tokenizer)
+    model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
     if num_blocks is None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
         size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs)
@@ -175,6 +176,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
                     prefill_batch=prefill_batch, **engine_kwargs)
     config = engine.scheduler.config
+    if config.max_model_len is None:  # the Engine sets it (at most what the pool holds)
+        raise IntegrityError("the engine's scheduler has no max_model_len")
     if max_model_len is None and context is not None and context < config.max_model_len:
         config.max_model_len = context  # the pool holds more than the model reads
         if engine.speculator is not None:

@@ -179,7 +179,7 @@ class _ShapeSums:
             return
         if attended is None:  # integer keys: their sum is exact in any order
             ends = positions[start:stop]
-            keys = sum(ends) + len(ends)
+            keys: float = sum(ends) + len(ends)  # an int here, a float from `attended` below
             self.context += keys
             self.decode_keys += keys
             self.last_end = max(self.last_end, max(ends) + 1)
