@@ -517,11 +517,11 @@ class PagedCache:
 
     # --- speculation (see design/speculation.md) ------------------------------
 
-    def can_speculate(self, drafts: Mapping[Hashable, Sequence[int]]) -> bool:
+    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
         """Would `begin_speculation(drafts)` succeed now? Changes nothing."""
         return self.store.can_speculate(drafts)
 
-    def begin_speculation(self, drafts: Mapping[Hashable, Sequence[int]]) -> Plan:
+    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
         """Reserve pages for each sequence's draft tokens (seq_id -> ids) and
         checkpoint its recurrent state, all at once or not at all (the
         store's `begin_speculation`). The drafts are pending tokens like

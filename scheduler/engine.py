@@ -275,10 +275,7 @@ class Engine:
             )
         self.vocab_size = _model_vocab_size(model) if vocab_size is None else check_int(
             "vocab_size", vocab_size, 1)
-        # Until the cache/ pass: PagedCache annotates its drafts parameters Sequence[int]
-        # where KVStore has Iterable[int] (tests/test_kv_store_conformance.py); warn_unused_
-        # ignores flags this ignore once that is fixed.
-        self.scheduler = Scheduler(config, self.cache, clock=clock)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(config, self.cache, clock=clock)
         self.clock = clock
         self.step_listener = step_listener
         self.stats = EngineStats()

@@ -36,10 +36,7 @@ BLOCK = 4
 
 def conforming_stores(bm: BlockManager, store: GroupedStore, pc: PagedCache) -> list[KVStore]:
     """Type-checked in CI: each store is a `KVStore`."""
-    # Until the cache/ pass: PagedCache annotates can_speculate's and begin_speculation's
-    # drafts as Sequence[int] where KVStore has Iterable[int] (it hands them to a store that
-    # takes any iterable). warn_unused_ignores flags this ignore once that is fixed.
-    return [bm, store, pc]  # type: ignore[list-item]
+    return [bm, store, pc]
 
 
 def protocol_members() -> list[str]:
