@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from itertools import chain
-from typing import Callable
 
 from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (

@@ -41,7 +41,10 @@ from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, PageStore, check_model
 from cache.page_pool import PoolShape, copy_waves, page_rows
-from cache.recurrent_backend import RecurrentBackend, RecurrentStepView
+from cache.recurrent_backend import (  # noqa: F401 - importable from here before
+    RecurrentBackend,
+    RecurrentStepView,
+)
 from cache.speculative_model import SpeculativeModel
 from cache.step_plan import StepPlan, plan_step
 from cache.views import (
