@@ -260,15 +260,21 @@ class CacheTiers:
                             store.forget_disk_pages(group, held)
                             break
 
-    def count_hit(self, match: PrefixMatch) -> None:
-        """Count a hit's tokens by the tier they were served from."""
-        loaded = 0
+    @staticmethod
+    def hit_tiers(match: PrefixMatch) -> list[int]:
+        """A hit's tokens by the tier they are in now (before its load)."""
+        tokens = [0, 0, 0]
         for node in match.loads:
             num = min(node.end, match.num_tokens) - node.start
             if num > 0:
-                self.counters.hit_tokens[node.tier] += num
-                loaded += num
-        self.counters.hit_tokens[Tier.DEVICE] += match.num_tokens - loaded
+                tokens[node.tier] += num
+        tokens[Tier.DEVICE] = match.num_tokens - tokens[Tier.HOST] - tokens[Tier.DISK]
+        return tokens
+
+    def count_hit(self, tokens: list[int]) -> None:
+        """Count a served hit's tokens by tier (`hit_tiers`)."""
+        for tier, num in enumerate(tokens):
+            self.counters.hit_tokens[tier] += num
 
     def drop_staged(self) -> None:
         """Forget records read ahead for allocations that never came."""

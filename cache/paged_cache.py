@@ -459,8 +459,9 @@ class PagedCache:
         else:
             tokens = _token_list(tokens)
             match = self._tiers.verified_match(self.store, tokens, namespace)
+            hits = self._tiers.hit_tiers(match)
             alloc = self.store.allocate(seq_id, tokens, namespace, match=match)
-            self._tiers.count_hit(match)
+            self._tiers.count_hit(hits)
         self._queue(alloc.ops)
         num_tokens = self.store.num_tokens(seq_id)
         self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
