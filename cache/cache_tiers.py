@@ -201,7 +201,7 @@ class CacheTiers:
 
     # ------------------------------------------------------------- loading
 
-    def verified_match(self, store: TieredStore, tokens: list[int],
+    def verified_match(self, store: TieredStore, tokens: Sequence[int],
                        namespace: Hashable) -> PrefixMatch:
         """`store.find_prefix(tokens, namespace)`, with every disk record its
         load would read read and verified first (kept for the load): an
@@ -254,8 +254,8 @@ class CacheTiers:
             wanted = set(bad_slots)
             for entry in store.disk_entries():
                 if entry.slot in wanted:
-                    for group, pages in enumerate(entry.pages):
-                        held = [p for p in pages if p is not None]
+                    for group, entry_pages in enumerate(entry.pages):
+                        held = [p for p in entry_pages if p is not None]
                         if held:
                             store.forget_disk_pages(group, held)
                             break

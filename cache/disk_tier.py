@@ -178,7 +178,8 @@ class DiskTier:
             if size < HEADER_NBYTES:
                 pwrite(fd, _header(self.fingerprint, kind), 0)
             elif size > HEADER_NBYTES + kind.num_records * kind.record_nbytes:
-                os.ftruncate(fd, HEADER_NBYTES + kind.num_records * kind.record_nbytes)  # a smaller budget
+                # a smaller budget than last time
+                os.ftruncate(fd, HEADER_NBYTES + kind.num_records * kind.record_nbytes)
         if reason is not None:
             return []
         return self._read_index()
@@ -409,7 +410,7 @@ class DiskTier:
     def _write(self, key: tuple[str, int], seq: int, data: np.ndarray) -> None:
         name, record = key
         nbytes = self.kinds[name].record_nbytes
-        raw = memoryview(np.ascontiguousarray(data)).cast("B")
+        raw = np.ascontiguousarray(data).data
         written = pwrite(self._fds[name], raw, HEADER_NBYTES + record * nbytes)
         if written != nbytes:
             raise OSError(28, f"short write ({written} of {nbytes} bytes)")

@@ -821,7 +821,7 @@ class PagedCache:
                 if kind is CopyBlock:
                     _copy_blocks(g, ops)
                 elif kind is MovePage:
-                    self._tiers.move_pages(gi, ops)
+                    self._tier_storage.move_pages(gi, ops)
                 else:
                     self._swap_pages(g, kind, ops)
             g.pending.clear()
@@ -829,8 +829,8 @@ class PagedCache:
             ops, self._slot_ops = self._slot_ops, []
             for kind, run in _runs_by_kind(ops, MoveSlot):
                 if kind is MoveSlot:
-                    self._tiers.move_slots(run)
-                else:
+                    self._tier_storage.move_slots(run)
+                elif self._recurrent is not None:
                     self._recurrent.apply_plan(run)
         if self._tiers is not None:
             self._after_tier_moves()
@@ -1040,6 +1040,13 @@ class PagedCache:
     # --- the prefix cache's tiers (design/tiers.md) -----------------------------
 
     @property
+    def _tier_storage(self) -> CacheTiers:
+        """The tiers, where a path runs only with them (a tier move)."""
+        if self._tiers is None:
+            raise IntegrityError("a cache without tiers was handed a tier move")
+        return self._tiers
+
+    @property
     def tiers(self) -> CacheTiers | None:
         """The host and disk storage of the prefix cache (None: device only)."""
         return self._tiers
@@ -1069,7 +1076,7 @@ class PagedCache:
         """After a flush: forget records read ahead for nothing, turn the
         disk off if its writer failed, and write the index when the disk
         changed and `checkpoint_interval` has passed."""
-        tiers = self._tiers
+        tiers = self._tier_storage
         tiers.drop_staged()
         tiers.check_disk(self.store)
         disk = tiers.disk
@@ -1167,7 +1174,9 @@ class PagedCache:
             batch.closed = True
 
 
-def _runs_by_kind(ops: Sequence[MemoryOp], apart: type | None = None) -> list[tuple[type, list]]:
+def _runs_by_kind(
+    ops: Sequence[MemoryOp], apart: type | None = None
+) -> list[tuple[type, list]]:
     """Maximal runs of consecutive ops of one type, in call order (each run
     is applied as one batch; runs keep the plan's sequential meaning).
     With `apart`: runs of that type and runs of everything else."""

@@ -177,7 +177,9 @@ def model_fingerprint(model: Any) -> str:
     quantization) gives another digest. Cost: one small gather per
     parameter (milliseconds, whatever the model's size)."""
     digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
-    for name, array in tree_flatten(model.parameters()):
+    params = tree_flatten(model.parameters())
+    assert isinstance(params, list)  # tree_flatten's default: (name, array) pairs
+    for name, array in params:
         digest.update(f"{name}:{array.shape}:{array.dtype}".encode())
         flat = array.reshape(-1)
         step = max(1, flat.size // 256)
@@ -224,7 +226,8 @@ def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
     disk = None
     if config.num_disk_blocks:
         if disk_cache is None or not model_fingerprint:
-            raise InvalidArgument("a disk tier needs disk_cache (a directory) and model_fingerprint")
+            raise InvalidArgument(
+                "a disk tier needs disk_cache (a directory) and model_fingerprint")
         layout = [f"{page_kind(g)}={p.describe() if isinstance(p, PageRecords) else ''}"
                   for g, p in enumerate(pages)]
         if slots is not None:

@@ -183,7 +183,8 @@ class RecurrentPools:
         place; the inverse of `read_slot_records`). Cost: O(bytes moved)."""
         nbytes = self._record_nbytes()
         if records.shape != (len(slots), nbytes):
-            raise InvalidArgument(f"slot records {records.shape} for {len(slots)} slots of {nbytes}")
+            raise InvalidArgument(
+                f"slot records {records.shape} for {len(slots)} slots of {nbytes} bytes")
         if not slots:
             return
         batch = make_batch(list(slots), None, self._num_slots)
