@@ -357,3 +357,22 @@ def test_pin_keeps_a_prefix_on_the_device_and_loads_it_back_from_disk(models, tm
     pc.unpin("system")
     pc.check_integrity()
     pc.close()
+
+
+@pytest.mark.parametrize("engine_model", ["llama", "lfm2"])
+def test_engine_restart_hits_the_disk_and_outputs_equal_mlx_lm(engine_model, tmp_path):
+    from scheduler import Engine, SamplingParams
+    from tests.test_engine import MAX_TOKENS, assert_no_leak, get
+
+    model, _, prompts, want = get(engine_model)
+    options = dict(num_blocks=24, block_size=8, max_num_batched_tokens=64, max_num_seqs=4,
+                   disk_cache=tmp_path, disk_cache_size="4MiB")
+    with Engine(model, **options) as engine:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        assert [o.tokens for o in outs] == want
+        assert_no_leak(engine)
+    with Engine(model, **options) as engine:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        assert [o.tokens for o in outs] == want
+        assert engine.cache.tiers.counters.hit_tokens[Tier.DISK] > 0
+        assert_no_leak(engine)
