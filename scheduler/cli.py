@@ -325,6 +325,13 @@ def _add_serve_parser(sub) -> None:
                        help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
                             "recurrent slots first, pages with the rest")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
+    serve.add_argument("--disk-cache", metavar="DIR",
+                       help="keep evicted cached prefixes in this directory; they survive "
+                            "restarts (design/tiers.md)")
+    serve.add_argument("--disk-cache-size", metavar="SIZE",
+                       help="disk budget of --disk-cache, e.g. 20GiB (default 20GiB)")
+    serve.add_argument("--host-cache-size", metavar="SIZE",
+                       help="host memory for evicted cached prefixes, e.g. 4GiB (default none)")
     serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
                        help="sequences running at once (default 64)")
@@ -812,6 +819,7 @@ def cmd_serve(args) -> int:
     from scheduler import serve
 
     serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    tiers = serve.cache_tier_options(args.disk_cache, args.disk_cache_size, args.host_cache_size)
     max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
     warning = serve.kv_events_warning(endpoint, args.kv_events_replay, bind)
@@ -823,7 +831,7 @@ def cmd_serve(args) -> int:
         args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len,
+        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
     )
     hint = serve.blas_hint()
     if hint:

@@ -35,6 +35,7 @@ next `step()` continues either way.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -205,6 +206,12 @@ class Engine:
     pages (`PagedCache`; design/cache.md, "Page formats"), so `num_blocks`
     pages take about 0.53x (8-bit) or 0.28x (4-bit) of the memory of the
     model's float16. The draft model's pages stay at its dtype.
+
+    `host_cache_size`, `disk_cache` (a directory) and `disk_cache_size`
+    (bytes, or strings like "20GiB"): the prefix cache's host and disk
+    tiers (`PagedCache.for_model`, design/tiers.md): evicted prefixes move
+    there instead of being dropped, and the disk tier survives restarts.
+    `close()` (or leaving a ``with`` block) writes what is cached to disk.
     """
 
     def __init__(
@@ -232,6 +239,9 @@ class Engine:
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
         kv_format: KVFormat | None = None,
+        host_cache_size: int | str | None = None,
+        disk_cache: str | os.PathLike[str] | None = None,
+        disk_cache_size: int | str | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -246,9 +256,12 @@ class Engine:
         if num_slots is None:  # speculation: one more per sequence (the checkpoint)
             num_slots = default_num_slots(config.max_num_seqs, draft_model is not None) if hybrid else 0
         store_kwargs: dict[str, Any] = {}  # keywords of PagedCache's constructor
+        if host_cache_size is not None or disk_cache is not None or disk_cache_size is not None:
+            store_kwargs = {"host_cache_size": host_cache_size, "disk_cache": disk_cache,
+                            "disk_cache_size": disk_cache_size}
         if num_host_blocks:  # swap space (host slots only matter for hybrid models)
-            store_kwargs = {"num_host_blocks": num_host_blocks,
-                            "num_host_slots": num_host_slots if hybrid else 0}
+            store_kwargs.update({"num_host_blocks": num_host_blocks,
+                                 "num_host_slots": num_host_slots if hybrid else 0})
         self.model = model
         self.cache = PagedCache.for_model(
             model, num_blocks, block_size, num_slots=num_slots,
@@ -487,9 +500,20 @@ class Engine:
             self.kv_events.publish()
 
     def close(self) -> None:
-        """Release what lives outside the engine: the KV-event socket."""
-        if self.kv_events is not None:
-            self.kv_events.close()
+        """Release what lives outside the engine: the KV-event socket, and
+        the prefix cache's disk tier (what is cached goes to disk for the
+        next start: `PagedCache.close`). Idempotent."""
+        try:
+            self.cache.close()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled

@@ -18,7 +18,6 @@ a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,6 @@ from typing import Any, cast
 
 from blockmgr.errors import IntegrityError, InvalidArgument
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
-          "tib": 2**40}
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Prefill chunks per forward in the server: a closed loop's clients arrive
 #: in waves, and a wave of short chunks on a cached system prompt costs one
@@ -39,13 +35,27 @@ PREFILL_BATCH = 8
 
 def parse_bytes(text: str) -> int:
     """"4GiB", "512MB", "1e9" -> bytes (binary units for Ki/Mi/Gi and bare K/M/G)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"not a memory size: {text!r} (try 4GiB or 512MB)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise InvalidArgument(f"memory size must be positive, got {text!r}")
-    return value
+    from cache.tier_setup import parse_bytes as parse
+
+    return parse(text)
+
+
+def cache_tier_options(disk_cache: str | None, disk_cache_size: str | None,
+                       host_cache_size: str | None) -> dict[str, Any]:
+    """`Engine` keywords of `--disk-cache`, `--disk-cache-size` and
+    `--host-cache-size`, checked before the model loads (a bad size, a size
+    without its directory, a directory that cannot be made)."""
+    if disk_cache_size is not None and disk_cache is None:
+        raise InvalidArgument("--disk-cache-size needs --disk-cache DIR")
+    options: dict[str, Any] = {}
+    if host_cache_size is not None:
+        options["host_cache_size"] = parse_bytes(host_cache_size)
+    if disk_cache is not None:
+        Path(disk_cache).mkdir(parents=True, exist_ok=True)
+        options["disk_cache"] = disk_cache
+        if disk_cache_size is not None:
+            options["disk_cache_size"] = parse_bytes(disk_cache_size)
+    return options
 
 
 def page_bytes(model: Any, block_size: int) -> int:
