@@ -44,7 +44,7 @@ from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, PageStore, check_model
 from cache.tier_setup import KVShape, open_tiers, tier_sizes
-from cache.page_pool import PoolShape, copy_waves, page_rows
+from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.recurrent_backend import (  # noqa: F401 - importable from here before
     RecurrentBackend,
     RecurrentStepView,
@@ -303,7 +303,7 @@ class PagedCache:
                 raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
             start = self.store.speculation_start(seq_id)
             if (start is None) != (state.checkpoint is None) or (
-                start is not None and state.checkpoint > start
+                start is not None and state.checkpoint is not None and state.checkpoint > start
             ):
                 raise IntegrityError(
                     f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
@@ -485,7 +485,9 @@ class PagedCache:
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
         return self._append(seq_id, new_tokens, known=True)
 
-    def append_decode(self, seq_ids: Sequence[Hashable], tokens: Iterable[int]) -> Plan:
+    def append_decode(
+        self, seq_ids: list[Hashable] | tuple[Hashable, ...], tokens: Iterable[int]
+    ) -> Plan:
         """`append` of one token to each of `seq_ids` (a decode step), whole
         or not at all: every row's room is checked first
         (`GroupedStore.can_append_decode`), then each row is appended as
@@ -634,7 +636,9 @@ class PagedCache:
         for s in accepted:
             state = self._seqs[s]
             num_tokens = self.store.num_tokens(s)
-            state.computed = state.checkpoint if s in restored else min(state.computed, num_tokens)
+            checkpoint = state.checkpoint
+            state.computed = (checkpoint if s in restored and checkpoint is not None
+                              else min(state.computed, num_tokens))
             state.known = min(state.known, num_tokens)
             state.checkpoint = None
         return restored
@@ -776,7 +780,7 @@ class PagedCache:
             if spec.kind is LayerKind.RECURRENT:
                 out[i] = RecurrentLayerView(batch, i)
             elif spec.kind is LayerKind.TOKENS:
-                out[i] = TokenContextView(batch, spec.window)
+                out[i] = TokenContextView(batch, _token_width(spec))
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
         if self._layout is None:
@@ -806,7 +810,7 @@ class PagedCache:
         window, *rest = layer.positions
         entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
         return CompressedLayerView(batch, layer, (flat[window], self._group_of[window]), entries,
-                                   self.pool_for)
+                                   self._plain_pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -917,7 +921,7 @@ class PagedCache:
         step's appends), padded rows' real token counts."""
         if self._recurrent is None:
             return {}
-        slots = [self.store.slot(s) for s in seq_ids]
+        slots = [self._slot(s) for s in seq_ids]
         n = plan.num_queries
         lengths = list(plan.n_new) if any(k != n for k in plan.n_new) else None
         return self._recurrent.views(slots, lengths)
@@ -1018,11 +1022,27 @@ class PagedCache:
         gi = self._group_of[layer]
         g = self._groups[gi]
         pool = g.pools.get(layer)
-        if pool is None and keys is not None:
+        if pool is None and keys is not None and values is not None:
             shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
             pool = g.pools[layer] = self.kv_format.make_pool(shape, layer)
         return pool
+
+    def _plain_pool_for(self, layer: int, keys: mx.array | None,
+                        values: mx.array | None) -> PagePool | None:
+        """`pool_for` of a layer stored at the model's dtype (compressed
+        layers read and write token rows, which only a plain pool has)."""
+        pool = self.pool_for(layer, keys, values)
+        if pool is not None and not isinstance(pool, PagePool):
+            raise InvalidArgument(f"layer {layer}: compressed layers need the model's dtype pages")
+        return pool
+
+    def _slot(self, seq_id: Hashable) -> int:
+        """The recurrent slot of a live sequence of a hybrid model."""
+        slot = self.store.slot(seq_id)
+        if slot is None:
+            raise IntegrityError(f"{seq_id!r} has no recurrent slot")
+        return slot
 
     def pools(self) -> dict[int, PageStore]:
         """Every allocated pool, by attention position."""
@@ -1160,7 +1180,7 @@ class PagedCache:
             state = self._seqs[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
-        if state.in_flight and state.batch.auto_commit:
+        if state.in_flight and state.batch is not None and state.batch.auto_commit:
             self._settle_views_step(state.batch)
         return state
 
@@ -1211,3 +1231,10 @@ def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
         for layer, parts in reads.items():
             pool = g.pools[layer]
             pool.write_pages(page_rows(pool, dst), *parts)
+
+
+def _token_width(spec: LayerSpec) -> int:
+    """The tokens a token-context layer keeps (its window, always set)."""
+    if spec.window is None:
+        raise IntegrityError(f"token-context layer {spec!r:.80} has no window")
+    return spec.window
