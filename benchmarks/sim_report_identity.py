@@ -1,12 +1,14 @@
 """Diff the simulate reports of two source trees over a fixed set of runs.
 
-    python benchmarks/sim_report_identity.py OLD_ROOT [NEW_ROOT] [--quick] [CASE ...]
+    python benchmarks/sim_report_identity.py OLD_ROOT [NEW_ROOT] [--quick] [--added-config] [CASE ...]
 
 Runs each case with `python -m scheduler.cli simulate` from both roots
 (fixed seeds) and compares report.json, leaving out the fields that measure
 wall time (bookkeeping, environment). Exit status 1 when any report differs;
 the first differing paths are printed. Used to check that a speed change to
 the scheduler, block manager or runner keeps every simulated number.
+`--added-config`: config fields only the new tree has (a new option at its
+default, e.g. the cache tiers) are not differences.
 """
 
 from __future__ import annotations
@@ -48,16 +50,21 @@ def _strip(value):
     return value
 
 
-def _differences(old, new, path="") -> list[str]:
+def _differences(old, new, path="", added_config: bool = False) -> list[str]:
+    """Paths where the reports differ; with `added_config`, a config field
+    only the new report has (a new option at its default) is not one."""
     if isinstance(old, dict) and isinstance(new, dict):
-        out = [f"{path}.{k}: only in one" for k in set(old) ^ set(new)]
+        only = set(old) ^ set(new)
+        if added_config and path.startswith(".config"):
+            only -= set(new) - set(old)
+        out = [f"{path}.{k}: only in one" for k in only]
         for key in old.keys() & new.keys():
-            out += _differences(old[key], new[key], f"{path}.{key}")
+            out += _differences(old[key], new[key], f"{path}.{key}", added_config)
         return out
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         out = []
         for i, (a, b) in enumerate(zip(old, new)):
-            out += _differences(a, b, f"{path}[{i}]")
+            out += _differences(a, b, f"{path}[{i}]", added_config)
         return out
     return [] if old == new else [f"{path}: {str(old)[:60]} != {str(new)[:60]}"]
 
@@ -73,6 +80,7 @@ def run_report(root: Path, args: list[str], out: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
+    added_config = "--added-config" in argv
     chosen = tuple(a for a in argv if a in CASES)
     roots = [Path(a).resolve() for a in argv if not a.startswith("--") and a not in CASES]
     old_root = roots[0]
@@ -86,7 +94,7 @@ def main(argv: list[str]) -> int:
                 continue
             old = _strip(run_report(old_root, CASES[name], Path(tmp) / f"old-{name}"))
             new = _strip(run_report(new_root, CASES[name], Path(tmp) / f"new-{name}"))
-            diffs = _differences(old, new)
+            diffs = _differences(old, new, added_config=added_config)
             print(f"{name}: {'identical' if not diffs else f'{len(diffs)} differences'}")
             for line in diffs[:10]:
                 print("   ", line)

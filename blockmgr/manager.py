@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from itertools import chain
-from typing import Callable
 
 from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
@@ -357,7 +356,10 @@ class BlockManager:
             match = self._match(namespace, checked, packed)
         needs = self._allocation_needs(len(checked), match.num_tokens)
         if match.loads:
-            return self._can_load_hit(match, needs)
+            if self._can_load_hit(match, needs):
+                return True
+            match = self._device_part(namespace, checked, packed, match)
+            needs = self._allocation_needs(len(checked), match.num_tokens)
         if self._fits(needs, 1):
             return True  # the common case: no eviction, so nothing to protect
         if not match.num_tokens:
@@ -395,6 +397,10 @@ class BlockManager:
             match = self._match(namespace, checked, packed)
         num_tokens, num_cached = len(checked), match.num_tokens
         needs = self._allocation_needs(num_tokens, num_cached)
+        if match.loads and not self._can_load_hit(match, needs):
+            match = self._device_part(namespace, checked, packed, match)
+            num_cached = match.num_tokens
+            needs = self._allocation_needs(num_tokens, num_cached)
         ops: list[MemoryOp] = []
         if match.loads:  # colder tiers' pages: back to the device first
             match = self._load_hit(namespace, checked, packed, match, needs, ops)
@@ -461,6 +467,15 @@ class BlockManager:
         if loaded.num_tokens != match.num_tokens or loaded.loads:
             raise IntegrityError("a loaded hit matched differently")
         return loaded
+
+    def _device_part(
+        self, namespace: Hashable, tokens: list[int], packed: bytes, match: PrefixMatch
+    ) -> PrefixMatch:
+        """The part of a hit before its first demoted node: what to use
+        when loading the whole hit and the new pages do not fit together
+        (a demoted node is loaded whole, however little of it the hit uses;
+        a miss must not fail where no hit would succeed)."""
+        return self._match(namespace, tokens, packed, match.loads[0].start)
 
     def _can_load_hit(self, match: PrefixMatch, needs: list[int]) -> bool:
         """Would `_load_hit` find the room? Pure (the path locked meanwhile)."""

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import mlx.core as mx
 import numpy as np
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 from cache.layers import CompressedLayer
 from cache.page_pool import PagePool, head_rows
 from cache.step_plan import StepPlan
@@ -260,6 +260,8 @@ class CompressedLayerView:
             shape = (1, 1, 1)
             pool = self._pool_for(position, mx.zeros((*shape, keys.shape[-1]), keys.dtype),
                                   mx.zeros((*shape, width), keys.dtype))
+            if pool is None:
+                raise IntegrityError(f"compressed layer {position}: no pool after its first write")
         rows, cols = _entry_index(plan, before, after, self._layer.ratio)
         pool.write(rows, cols, keys, values)
         self._part_written("entries")

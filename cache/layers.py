@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, cast
 
 from blockmgr.errors import InvalidArgument
 
@@ -141,8 +141,19 @@ def _positions(model: Any) -> tuple[list[LayerSpec], list[LayoutEntry]]:
         else:
             at[i] = len(specs)
             specs.append(entry or _spec_of(cache, i))
-    layout = [at[e] if isinstance(e, int) else tuple(at[i] for i in e) for e in leaf_layout]
+    layout: list[LayoutEntry] = [at[e] if isinstance(e, int) else _members(at, e)
+                                 for e in leaf_layout]
     return specs, layout
+
+
+def _members(at: Mapping[int, LayoutEntry], leaves: LayoutEntry) -> tuple[int, ...]:
+    """The positions of a composite cache's leaves (each a plain layer)."""
+    if not isinstance(leaves, tuple):
+        raise InvalidArgument(f"a composite cache entry is not a tuple: {leaves!r:.80}")
+    members = tuple(at[i] for i in leaves)
+    if not all(isinstance(m, int) for m in members):
+        raise InvalidArgument("a declared compressed layer inside a composite cache")
+    return cast(tuple[int, ...], members)
 
 
 def _ngram_context(model: Any) -> dict[int, Declared]:

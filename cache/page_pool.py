@@ -142,8 +142,10 @@ class PagePool:
             return keys, mx.zeros((rows.shape[0], self.shape.block_size, 0), self.shape.dtype)
         return keys, mx.take(self._values, rows, axis=0)
 
-    def write_pages(self, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Overwrite whole page rows in place (the parts `read_pages` gave)."""
+    def write_pages(self, rows: mx.array, *parts: mx.array) -> None:
+        """Overwrite whole page rows in place (the parts `read_pages` gave:
+        keys, values)."""
+        keys, values = parts
         self._keys[rows] = keys
         if self.shape.v_head_dim:
             self._values[rows] = values

@@ -17,6 +17,8 @@ mlx-lm model) reads the model and builds that backend through
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,16 +34,21 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.ops import CopyBlock, MemoryOp, Plan, SwapIn, SwapOut
+from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut, Tier
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
+from cache.cache_tiers import CacheTiers
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, PageStore, check_model
-from cache.page_pool import PoolShape, copy_waves, page_rows
-from cache.recurrent_backend import RecurrentBackend, RecurrentStepView
+from cache.tier_setup import KVShape, open_tiers, tier_sizes
+from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
+from cache.recurrent_backend import (  # noqa: F401 - importable from here before
+    RecurrentBackend,
+    RecurrentStepView,
+)
 from cache.speculative_model import SpeculativeModel
 from cache.step_plan import StepPlan, plan_step
 from cache.views import (
@@ -62,7 +69,7 @@ class _Group:
     num_pages: int
     pools: dict[int, PageStore] = field(default_factory=dict)
     host: dict[int, HostPagePool] = field(default_factory=dict)
-    pending: list[CopyBlock | SwapOut | SwapIn] = field(default_factory=list)
+    pending: list[CopyBlock | SwapOut | SwapIn | MovePage] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,6 +127,14 @@ class PagedCache:
         kv_format: KVFormat | None = None,
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
+        num_host_cache_blocks: int = 0,
+        num_host_cache_slots: int = 0,
+        num_disk_blocks: int = 0,
+        num_disk_slots: int = 0,
+        disk_cache: str | os.PathLike[str] | None = None,
+        model_fingerprint: str | None = None,
+        kv_shapes: Mapping[int, KVShape] | None = None,
+        checkpoint_interval: float = 10.0,
     ) -> None:
         """`specs`: one per cache position (`layers.layer_specs`); `layout`
         nests positions into model layers (`layers.cache_layout`; None: one
@@ -137,7 +152,18 @@ class PagedCache:
         e.g. ``KVFormat(key_bits=8, value_bits=4)``. Default: the model's
         dtype. A layer whose head size the group size does not divide
         raises `InvalidArgument` naming it at its first write (`for_model`
-        checks the model when built)."""
+        checks the model when built).
+
+        The prefix cache's colder tiers (design/tiers.md; `for_model` sizes
+        them in bytes): `num_host_cache_blocks` / `num_host_cache_slots`
+        pages per group and snapshots in host memory, `num_disk_blocks` /
+        `num_disk_slots` on disk in the directory `disk_cache` (locked while
+        open; what it held for the same `model_fingerprint`, block size,
+        format and layout is restored: a request hits it). Tiers need
+        `kv_shapes` (each attention position's kv heads, head sizes and
+        dtype: the pools are allocated at once, so a load has somewhere to
+        go before any forward). The index is written every
+        `checkpoint_interval` seconds of disk activity and at `close`."""
         self.kv_format = KVFormat.of(kv_format, kv_bits, kv_group_size)
         specs = list(specs)
         has_recurrent = any(s.kind is LayerKind.RECURRENT for s in specs)
@@ -157,6 +183,10 @@ class PagedCache:
                 window_blocks=window_blocks,
                 num_host_blocks=num_host_blocks,
                 num_host_slots=num_host_slots,
+                num_host_cache_blocks=num_host_cache_blocks,
+                num_host_cache_slots=num_host_cache_slots if has_recurrent else 0,
+                num_disk_blocks=num_disk_blocks,
+                num_disk_slots=num_disk_slots if has_recurrent else 0,
             )
         )
         self.specs = specs
@@ -172,6 +202,20 @@ class PagedCache:
             for w, usage in zip(windows, self.store.group_usage())
         ]
         self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
+        if kv_shapes is not None:
+            self._allocate_pools(kv_shapes)
+        self._tiers: CacheTiers | None = None
+        self._checkpoint_interval = checkpoint_interval
+        self._last_checkpoint = time.monotonic()
+        self._checkpointed = 0  # the disk activity the last checkpoint saw
+        self._closed = False
+        if self.store.config.has_cache_tiers:
+            if kv_shapes is None:
+                raise InvalidArgument(
+                    "host and disk cache tiers need kv_shapes (PagedCache.for_model finds them)")
+            self._tiers = open_tiers(
+                self.store, [g.pools for g in self._groups], self._recurrent, block_size,
+                self.kv_format, disk_cache, model_fingerprint)
 
     @classmethod
     def for_model(
@@ -183,6 +227,9 @@ class PagedCache:
         num_slots: int = 0,
         recurrent: RecurrentBackend | None = None,
         num_host_slots: int = 0,
+        host_cache_size: int | str | None = None,
+        disk_cache: str | os.PathLike[str] | None = None,
+        disk_cache_size: int | str | None = None,
         **kwargs: Any,
     ) -> PagedCache:
         """A cache laid out for `model` (layer kinds from `model.make_cache()`).
@@ -197,10 +244,26 @@ class PagedCache:
         checked against the model's head sizes first (`page_format.
         check_model`, one one-token forward), so a layer it cannot store
         raises `InvalidArgument` here, naming the layer.
+
+        The prefix cache's colder tiers (design/tiers.md): `host_cache_size`
+        bytes of host memory and, with `disk_cache` (a directory),
+        `disk_cache_size` bytes of disk (default 20 GiB); sizes are ints or
+        strings like ``"4GiB"`` (`--kv-memory`'s syntax), turned into pages
+        (and, for a hybrid model, snapshots) with the real page bytes of the
+        model's format. A directory written for this model, block size and
+        format is restored; `close()` (or leaving a ``with`` block) moves
+        what is cached to disk for the next start.
         """
         parts = model_storage_parts(
             model, num_slots=num_slots, recurrent=recurrent, num_host_slots=num_host_slots
         )
+        if host_cache_size is not None or disk_cache is not None:
+            sizes = tier_sizes(model, parts, block_size, KVFormat.of(
+                kwargs.get("kv_format"), kwargs.get("kv_bits"), kwargs.get("kv_group_size")),
+                host_cache_size, disk_cache, disk_cache_size)
+            kwargs = {**sizes.kwargs(), **kwargs}
+        elif disk_cache_size is not None:
+            raise InvalidArgument("disk_cache_size needs disk_cache (a directory)")
         storage = cls(
             parts.specs, num_blocks, block_size, num_slots=num_slots,
             recurrent=parts.recurrent, num_host_slots=num_host_slots, layout=parts.layout,
@@ -240,7 +303,7 @@ class PagedCache:
                 raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
             start = self.store.speculation_start(seq_id)
             if (start is None) != (state.checkpoint is None) or (
-                start is not None and state.checkpoint > start
+                start is not None and state.checkpoint is not None and state.checkpoint > start
             ):
                 raise IntegrityError(
                     f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
@@ -378,14 +441,30 @@ class PagedCache:
     # --- sequence calls (the store's meaning; plans queued and applied here) --
 
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool:
-        return self.store.can_allocate(tokens, namespace)
+        """Would `allocate` succeed now? With a disk tier, the records a hit
+        would load are read and verified first (unreadable ones forgotten),
+        as `allocate` does: the answer is the one it will find."""
+        if self._tiers is None:
+            return self.store.can_allocate(tokens, namespace)
+        tokens = _token_list(tokens)
+        match = self._tiers.verified_match(self.store, tokens, namespace)
+        return self.store.can_allocate(tokens, namespace, match=match)
 
     def allocate(
         self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
     ) -> Allocation:
         """Reserve pages for a prompt, reusing the longest prefix every group
-        can serve. Raises like `GroupedStore.allocate`, changing nothing."""
-        alloc = self.store.allocate(seq_id, tokens, namespace)
+        can serve. Raises like `GroupedStore.allocate`, changing nothing.
+        A hit in a colder tier is loaded back by the plan (disk records
+        read and verified first: an unreadable one is a miss)."""
+        if self._tiers is None:
+            alloc = self.store.allocate(seq_id, tokens, namespace)
+        else:
+            tokens = _token_list(tokens)
+            match = self._tiers.verified_match(self.store, tokens, namespace)
+            hits = self._tiers.hit_tiers(match)
+            alloc = self.store.allocate(seq_id, tokens, namespace, match=match)
+            self._tiers.count_hit(hits)
         self._queue(alloc.ops)
         num_tokens = self.store.num_tokens(seq_id)
         self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
@@ -406,7 +485,9 @@ class PagedCache:
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
         return self._append(seq_id, new_tokens, known=True)
 
-    def append_decode(self, seq_ids: Sequence[Hashable], tokens: Iterable[int]) -> Plan:
+    def append_decode(
+        self, seq_ids: list[Hashable] | tuple[Hashable, ...], tokens: Iterable[int]
+    ) -> Plan:
         """`append` of one token to each of `seq_ids` (a decode step), whole
         or not at all: every row's room is checked first
         (`GroupedStore.can_append_decode`), then each row is appended as
@@ -517,11 +598,11 @@ class PagedCache:
 
     # --- speculation (see design/speculation.md) ------------------------------
 
-    def can_speculate(self, drafts: Mapping[Hashable, Sequence[int]]) -> bool:
+    def can_speculate(self, drafts: Mapping[Hashable, Iterable[int]]) -> bool:
         """Would `begin_speculation(drafts)` succeed now? Changes nothing."""
         return self.store.can_speculate(drafts)
 
-    def begin_speculation(self, drafts: Mapping[Hashable, Sequence[int]]) -> Plan:
+    def begin_speculation(self, drafts: Mapping[Hashable, Iterable[int]]) -> Plan:
         """Reserve pages for each sequence's draft tokens (seq_id -> ids) and
         checkpoint its recurrent state, all at once or not at all (the
         store's `begin_speculation`). The drafts are pending tokens like
@@ -555,7 +636,9 @@ class PagedCache:
         for s in accepted:
             state = self._seqs[s]
             num_tokens = self.store.num_tokens(s)
-            state.computed = state.checkpoint if s in restored else min(state.computed, num_tokens)
+            checkpoint = state.checkpoint
+            state.computed = (checkpoint if s in restored and checkpoint is not None
+                              else min(state.computed, num_tokens))
             state.known = min(state.known, num_tokens)
             state.checkpoint = None
         return restored
@@ -697,7 +780,7 @@ class PagedCache:
             if spec.kind is LayerKind.RECURRENT:
                 out[i] = RecurrentLayerView(batch, i)
             elif spec.kind is LayerKind.TOKENS:
-                out[i] = TokenContextView(batch, spec.window)
+                out[i] = TokenContextView(batch, _token_width(spec))
             else:
                 out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
         if self._layout is None:
@@ -727,7 +810,7 @@ class PagedCache:
         window, *rest = layer.positions
         entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
         return CompressedLayerView(batch, layer, (flat[window], self._group_of[window]), entries,
-                                   self.pool_for)
+                                   self._plain_pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -737,19 +820,27 @@ class PagedCache:
         forward has written any page of that group, so there is nothing to
         copy (and `HostPagePool.swap_in` of never-written host pages is a
         no-op for the same reason)."""
-        for g in self._groups:
+        for gi, g in enumerate(self._groups):
             if not g.pending or not g.pools:
                 g.pending.clear()
                 continue
             for kind, ops in _runs_by_kind(g.pending):
                 if kind is CopyBlock:
                     _copy_blocks(g, ops)
+                elif kind is MovePage:
+                    self._tier_storage.move_pages(gi, ops)
                 else:
                     self._swap_pages(g, kind, ops)
             g.pending.clear()
         if self._slot_ops:
             ops, self._slot_ops = self._slot_ops, []
-            self._recurrent.apply_plan(ops)
+            for kind, run in _runs_by_kind(ops, MoveSlot):
+                if kind is MoveSlot:
+                    self._tier_storage.move_slots(run)
+                elif self._recurrent is not None:
+                    self._recurrent.apply_plan(run)
+        if self._tiers is not None:
+            self._after_tier_moves()
 
     def eval_state(self) -> None:
         """Evaluate the K/V (and recurrent state) writes of the last forward
@@ -830,7 +921,7 @@ class PagedCache:
         step's appends), padded rows' real token counts."""
         if self._recurrent is None:
             return {}
-        slots = [self.store.slot(s) for s in seq_ids]
+        slots = [self._slot(s) for s in seq_ids]
         n = plan.num_queries
         lengths = list(plan.n_new) if any(k != n for k in plan.n_new) else None
         return self._recurrent.views(slots, lengths)
@@ -931,11 +1022,133 @@ class PagedCache:
         gi = self._group_of[layer]
         g = self._groups[gi]
         pool = g.pools.get(layer)
-        if pool is None and keys is not None:
+        if pool is None and keys is not None and values is not None:
             shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
             pool = g.pools[layer] = self.kv_format.make_pool(shape, layer)
         return pool
+
+    def _plain_pool_for(self, layer: int, keys: mx.array | None,
+                        values: mx.array | None) -> PagePool | None:
+        """`pool_for` of a layer stored at the model's dtype (compressed
+        layers read and write token rows, which only a plain pool has)."""
+        pool = self.pool_for(layer, keys, values)
+        if pool is not None and not isinstance(pool, PagePool):
+            raise InvalidArgument(f"layer {layer}: compressed layers need the model's dtype pages")
+        return pool
+
+    def _slot(self, seq_id: Hashable) -> int:
+        """The recurrent slot of a live sequence of a hybrid model."""
+        slot = self.store.slot(seq_id)
+        if slot is None:
+            raise IntegrityError(f"{seq_id!r} has no recurrent slot")
+        return slot
+
+    def pools(self) -> dict[int, PageStore]:
+        """Every allocated pool, by attention position."""
+        return {layer: pool for g in self._groups for layer, pool in g.pools.items()}
+
+    def _allocate_pools(self, kv_shapes: Mapping[int, KVShape]) -> None:
+        """Allocate every attention position's pool now (the cache tiers
+        load into them before any forward)."""
+        for layer, g in self._group_of.items():
+            shape = kv_shapes.get(layer)
+            if shape is None:
+                raise InvalidArgument(f"kv_shapes has no shape for attention position {layer}")
+            group = self._groups[g]
+            group.pools[layer] = self.kv_format.make_pool(PoolShape(
+                group.num_pages, self.block_size, shape.n_kv_heads, shape.k_head_dim,
+                shape.v_head_dim, shape.dtype), layer)
+
+    # --- the prefix cache's tiers (design/tiers.md) -----------------------------
+
+    @property
+    def _tier_storage(self) -> CacheTiers:
+        """The tiers, where a path runs only with them (a tier move)."""
+        if self._tiers is None:
+            raise IntegrityError("a cache without tiers was handed a tier move")
+        return self._tiers
+
+    @property
+    def tiers(self) -> CacheTiers | None:
+        """The host and disk storage of the prefix cache (None: device only)."""
+        return self._tiers
+
+    def pin(self, pin_id: Hashable, tokens: Iterable[int], namespace: Hashable = None) -> Plan:
+        """Keep the cached prefix of `tokens` on the device and out of every
+        eviction until `unpin(pin_id)` (a system prompt, a tool list): the
+        store's `pin`, with a demoted prefix loaded back (disk records
+        verified first). Nothing cached: nothing pinned. Raises like
+        `GroupedStore.pin`, nothing changed."""
+        if self._tiers is not None:
+            tokens = _token_list(tokens)
+            self._tiers.verified_match(self.store, tokens, namespace)
+        plan = self.store.pin(pin_id, tokens, namespace)
+        self._queue(plan)
+        return plan
+
+    def unpin(self, pin_id: Hashable) -> None:
+        """Let the prefix `pin(pin_id, ...)` kept be evicted again."""
+        self.store.unpin(pin_id)
+
+    def pinned(self) -> dict[Hashable, int]:
+        """Each pin's id and the tokens it keeps cached."""
+        return self.store.pinned()
+
+    def _after_tier_moves(self) -> None:
+        """After a flush: forget records read ahead for nothing, turn the
+        disk off if its writer failed, and write the index when the disk
+        changed and `checkpoint_interval` has passed."""
+        tiers = self._tier_storage
+        tiers.drop_staged()
+        tiers.check_disk(self.store)
+        disk = tiers.disk
+        if disk is not None and time.monotonic() - self._last_checkpoint >= \
+                self._checkpoint_interval:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Queue the disk tier's index as it is now (written by the writer
+        thread after the records queued before it). No-op without a disk."""
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return
+        self._last_checkpoint = time.monotonic()
+        activity = tiers.counters.stored_records[Tier.DISK] + tiers.counters.num_disk_misses
+        if activity == self._checkpointed:
+            return
+        self._checkpointed = activity
+        tiers.disk.checkpoint(self.store.disk_entries())
+
+    def close(self) -> None:
+        """Shut the tiers down gracefully: every pin released, every cached
+        prefix no live sequence uses moved to disk (`flush_to_disk`), the
+        writes finished, the index written, the directory unlocked. A
+        restart on the same directory finds them. Idempotent; the cache
+        takes no further calls that need the disk."""
+        if self._closed:
+            return
+        self._closed = True
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return
+        for pin_id in list(self.store.pinned()):
+            self.store.unpin(pin_id)
+        self._queue(self.store.flush_to_disk())
+        self.flush()
+        disk = tiers.disk
+        if disk is None:  # the flush found it failed
+            return
+        self._checkpointed = -1
+        self.checkpoint()
+        disk.close()
+        tiers.disable_disk(self.store, "closed", logged=True)
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- internals -------------------------------------------------------------
 
@@ -955,7 +1168,7 @@ class PagedCache:
 
     def _queue(self, ops: Iterable[MemoryOp]) -> None:
         for op in ops:
-            if isinstance(op, (CopyBlock, SwapOut, SwapIn)):
+            if isinstance(op, (CopyBlock, SwapOut, SwapIn, MovePage)):
                 self._groups[op.group].pending.append(op)
             else:
                 self._slot_ops.append(op)
@@ -967,7 +1180,7 @@ class PagedCache:
             state = self._seqs[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequence(f"no live sequence {seq_id!r}") from None
-        if state.in_flight and state.batch.auto_commit:
+        if state.in_flight and state.batch is not None and state.batch.auto_commit:
             self._settle_views_step(state.batch)
         return state
 
@@ -984,16 +1197,28 @@ class PagedCache:
             batch.closed = True
 
 
-def _runs_by_kind(ops: Sequence[MemoryOp]) -> list[tuple[type, list]]:
+def _runs_by_kind(
+    ops: Sequence[MemoryOp], apart: type | None = None
+) -> list[tuple[type, list]]:
     """Maximal runs of consecutive ops of one type, in call order (each run
-    is applied as one batch; runs keep the plan's sequential meaning)."""
+    is applied as one batch; runs keep the plan's sequential meaning).
+    With `apart`: runs of that type and runs of everything else."""
     runs: list[tuple[type, list]] = []
     for op in ops:
-        if runs and runs[-1][0] is type(op):
+        kind = type(op) if apart is None or type(op) is apart else object
+        if runs and runs[-1][0] is kind:
             runs[-1][1].append(op)
         else:
-            runs.append((type(op), [op]))
+            runs.append((kind, [op]))
     return runs
+
+
+def _token_list(tokens: Iterable[int]) -> Sequence[int]:
+    """`tokens` as something that can be read twice (a match, then the
+    allocation): lists, tuples and arrays as they are."""
+    if isinstance(tokens, (list, tuple)) or type(tokens).__name__ == "ndarray":
+        return tokens  # type: ignore[return-value]
+    return list(tokens)
 
 
 def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
@@ -1006,3 +1231,10 @@ def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
         for layer, parts in reads.items():
             pool = g.pools[layer]
             pool.write_pages(page_rows(pool, dst), *parts)
+
+
+def _token_width(spec: LayerSpec) -> int:
+    """The tokens a token-context layer keeps (its window, always set)."""
+    if spec.window is None:
+        raise IntegrityError(f"token-context layer {spec!r:.80} has no window")
+    return spec.window

@@ -24,6 +24,7 @@ import functools
 
 import mlx.core as mx
 
+from blockmgr.errors import IntegrityError
 from cache.paged_attention import per_group
 from cache.step_plan import MASKED, PairIndex
 
@@ -67,10 +68,27 @@ def _probe(device: str, dtype: mx.Dtype) -> bool:
     return True
 
 
+Packed = tuple[mx.array, mx.array, mx.array]
+"""One side's quantized rows: packed values, scales, biases (`mx.quantize`)."""
+
+
+def packed(parts: tuple[mx.array, ...]) -> Packed:
+    """`parts` as the three arrays of an affine-quantized side."""
+    if len(parts) != 3:
+        raise IntegrityError(f"a quantized side has 3 parts, got {len(parts)}")
+    return parts[0], parts[1], parts[2]
+
+
+def _head_groups(parts: Packed) -> Packed:
+    """Each part with an axis for the query heads sharing a KV head."""
+    return (mx.expand_dims(parts[0], -3), mx.expand_dims(parts[1], -3),
+            mx.expand_dims(parts[2], -3))
+
+
 def quantized_sdpa(
     queries: mx.array,
-    key_parts: tuple[mx.array, mx.array, mx.array],
-    value_parts: tuple[mx.array, mx.array, mx.array],
+    key_parts: Packed,
+    value_parts: Packed,
     scale: float,
     mask,
     group_size: int,
@@ -89,8 +107,8 @@ def quantized_sdpa(
     q = queries * scale
     if g > 1:
         q = q.reshape(bsz, h, g, n, dk)
-        key_parts = tuple(mx.expand_dims(x, -3) for x in key_parts)
-        value_parts = tuple(mx.expand_dims(x, -3) for x in value_parts)
+        key_parts = _head_groups(key_parts)
+        value_parts = _head_groups(value_parts)
     scores = mx.quantized_matmul(q, *key_parts, transpose=True, group_size=group_size,
                                  bits=key_bits)
     if mask is not None:
@@ -111,8 +129,8 @@ def quantized_sdpa(
 
 def paged_quantized_attention(
     queries: mx.array,
-    key_parts: tuple[mx.array, mx.array, mx.array],
-    value_parts: tuple[mx.array, mx.array, mx.array],
+    key_parts: Packed,
+    value_parts: Packed,
     index: PairIndex,
     scale: float,
     group_size: int,

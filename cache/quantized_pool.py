@@ -27,6 +27,8 @@ import mlx.core as mx
 from blockmgr.errors import InvalidArgument
 from cache.page_pool import PoolShape
 from cache.quantized_attention import (
+    Packed,
+    packed,
     paged_quantized_attention,
     quantized_sdpa,
     supports_gather_qmm,
@@ -76,7 +78,8 @@ class _Side:
             return mx.zeros((*lead, 0), self.dtype)
         if self.bits is None:
             return parts[0]
-        return mx.dequantize(*parts, group_size=self.group_size, bits=self.bits)
+        w, scales, biases = packed(parts)
+        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
 
     def write(self, rows: mx.array, cols: mx.array, x: mx.array) -> None:
         for i, part in enumerate(self.encode(x)):
@@ -203,37 +206,45 @@ class QuantizedPagePool:
         packed history with the step's `mask`; several rows:
         `paged_quantized_attention` on the pool in place."""
         keys, values = self._keys, self._values
-        if not (keys.quantized and values.quantized):
+        key_bits, value_bits = keys.bits, values.bits
+        if key_bits is None or value_bits is None or not (keys.quantized and values.quantized):
             return None
         if not use_quantized_matmul(self.shape.dtype, plan.num_queries, plan.batch):
             return None
         if plan.batch == 1:
             k_parts, v_parts = self._packed_history(plan)
             return quantized_sdpa(queries, k_parts, v_parts, scale, mask, self.group_size,
-                                  keys.bits, values.bits)
+                                  key_bits, value_bits)
         if not supports_gather_qmm(self.shape.dtype):
             return None
         index = plan.pair_index(self.shape.n_kv_heads)
-        return paged_quantized_attention(queries, tuple(keys.arrays), tuple(values.arrays),
-                                         index, scale, self.group_size, keys.bits, values.bits)
+        return paged_quantized_attention(
+            queries, packed(tuple(keys.arrays)), packed(tuple(values.arrays)),
+            index, scale, self.group_size, key_bits, value_bits)
 
-    def _packed_history(self, plan: StepPlan) -> tuple[tuple[mx.array, ...], ...]:
+    def _packed_history(self, plan: StepPlan) -> tuple[Packed, Packed]:
         """The packed history `views` hands out dequantized for this step
         (same pages, same slice): a run view, or a gather cut to the visible
         keys for an exact row."""
         h = self.shape.n_kv_heads
         if (first := plan.first_run_page) is not None:
             lo, hi = self._run_span(first, *plan.history_slice())
-            return self._keys.run(h, lo, hi), self._values.run(h, lo, hi)
+            return packed(self._keys.run(h, lo, hi)), packed(self._values.run(h, lo, hi))
         rows = plan.gather_rows(h)
-        sides = (self._keys.history(rows, plan.batch, h, plan.length),
-                 self._values.history(rows, plan.batch, h, plan.length))
+        keys = packed(self._keys.history(rows, plan.batch, h, plan.length))
+        values = packed(self._values.history(rows, plan.batch, h, plan.length))
         if plan.exact:
             start, stop = plan.history_slice()
             if start or stop != plan.length:
-                sides = tuple(tuple(p[:, :, start:stop] for p in side) for side in sides)
-        return sides
+                keys = _cut(keys, start, stop)
+                values = _cut(values, start, stop)
+        return keys, values
 
     def _run_span(self, first_page: int, start: int, stop: int) -> tuple[int, int]:
         base = first_page * self.shape.block_size
         return base + start, base + stop
+
+
+def _cut(parts: Packed, start: int, stop: int) -> Packed:
+    """Each part's keys `start:stop` (axis 2)."""
+    return parts[0][:, :, start:stop], parts[1][:, :, start:stop], parts[2][:, :, start:stop]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from blockmgr.ops import MemoryOp
 
 
@@ -26,7 +28,10 @@ class RecurrentBackend(Protocol):
     `apply_plan` gets every slot op (`ZeroSlot`, `CopySlot`, `SwapOutSlot`,
     `SwapInSlot`) in call order; `views(slots, lengths)` gives one
     ArraysCache-like view per recurrent layer for one forward pass;
-    `flush()` evaluates the state writes of committed steps.
+    `flush()` evaluates the state writes of committed steps. The prefix
+    cache's host and disk tiers move snapshots as records: one slot's
+    arrays, raw (`slot_record_nbytes`, None while a shape is unknown;
+    `read_slot_records`, `write_slot_records`).
     """
 
     @property
@@ -38,3 +43,7 @@ class RecurrentBackend(Protocol):
         self, slots: Sequence[int], lengths: Sequence[int] | None = None
     ) -> Mapping[int, RecurrentStepView]: ...
     def flush(self) -> None: ...
+    @property
+    def slot_record_nbytes(self) -> int | None: ...
+    def read_slot_records(self, slots: Sequence[int]) -> np.ndarray: ...
+    def write_slot_records(self, slots: Sequence[int], records: np.ndarray) -> None: ...

@@ -33,7 +33,7 @@ and after a restored checkpoint the replayed positions in the next forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Protocol, Sequence
+from typing import Any, Hashable, Mapping, Protocol, Sequence, cast
 
 import mlx.core as mx
 
@@ -154,7 +154,7 @@ class SpeculativeModel:
                 "need [batch, N > 0]")
         storage = self._storage
         rows, num_replayed, new_tokens, tails = [], [], {}, {}
-        for seq_id, ids in zip(seq_ids, inputs.tolist()):
+        for seq_id, ids in zip(seq_ids, cast(list[list[int]], inputs.tolist())):
             computed = storage.num_computed(seq_id)
             pending = storage.tokens(seq_id)[computed:]
             replay = pending[:storage.num_replay(seq_id)]

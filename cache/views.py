@@ -19,9 +19,12 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 from cache.page_format import PageStore
 from cache.step_plan import StepPlan
+
+PoolFor = Callable[[int, mx.array | None, mx.array | None], PageStore | None]
+"""A layer's pool: created from the first write's K/V shapes, None before it."""
 
 
 class StepSource(Protocol):
@@ -150,7 +153,7 @@ class AttentionView:
         batch: BatchState,
         group: int,
         layer: int,
-        pool_for: Callable[[int, mx.array, mx.array], PageStore],
+        pool_for: PoolFor,
         window: int | None,
     ) -> None:
         self._batch = batch
@@ -199,7 +202,7 @@ class AttentionView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         plan = self._batch.plan(self._calls, self._group, keys.shape[2])
-        pool = self._pool_for(self._layer, keys, values)
+        pool = self._pool(keys, values)
         h = keys.shape[1]
         src, rows, cols = plan.write_index(h)
         num_rows = keys.shape[0] * keys.shape[1] * keys.shape[2]  # no -1: widths may be 0
@@ -230,7 +233,7 @@ class AttentionView:
                 return k_hist, v_hist
         if self._calls == 0:
             raise InvalidArgument(f"layer {self._layer}: keys_and_values before any update")
-        return _history(self._batch.plans[self._group], self._pool_for(self._layer, None, None))
+        return _history(self._batch.plans[self._group], self._pool())
 
     def attend(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
@@ -251,7 +254,7 @@ class AttentionView:
         plan = batch.plans[self._group]
         if not _is_step_mask(mask, plan, self._window):
             return None
-        return self._pool_for(self._layer, None, None).attend(queries, plan, scale, mask)
+        return self._pool().attend(queries, plan, scale, mask)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         self._batch.masked = True
@@ -287,6 +290,13 @@ class AttentionView:
         # deepseek_v32's indexer blanks the values it never reads (graph size);
         # see `keys`.
         pass
+
+    def _pool(self, keys: mx.array | None = None, values: mx.array | None = None) -> PageStore:
+        """The layer's pool (created from `keys` / `values` on the first write)."""
+        pool = self._pool_for(self._layer, keys, values)
+        if pool is None:
+            raise IntegrityError(f"layer {self._layer} has no pool before its first write")
+        return pool
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -390,14 +400,14 @@ class RecurrentLayerView(ArraysCache):
             self._written.clear()
         return batch.recurrent[self._layer]
 
-    def make_mask(self, n: int, **_: Any) -> mx.array | None:
-        """Right-padding mask ``[B, n]`` (None when no row is padded). Starts
+    def make_mask(self, N: int, **_: Any) -> mx.array | None:
+        """Right-padding mask ``[B, N]`` (None when no row is padded). Starts
         a step when this layer already took part in the current one."""
         batch = self._batch
         batch.masked = True
         if self._seen == batch.steps:
-            batch.plan(batch.steps, 0, n)
-        return self._view().make_mask(n)
+            batch.plan(batch.steps, 0, N)
+        return self._view().make_mask(N)
 
     def __getitem__(self, i: int) -> mx.array | None:
         return self._view(reading=i)[i]
@@ -415,7 +425,7 @@ class RecurrentLayerView(ArraysCache):
         view = self._view(reading=0)
         return iter([view[i] for i in range(len(view))])
 
-    @property
+    @property  # type: ignore[override]  # mlx-lm's ArraysCache types it as its first value, None
     def lengths(self) -> mx.array | None:
         return self._view().lengths
 
@@ -426,7 +436,7 @@ class RecurrentLayerView(ArraysCache):
     def advance(self, n: int) -> None:
         self._view().advance(n)
 
-    @property
+    @property  # type: ignore[misc]  # read-only: a view's state lives in the pools
     def state(self) -> list:
         """The batch's state arrays after the last step (empty before any step)."""
         return self._view().state if self._batch.steps else []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 
@@ -56,7 +57,8 @@ def make_batch(
         raise InvalidArgument(f"repeated slot in batch {slots}")
     if lengths is not None:
         if isinstance(lengths, mx.array):
-            lengths = lengths.tolist()
+            # a per-row lengths array is 1-D; int(n) below checks each element
+            lengths = cast("list[int]", lengths.tolist())
         lengths = tuple(int(n) for n in lengths)
         if len(lengths) != len(slots) or min(lengths) < 0:
             raise InvalidArgument(f"lengths {lengths} do not fit a batch of {len(slots)}")

@@ -63,9 +63,11 @@ class HostSlots:
         for i, r in enumerate(raw):
             if r is None:
                 continue
-            if self._arrays[i] is None:
-                self._arrays[i] = np.empty((self.num_host_slots, *r.shape[1:]), _RAW[r.dtype.size][1])
-            self._arrays[i][dst] = np.asarray(r)[pick]
+            host = self._arrays[i]
+            if host is None:
+                host = np.empty((self.num_host_slots, *r.shape[1:]), _RAW[r.dtype.size][1])
+                self._arrays[i] = host
+            host[dst] = np.asarray(r)[pick]
 
     def swap_in(self, pool: StatePool, host_slots: Sequence[int], slots: Sequence[int]) -> None:
         """Copy host slot `host_slots[i]` into device slot `slots[i]` (lazy,

@@ -20,10 +20,6 @@ from dataclasses import dataclass
 from blockmgr.errors import InvalidArgument
 from blockmgr.ops import CopyBlock, CopySlot, MemoryOp, SwapIn, SwapOut, ZeroSlot
 
-# Marker for "this slot ends up zeroed" while folding; never escapes the module.
-_ZERO = object()
-
-
 @dataclass(frozen=True, slots=True)
 class SlotRemap:
     """Net effect of a slot plan, read against the slots' current contents.
@@ -49,19 +45,22 @@ def compile_slot_plan(ops: Iterable[MemoryOp], num_slots: int) -> SlotRemap | No
     nothing is applied in that case (this function never mutates storage).
     Cost: O(len(ops)).
     """
-    content: dict[int, object] = {}  # slot -> origin slot (int) or _ZERO
+    # slot -> the slot whose current content it ends with; None: it ends zeroed
+    content: dict[int, int | None] = {}
     for op in ops:
         if isinstance(op, ZeroSlot):
-            content[_check_slot(op.slot, num_slots)] = _ZERO
+            content[_check_slot(op.slot, num_slots)] = None
         elif isinstance(op, CopySlot):
             src = _check_slot(op.src, num_slots)
             dst = _check_slot(op.dst, num_slots)
             content[dst] = content.get(src, src)
         elif not isinstance(op, (CopyBlock, SwapOut, SwapIn)):
             raise InvalidArgument(f"not a slot remap op: {op!r}")
-    copy_dst, copy_src, zero = [], [], []
+    copy_dst: list[int] = []
+    copy_src: list[int] = []
+    zero: list[int] = []
     for slot, origin in content.items():
-        if origin is _ZERO:
+        if origin is None:
             zero.append(slot)
         elif origin != slot:  # a slot copied back onto itself is unchanged
             copy_dst.append(slot)

@@ -14,9 +14,10 @@ paged cache holds for hybrid models:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.ops import MemoryOp, SwapInSlot, SwapOutSlot
@@ -146,7 +147,64 @@ class RecurrentPools:
     def bytes_per_slot(self) -> int | None:
         """Bytes of one slot over all layers; `None` while some shape is unknown."""
         per = [p.bytes_per_slot for p in self._pools.values()]
-        return None if any(b is None for b in per) else sum(per)
+        known = [b for b in per if b is not None]
+        return None if len(known) < len(per) else sum(known)
+
+    # ---- slot records (the prefix cache's host and disk tiers) ---------------
+
+    @property
+    def slot_record_nbytes(self) -> int | None:
+        """Bytes of one slot as a record (`read_slot_records`): every layer's
+        arrays, raw; `None` while some array's shape is unknown."""
+        return self.bytes_per_slot
+
+    def read_slot_records(self, slots: Sequence[int]) -> np.ndarray:
+        """Slots `slots[i]` as rows of a ``[len(slots), slot_record_nbytes]``
+        uint8 array: each layer's arrays in order, their raw bytes (bit for
+        bit, bfloat16 included). One gather per array, evaluated, then one
+        host copy. Raises `InvalidArgument` while a shape is unknown."""
+        nbytes = self._record_nbytes()
+        out = np.empty((len(slots), nbytes), np.uint8)
+        if not slots:
+            return out
+        batch = make_batch(sorted(set(slots)), None, self._num_slots)
+        pick = np.searchsorted(np.asarray(batch.slots), np.asarray(slots))
+        rows = [p.gather(i, batch) for p in self._pools.values() for i in range(p.num_arrays)]
+        raw = [r.view(mx.uint8).reshape(r.shape[0], -1) for r in rows if r is not None]
+        mx.eval(raw)
+        offset = 0
+        for r in raw:
+            width = r.shape[1]
+            out[:, offset:offset + width] = np.asarray(r)[pick]
+            offset += width
+        return out
+
+    def write_slot_records(self, slots: Sequence[int], records: np.ndarray) -> None:
+        """Write record row i into slot `slots[i]` of every layer (lazy, in
+        place; the inverse of `read_slot_records`). Cost: O(bytes moved)."""
+        nbytes = self._record_nbytes()
+        if records.shape != (len(slots), nbytes):
+            raise InvalidArgument(
+                f"slot records {records.shape} for {len(slots)} slots of {nbytes} bytes")
+        if not slots:
+            return
+        batch = make_batch(list(slots), None, self._num_slots)
+        offset = 0
+        for p in self._pools.values():
+            for i in range(p.num_arrays):
+                spec = p.spec(i)
+                assert spec is not None  # _record_nbytes checked every shape
+                width = spec.nbytes
+                part = np.ascontiguousarray(records[:, offset:offset + width])
+                value = mx.array(part).view(spec.dtype).reshape(len(slots), *spec.shape)
+                p.scatter(i, batch, value)
+                offset += width
+
+    def _record_nbytes(self) -> int:
+        nbytes = self.bytes_per_slot
+        if nbytes is None:
+            raise InvalidArgument("a slot record needs every state array's shape (probe the pools)")
+        return nbytes
 
     # ---- plans and views -------------------------------------------------------
 
@@ -170,8 +228,8 @@ class RecurrentPools:
         for kind, run in runs:
             if kind is None:
                 self._apply_remap(run)
-            else:
-                self._swap(kind, run)
+            else:  # a swap kind's run holds only ops of that kind (built above)
+                self._swap(kind, cast("list[SwapOutSlot | SwapInSlot]", run))
 
     def _swap(self, kind: type, ops: list[SwapOutSlot | SwapInSlot]) -> None:
         """One batched host<->device move per layer for a run of slot swaps."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 from blockmgr.ops import MemoryOp
 
 from .batch import SlotBatch, make_batch
@@ -111,9 +111,10 @@ class StatePool:
     @property
     def bytes_per_slot(self) -> int | None:
         """Bytes of one slot's state; `None` while some array's shape is unknown."""
-        if any(s is None for s in self._specs):
+        known = [s for s in self._specs if s is not None]
+        if len(known) < len(self._specs):
             return None
-        return sum(s.nbytes for s in self._specs)
+        return sum(s.nbytes for s in known)
 
     # ---- batch access (used by the views) --------------------------------
 
@@ -142,18 +143,19 @@ class StatePool:
             )
         if batch.slots and max(batch.slots) >= self._num_slots:
             raise InvalidArgument(f"batch slots {batch.slots} exceed pool of {self._num_slots}")
-        spec = self._specs[i]
-        if spec is None:
+        spec, arr = self._specs[i], self._arrays[i]
+        if spec is None or arr is None:  # unmaterialized (both are None together)
             spec = ArraySpec(tuple(value.shape[1:]), value.dtype)
+            arr = mx.zeros((self._num_slots, *spec.shape), dtype=spec.dtype)
             self._specs[i] = spec
-            self._arrays[i] = mx.zeros((self._num_slots, *spec.shape), dtype=spec.dtype)
+            self._arrays[i] = arr
         elif tuple(value.shape[1:]) != spec.shape:
             raise InvalidArgument(
                 f"array {i}: per-slot shape {tuple(value.shape[1:])} != pool's {spec.shape}"
             )
         if value.dtype != spec.dtype:
             value = value.astype(spec.dtype)
-        _write_rows(self._arrays[i], batch, value, spec.nbytes)
+        _write_rows(arr, batch, value, spec.nbytes)
 
     def read_slot(self, slot: int) -> list[mx.array | None]:
         """Copies of one slot's arrays (`None` where unmaterialized). Evaluated."""
@@ -202,9 +204,12 @@ class StatePool:
         copies = make_batch(remap.copy_dst, None, self._num_slots) if remap.copy_dst else None
         zeros = make_batch(remap.zero, None, self._num_slots) if remap.zero else None
         for arr, spec, r in zip(self._arrays, self._specs, rows):
-            if arr is None:  # unmaterialized: every slot is already zero
+            if arr is None or spec is None:  # unmaterialized (both together): all zero
                 continue
             if copies is not None:
+                if r is None:
+                    raise IntegrityError(f"remap copies rows into {remap.copy_dst} but none "
+                                         "were gathered for a materialized array")
                 _write_rows(arr, copies, r, spec.nbytes)
             if zeros is not None:
                 _write_rows(arr, zeros, mx.zeros((), dtype=spec.dtype), spec.nbytes)

@@ -75,7 +75,11 @@ class RecurrentView:
         Idempotent; raises `InvalidArgument` on a shape mismatch."""
         dirty, self._dirty = self._dirty, []
         for i in dirty:
-            self._pool.scatter(i, self._batch, self._values[i])
+            value = self._values[i]
+            if value is None:  # the model set the array to None: nothing to write
+                raise InvalidArgument(
+                    f"array {i}: expected a [{len(self._batch)}, ...] mx.array, got NoneType")
+            self._pool.scatter(i, self._batch, value)
 
     def _array_index(self, i: int) -> int:
         n = self._pool.num_arrays

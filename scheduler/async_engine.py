@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockmgr.errors import BlockManagerError, WrongArgumentType
+from blockmgr.errors import BlockManagerError, IntegrityError, WrongArgumentType
 from blockmgr.validation import check_int
 from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
@@ -175,6 +175,9 @@ class AsyncEngine:
 
     async def outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a stream's outputs until the final one; abort if left early."""
+        request = stream.request
+        if request is None:  # `add` returns a stream once the engine thread admitted it
+            raise IntegrityError("outputs of a stream whose request was never admitted")
         finished = False
         try:
             while True:
@@ -183,14 +186,14 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
-                if finished and stream.request.error is not None:
-                    raise stream.request.error  # the engine ended it with an error
+                if finished and request.error is not None:
+                    raise request.error  # the engine ended it with an error
                 yield item
                 if finished:
                     return
         finally:
             if not finished:
-                self.abort(stream.request.request_id)
+                self.abort(request.request_id)
 
     def _reserve_place(self) -> None:
         """Refuse at once (`QueueFull`) when the requests waiting for

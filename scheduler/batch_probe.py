@@ -22,7 +22,7 @@ its sequences are freed with no computed token (none enters the prefix trie).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -182,7 +182,8 @@ def _batched_error(cache, run, want: np.ndarray, tol: float) -> str | None:
 
 def _param_dtype(model) -> mx.Dtype:
     """The dtype of the model's first floating-point weight (float32 if none)."""
-    for _, value in tree_flatten(model.parameters()):
+    # without a destination, tree_flatten gives a list of (key, array) pairs
+    for _, value in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())):
         if mx.issubdtype(value.dtype, mx.floating):
             return value.dtype
     return mx.float32

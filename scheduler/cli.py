@@ -22,7 +22,9 @@ import dataclasses
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from blockmgr.errors import IntegrityError
 from scheduler.serve import PREFILL_BATCH
@@ -280,6 +282,14 @@ def _add_pool_options(parser) -> None:
     m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
     m.add_argument("--num-host-slots", type=_nonneg_int,
                    help="host recurrent slots for swap (default with --hybrid and swap: num slots)")
+    m.add_argument("--num-host-cache-blocks", type=_nonneg_int,
+                   help="pages of the prefix cache's host tier (default 0: none; design/tiers.md)")
+    m.add_argument("--num-host-cache-slots", type=_nonneg_int,
+                   help="recurrent snapshots of the host tier (default with --hybrid: num slots)")
+    m.add_argument("--num-disk-blocks", type=_nonneg_int,
+                   help="pages of the prefix cache's disk tier (default 0: none)")
+    m.add_argument("--num-disk-slots", type=_nonneg_int,
+                   help="recurrent snapshots of the disk tier (default with --hybrid: num slots)")
 
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
@@ -376,6 +386,13 @@ def _add_serve_parser(sub) -> None:
                        help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
                             "recurrent slots first, pages with the rest")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
+    serve.add_argument("--disk-cache", metavar="DIR",
+                       help="keep evicted cached prefixes in this directory; they survive "
+                            "restarts (design/tiers.md)")
+    serve.add_argument("--disk-cache-size", metavar="SIZE",
+                       help="disk budget of --disk-cache, e.g. 20GiB (default 20GiB)")
+    serve.add_argument("--host-cache-size", metavar="SIZE",
+                       help="host memory for evicted cached prefixes, e.g. 4GiB (default none)")
     serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
                        help="sequences running at once (default 64)")
@@ -487,7 +504,9 @@ def build_config(args):
     for opt, key in (
         ("num_blocks", "num_blocks"), ("block_size", "block_size"), ("num_slots", "num_slots"),
         ("watermark", "watermark"), ("num_host_blocks", "num_host_blocks"),
-        ("num_host_slots", "num_host_slots"),
+        ("num_host_slots", "num_host_slots"), ("num_host_cache_blocks", "num_host_cache_blocks"),
+        ("num_host_cache_slots", "num_host_cache_slots"), ("num_disk_blocks", "num_disk_blocks"),
+        ("num_disk_slots", "num_disk_slots"),
     ):
         if getattr(args, opt) is not None:
             bm[key] = getattr(args, opt)
@@ -527,6 +546,11 @@ def build_config(args):
         bm["num_host_slots"] = bm["num_slots"]  # a hybrid sequence swaps its slot too
     if sc["preemption"] == "swap" and bm.get("num_slots") and not bm.get("num_host_slots"):
         raise ValueError("--hybrid --preemption swap needs --num-host-slots >= 1")
+    for pages, slots in (("num_host_cache_blocks", "num_host_cache_slots"),
+                         ("num_disk_blocks", "num_disk_slots")):
+        if bm.get(pages) and bm.get("num_slots") and getattr(args, slots) is None \
+                and not bm.get(slots):
+            bm[slots] = bm["num_slots"]  # a hybrid prefix moves with its snapshot
     _check_pool_sizes(bm)
     if args.profile is not None:
         from scheduler.simulator.profile import read_cost
@@ -620,7 +644,9 @@ MAX_POOL_ITEMS = 1 << 24
 
 
 def _check_pool_sizes(bm: dict) -> None:
-    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots"):
+    for key in ("num_blocks", "num_host_blocks", "num_slots", "num_host_slots",
+                "num_host_cache_blocks", "num_host_cache_slots", "num_disk_blocks",
+                "num_disk_slots"):
         value = bm.get(key)
         if isinstance(value, int) and value > MAX_POOL_ITEMS:
             option = "--" + key.replace("_", "-")
@@ -761,6 +787,18 @@ def _write_and_print(args, result, title: str, write=None, rows=None) -> int:
     return 0
 
 
+def _bar_progress(bar: Any) -> Callable[[str], None] | None:
+    """A calibration progress callback advancing a tqdm `bar` (None without one)."""
+    if bar is None:
+        return None
+
+    def progress(label: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(label)
+
+    return progress
+
+
 def cmd_calibrate(args) -> int:
     from dataclasses import replace
 
@@ -778,9 +816,8 @@ def cmd_calibrate(args) -> int:
 
         bar = tqdm(total=grid.num_points, unit="point", desc="calibrating", file=sys.stderr)
     try:
-        profile = calibrate(model, description, grid,
-                            progress=(lambda label: (bar.update(1), bar.set_postfix_str(label)))
-                            if bar is not None else None, clock=args.clock)
+        profile = calibrate(model, description, grid, progress=_bar_progress(bar),
+                            clock=args.clock)
     finally:
         if bar is not None:
             bar.close()
@@ -862,15 +899,15 @@ def cmd_sweep(args, base) -> int:
                      ray_address=args.ray)
     if bar is not None:
         bar.close()
-    params = list(grid)
+    names = list(grid)
     out_dir = Path(args.out or DEFAULT_OUT)
-    folder, note = write_sweep(rows, params, out_dir, plots=not args.no_plots)
+    folder, note = write_sweep(rows, names, out_dir, plots=not args.no_plots)
     if note:
         print(f"blockmgr: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps([{"params": r["params"], "summary": r["summary"]} for r in rows], indent=1))
     else:
-        header, body = table_rows(rows, params)
+        header, body = table_rows(rows, names)
         print(format_text_table(header, body))
         print(f"sweep: {folder / 'sweep.md'}, {folder / 'sweep.json'}")
     return 0
@@ -884,6 +921,7 @@ def cmd_serve(args) -> int:
     fields = kv_format_fields(args)  # bad options fail before the model loads
     kv_format = None if fields is None else KVFormat(**fields)
     serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    tiers = serve.cache_tier_options(args.disk_cache, args.disk_cache_size, args.host_cache_size)
     max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
     warning = serve.kv_events_warning(endpoint, args.kv_events_replay, bind)
@@ -896,7 +934,7 @@ def cmd_serve(args) -> int:
         num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len,
+        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
     )
     hint = serve.blas_hint()
     if hint:

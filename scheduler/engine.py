@@ -35,14 +35,15 @@ next `step()` continues either way.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
-from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import KVFormat, LayerKind, PagedCache, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
@@ -205,6 +206,12 @@ class Engine:
     pages (`PagedCache`; design/cache.md, "Page formats"), so `num_blocks`
     pages take about 0.53x (8-bit) or 0.28x (4-bit) of the memory of the
     model's float16. The draft model's pages stay at its dtype.
+
+    `host_cache_size`, `disk_cache` (a directory) and `disk_cache_size`
+    (bytes, or strings like "20GiB"): the prefix cache's host and disk
+    tiers (`PagedCache.for_model`, design/tiers.md): evicted prefixes move
+    there instead of being dropped, and the disk tier survives restarts.
+    `close()` (or leaving a ``with`` block) writes what is cached to disk.
     """
 
     def __init__(
@@ -232,6 +239,9 @@ class Engine:
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
         kv_format: KVFormat | None = None,
+        host_cache_size: int | str | None = None,
+        disk_cache: str | os.PathLike[str] | None = None,
+        disk_cache_size: int | str | None = None,
         **scheduler_kwargs: Any,
     ) -> None:
         if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
@@ -245,10 +255,13 @@ class Engine:
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
         if num_slots is None:  # speculation: one more per sequence (the checkpoint)
             num_slots = default_num_slots(config.max_num_seqs, draft_model is not None) if hybrid else 0
-        store_kwargs = {}
+        store_kwargs: dict[str, Any] = {}  # keywords of PagedCache's constructor
+        if host_cache_size is not None or disk_cache is not None or disk_cache_size is not None:
+            store_kwargs = {"host_cache_size": host_cache_size, "disk_cache": disk_cache,
+                            "disk_cache_size": disk_cache_size}
         if num_host_blocks:  # swap space (host slots only matter for hybrid models)
-            store_kwargs = {"num_host_blocks": num_host_blocks,
-                            "num_host_slots": num_host_slots if hybrid else 0}
+            store_kwargs.update({"num_host_blocks": num_host_blocks,
+                                 "num_host_slots": num_host_slots if hybrid else 0})
         self.model = model
         self.cache = PagedCache.for_model(
             model, num_blocks, block_size, num_slots=num_slots,
@@ -415,7 +428,8 @@ class Engine:
             stop = stop_strings(sampling.stop)  # one automaton for the request's samples
             texts = [self.text.sample_text(stop, sampling.stop_token_ids,
                                            request.prompt_tokens) for _ in range(n)]
-        logprobs = None if sampling.logprobs is None else [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] | None = (
+            None if sampling.logprobs is None else [[] for _ in range(n)])
         return _Tracked(request, texts, logprobs)
 
     def abort(self, request_id: Hashable, error: BaseException | None = None) -> None:
@@ -486,9 +500,20 @@ class Engine:
             self.kv_events.publish()
 
     def close(self) -> None:
-        """Release what lives outside the engine: the KV-event socket."""
-        if self.kv_events is not None:
-            self.kv_events.close()
+        """Release what lives outside the engine: the KV-event socket, and
+        the prefix cache's disk tier (what is cached goes to disk for the
+        next start: `PagedCache.close`). Idempotent."""
+        try:
+            self.cache.close()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled
@@ -503,13 +528,20 @@ class Engine:
             request = self.scheduler.get_request(request_id)
             if request is not None:
                 request.error = error
-                results.append(self.scheduler.abort(request_id))
+                results.append(self._abort_live(request_id))
         if self._tracked:
             self._annotate(results)
         for r in results:
             if r.finished:
                 self.faults.forget(r.request_id)
         return self._deliver(results)
+
+    def _abort_live(self, request_id: Hashable) -> RequestOutput:
+        """`scheduler.abort` of a request known to be live: its final output."""
+        out = self.scheduler.abort(request_id)
+        if out is None:
+            raise IntegrityError(f"live request {request_id!r} had nothing to abort")
+        return out
 
     def _annotate(self, results: list[RequestOutput]) -> None:
         """Give each tracked request's outputs their logprobs and text deltas;
@@ -548,18 +580,18 @@ class Engine:
                     r.logprobs[index] = [entry]
                     tracked.logprobs[index].append(entry)
         if tracked.texts is not None:
-            self._add_text(r, tracked)
+            self._add_text(r, tracked.request, tracked.texts)
 
-    def _add_text(self, r: RequestOutput, tracked: _Tracked) -> None:
+    def _add_text(self, r: RequestOutput, request: Request, texts: list[SampleText]) -> None:
         r.new_text = {}
         for index, tokens in r.new_tokens.items():
-            text = tracked.texts[index]
+            text = texts[index]
             delta = "".join(text.add(t) for t in tokens)
             if r.finish_reasons[index] is not None:
                 delta += text.finish()
                 if text.stopped:  # the stop string came with the last token
                     r.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
-                    tracked.request.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
+                    request.finish_reasons[index] = RequestStatus.FINISHED_STOPPED
             elif text.stopped:
                 stopped = self.scheduler.stop_sample(r.request_id, index)
                 if stopped is not None:
@@ -577,8 +609,8 @@ class Engine:
         more per prefill (on a model whose weights dominate, that forward
         costs about as much as the whole decode batch)."""
         seqs = out.seqs
-        if self.speculator is not None:
-            seqs = self._run_speculative(seqs, run)  # the rows it does not take
+        if self.speculator is not None:  # the rows it does not take
+            seqs = self._run_speculative(self.speculator, seqs, run)
         decode = [s for s in seqs if s.num_tokens == 1]
         prefill = [s for s in seqs if s.num_tokens > 1]
         isolated = self.faults.isolated
@@ -634,11 +666,11 @@ class Engine:
         for seq in alone:
             self._prefill_one(seq, run)
 
-    def _run_speculative(self, seqs: list[ScheduledSeq], run: _StepRun) -> list[ScheduledSeq]:
+    def _run_speculative(self, speculator: Speculator, seqs: list[ScheduledSeq],
+                         run: _StepRun) -> list[ScheduledSeq]:
         """Speculate the eligible rows (`Speculator.eligible`, not isolated
         by a fault) in one draft-and-verify round; returns the other rows.
         A raising round counts as never run, as any failed forward."""
-        speculator = self.speculator
         rows = [s for s in seqs if speculator.eligible(s)
                 and not self.faults.isolated(s.request_id)]
         if not rows:
@@ -713,8 +745,8 @@ class Engine:
         with self.cache.step([s.seq_id for s in group], num_new=lengths) as views:
             logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
             self.stats.num_forwards += 1
-            values = self._sample(group, picks, lengths, logits) if picks else None
-            if values is None:
+            values = self._sample(group, picks, lengths, logits) if picks else []
+            if not picks:
                 self.cache.eval_state()  # the logits are not needed
         self._flush_state()
         sampled: dict[Hashable, Any] = {}
@@ -752,7 +784,7 @@ class Engine:
                     self._step_logprobs[sample] = entry
         else:
             mx.eval(tokens)
-        return tokens.tolist()
+        return cast("list[int]", tokens.tolist())  # one int32 token per row
 
     def _flush_state(self) -> None:
         recurrent = self.cache.recurrent
@@ -780,7 +812,7 @@ class Engine:
         raises (an `Exception`) does not stop the others: its request is
         aborted (FINISHED_ABORTED, `Request.error` holds the exception) and
         its final output is added to the returned list."""
-        failed: list[RequestOutput] = []
+        failed: list[RequestOutput | None] = []
         for r in results:
             callback = self._callbacks.get(r.request_id)
             if callback is not None:
@@ -834,13 +866,20 @@ class Engine:
         requests already queued run too (their outputs are not returned).
         """
         ids = self._add_all(prompts, sampling)
-        requests = {rid: self.scheduler.get_request(rid) for rid in ids}
+        requests = {rid: self._live_request(rid) for rid in ids}
         tracked = {rid: self._tracked.get(rid) for rid in ids}
         while any(not r.is_finished for r in requests.values()):
             self.step()
         return [
             _generation_output(r, tracked[rid]) for rid, r in requests.items()
         ]
+
+    def _live_request(self, request_id: Hashable) -> Request:
+        """The `Request` of an id just queued (it cannot have finished yet)."""
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise IntegrityError(f"request {request_id!r} was queued but is not live")
+        return request
 
     def _add_all(self, prompts, sampling) -> list[Hashable]:
         """Check every prompt, then queue them all (or none)."""

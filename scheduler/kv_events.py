@@ -449,8 +449,9 @@ class ZmqSink:
         seq = 0
         try:
             while True:
-                if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
+                replay = self._replay
+                if replay is not None and replay.poll(0):
+                    self._serve_replay(replay)
                 try:
                     payload = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -468,8 +469,9 @@ class ZmqSink:
         finally:
             self._close_sockets()
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+    def _serve_replay(self, replay: Any) -> None:
+        """Answer one replay request on the `replay` (ROUTER) socket."""
+        frames = replay.recv_multipart()
         if len(frames) != 3:
             logger.warning("kv events: ignored a replay request of %d frames", len(frames))
             return
@@ -477,8 +479,8 @@ class ZmqSink:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([client, b"", END_OF_REPLAY, b""])
+                replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+        replay.send_multipart([client, b"", END_OF_REPLAY, b""])
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
@@ -527,6 +529,7 @@ class KVEventPublisher:
                 return None  # no hit changed: O(1)
             after = servable_blocks(self.store, self._memo)
             block_size = self.store.block_size
+            events: list[KVEvent]
             if self._resync:
                 events = [AllBlocksCleared(), *stored_events(list(after), after, block_size,
                                                               self.medium)]

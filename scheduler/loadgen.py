@@ -38,11 +38,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.tokens import TokenSource
-from scheduler.simulator.workloads import RequestSpec
+from scheduler.simulator.workloads import RequestSpec, head_arrival
 
 APIS = ("chat", "completions")
 PROMPT_FORMATS = ("text", "tokens")
@@ -257,8 +257,8 @@ class LoadGenerator:
     async def _open_loop(self, client, sessions: list[list[RequestSpec]]) -> None:
         """Each timed session starts at its head's arrival (scaled)."""
         running = []
-        for session in sorted(sessions, key=lambda s: s[0].arrival):
-            delay = session[0].arrival * self.options.time_scale - self._now()
+        for session in sorted(sessions, key=head_arrival):
+            delay = head_arrival(session) * self.options.time_scale - self._now()
             if delay > 0:
                 await asyncio.sleep(delay)
             running.append(asyncio.ensure_future(self._session(client, session)))
@@ -278,7 +278,7 @@ class LoadGenerator:
 
     async def _send(self, client, spec: RequestSpec) -> None:
         path = "/v1/chat/completions" if self.options.api == "chat" else "/v1/completions"
-        body = self.prompts.body(spec, self._model)
+        body = self.prompts.body(spec, self._served_model())
         outcome = Outcome(spec, self._now())
         try:
             async with client.stream("POST", path, json=body) as response:
@@ -318,7 +318,7 @@ class LoadGenerator:
         now = self._now()
         if outcome.first_token is None:
             outcome.first_token = now
-        else:
+        elif outcome.last_token is not None:  # set with first_token
             outcome.max_gap = max(outcome.max_gap, now - outcome.last_token)
         outcome.last_token = now
         outcome.num_deltas += 1
@@ -336,8 +336,14 @@ class LoadGenerator:
         summary["requests"]["cached_tokens_reported"] = sum(
             bool((o.usage or {}).get("prompt_tokens_details")) for o in self.outcomes)
         summary["errors"] = dict(errors.most_common(10))
-        return BenchResult(self.config, self.options, self._model, summary, metrics,
+        return BenchResult(self.config, self.options, self._served_model(), summary, metrics,
                            self.outcomes)
+
+    def _served_model(self) -> str:
+        """The model id requests name: the option's, or the one `run` asked the server for."""
+        if self._model is None:
+            raise IntegrityError("the served model is read before run() asked for it")
+        return self._model
 
 
 async def served_model(client) -> str:

@@ -246,8 +246,8 @@ class RequestMetrics:
         < 2 tokens per sample). Samples decode side by side, so the tokens
         per sample, not their total over samples, divide the time."""
         tokens_per_sample = self.num_generated_tokens / self.num_samples
-        if tokens_per_sample < 2 or self.first_token_time is None:
-            return None
+        if tokens_per_sample < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None  # (the first and the last token time are stamped together)
         return (self.last_token_time - self.first_token_time) / (tokens_per_sample - 1)
 
 

@@ -25,6 +25,7 @@ the top N (log_softmax of the model's own logits).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -121,7 +122,9 @@ def adjust_logits(
     were; O(biased + distinct history tokens) for the others."""
     if any(p.logits_processors for p in params):
         logits = _apply_processors(logits, params, _needs_histories(histories))
-    bias_rows, bias_cols, bias_values = [], [], []
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_values: list[float] = []
     for r, p in enumerate(params):
         if p.logit_bias:
             bias_rows.extend([r] * len(p.logit_bias))
@@ -137,24 +140,35 @@ def adjust_logits(
         )
     if penalized:
         histories = _needs_histories(histories)
-        logits = _apply_penalties(logits, [(r, params[r], histories[r]) for r in penalized])
+        logits = _apply_penalties(
+            logits, [(r, params[r], _history(histories, r)) for r in penalized])
     return logits
 
 
-def _needs_histories(histories):
+def _needs_histories(histories: Sequence[History | None] | None) -> Sequence[History | None]:
     if histories is None:
         raise ValueError("rows with penalties or logits processors need their token histories")
     return histories
 
 
-def _apply_processors(logits: mx.array, params, histories) -> mx.array:
+def _history(histories: Sequence[History | None], row: int) -> History:
+    """Row `row`'s history, which its penalties or processors need."""
+    history = histories[row]
+    if history is None:
+        raise ValueError(f"row {row} has penalties or logits processors but no token history")
+    return history
+
+
+def _apply_processors(
+    logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[History | None]
+) -> mx.array:
     """Each row with processors through them, in order (mlx-lm's calling
     convention: the row's tokens so far, its logits ``[1, V]``)."""
     rows = []
     for r, p in enumerate(params):
         row = logits[r : r + 1]
         if p.logits_processors:
-            prompt, output = histories[r]
+            prompt, output = _history(histories, r)
             tokens = mx.array(list(prompt) + list(output), dtype=mx.int32)
             for processor in p.logits_processors:
                 row = processor(tokens, row)
@@ -172,10 +186,9 @@ def _apply_penalties(logits: mx.array, rows: list[tuple[int, SamplingParams, His
         return logits
     r, t = mx.array(row_idx), mx.array(tokens)
     values = logits[r, t]
-    rep = mx.array(rep)
-    penalized = mx.where(values > 0, values / rep, values * rep)
-    counts = mx.array(counts)
-    penalized = penalized - mx.array(presence) * (counts > 0) - mx.array(frequency) * counts
+    rep_m, counts_m = mx.array(rep), mx.array(counts)
+    penalized = mx.where(values > 0, values / rep_m, values * rep_m)
+    penalized = penalized - mx.array(presence) * (counts_m > 0) - mx.array(frequency) * counts_m
     return logits.at[r, t].add(penalized - values)
 
 
@@ -208,24 +221,29 @@ def token_logprobs(
     and the `num_top[r]` most likely tokens' (None where `num_top[r]` is
     None), from log_softmax of the logits. One evaluation for all rows."""
     picked = [r for r, k in enumerate(num_top) if k is not None]
+    picked_top = [k for k in num_top if k is not None]  # num_top of the picked rows
     if not picked:
         return [None] * len(num_top)
     rows = mx.array(picked)
     logprobs = logits[rows].astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, tokens[rows].reshape(-1, 1), axis=-1)[:, 0]
-    width = min(max(num_top[r] for r in picked), logprobs.shape[-1])
+    width = min(max(picked_top), logprobs.shape[-1])
+    # `.tolist()` of 2-D / 1-D arrays: nested lists of token ids and float32 log-probabilities
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
     if width:
         top = mx.argsort(-logprobs, axis=-1)[:, :width]
         top_values = mx.take_along_axis(logprobs, top, axis=-1)
         mx.eval(chosen, top, top_values)
-        top, top_values = top.tolist(), top_values.tolist()
+        top_ids = cast("list[list[int]]", top.tolist())
+        top_logprobs = cast("list[list[float]]", top_values.tolist())
     else:
         mx.eval(chosen)
-    chosen_list, token_list = chosen.tolist(), tokens[rows].tolist()
+    chosen_list = cast("list[float]", chosen.tolist())
+    token_ids = cast("list[int]", tokens[rows].tolist())
     result: list[TokenLogprob | None] = [None] * len(num_top)
-    for i, r in enumerate(picked):
-        k = num_top[r]
-        pairs = tuple(zip(top[i][:k], top_values[i][:k])) if k else ()
-        result[r] = TokenLogprob(token_list[i], chosen_list[i], pairs)
+    for i, (r, k) in enumerate(zip(picked, picked_top)):
+        pairs = tuple(zip(top_ids[i][:k], top_logprobs[i][:k])) if k else ()
+        result[r] = TokenLogprob(token_ids[i], chosen_list[i], pairs)
     return result

@@ -44,10 +44,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 
 from blockmgr.errors import (
     BlockManagerError,
+    IntegrityError,
     InvalidArgument,
     OutOfBlocks,
     OutOfSlots,
@@ -231,7 +234,8 @@ class SchedulerOutput:
         """Every scheduled sequence's work, in running order. O(rows + items)
         on first read, O(1) after."""
         if self._seqs is None:
-            rows, records, done = self.rows, [], 0
+            rows, done = self.rows, 0
+            records: list[ScheduledSeq] = []
             for item, mark in zip(self.items, self.item_rows):
                 records += map(rows.record, range(done, mark))
                 records.append(item)
@@ -355,7 +359,11 @@ class _Seq:
         p = len(prompt)
         if stop <= p:
             return prompt[start:stop]
-        out = self.request.outputs[self.index]
+        index = self.index
+        if index is None:
+            raise IntegrityError(f"prompt sequence {self.seq_id!r} asked for tokens past its "
+                                 f"prompt ({start}:{stop} of {p})")
+        out = self.request.outputs[index]
         if start >= p:
             return out[start - p : stop - p]
         return prompt[start:] + out[: stop - p]
@@ -714,15 +722,18 @@ class Scheduler:
         if budget <= 0 or not len(waiting):
             return  # the loop below would not start: skip its O(running) counts
         running = self._running
-        partial = self._count_partial_prefills()
+        partial = self._count_partial_prefills()  # None exactly when there is no limit
+        max_partial = cfg.max_num_partial_prefills
         num_seqs = len(running) + sum(  # an unforked prompt counts n
             s.request.sampling.n - 1 for s in running if s.index is None)
         while budget > 0 and len(waiting):
             seq = waiting.peek()
+            if seq is None:
+                raise IntegrityError(f"the waiting queue counts {len(waiting)} but has none")
             width = _width(seq)
             if num_seqs + width > cfg.max_num_seqs:
                 break
-            if partial is not None and partial >= cfg.max_num_partial_prefills:
+            if partial is not None and max_partial is not None and partial >= max_partial:
                 break
             if not self._admit(seq, stats, ops):
                 if running or not out.is_empty or not self._drop_prefix_cache():
@@ -887,10 +898,13 @@ class Scheduler:
     def _emit_decode_row(self, seq: _Seq, token: int, out: SchedulerOutput) -> None:
         """`_emit(seq, 1, out)` of a decode row (its token reserved in the
         store): a row of `out.rows`."""
+        index = seq.index
+        if index is None:  # `_decode_token` gives no token to a prompt shared by n samples
+            raise IntegrityError(f"prompt sequence {seq.seq_id!r} emitted as a decode row")
         seq.num_reserved = seq.num_computed + 1
         seq.in_flight = True
         self._row_seqs.append(seq)
-        out.rows.extend([seq.seq_id], [token], [seq.num_computed], [seq.index], [seq.request])
+        out.rows.extend([seq.seq_id], [token], [seq.num_computed], [index], [seq.request])
         out.num_batched_tokens += 1
         out.num_decode_tokens += 1
 
@@ -953,10 +967,13 @@ class Scheduler:
         """
         self._check_output(output, sampled)
         rows, sampled = self._plan_rows(output, sampled, row_tokens)
+        row_seqs: list[_Seq]
+        tokens_of_rows: Sequence[int]
         if rows is None:  # every row goes through the generic checks, as a record
-            row_seqs, row_tokens, plan = [], [], self._plan_items(output.seqs, None, sampled)
+            row_seqs, tokens_of_rows = [], []
+            plan = self._plan_items(output.seqs, None, sampled)
         else:
-            row_seqs, row_tokens = rows
+            row_seqs, tokens_of_rows = rows
             plan = self._plan_items(output.items, output.item_rows, sampled)
         self._applied_step = output.step
         now = self.clock()
@@ -966,19 +983,22 @@ class Scheduler:
         done = 0  # rows applied: items and rows go in running order
         for mark, item, seq, tokens in plan:
             if mark > done:
-                self._apply_rows(row_seqs, row_tokens, done, mark, now, results, finished, deltas)
+                self._apply_rows(row_seqs, tokens_of_rows, done, mark, now, results, finished,
+                                 deltas)
                 done = mark
             if type(tokens) is int and not item.is_prefill:  # a decode row given as a record
                 self._apply_rows([seq], [tokens], 0, 1, now, results, finished, deltas)
             else:
                 self._apply_item(item, seq, tokens, now, results, forks, finished, deltas)
-        self._apply_rows(row_seqs, row_tokens, done, len(row_seqs), now, results, finished, deltas)
+        self._apply_rows(row_seqs, tokens_of_rows, done, len(row_seqs), now, results, finished,
+                         deltas)
         if forks or finished:
             self._rebuild_running(forks, finished)
         self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
         return list(results.values())
 
-    def _apply_rows(self, seqs: list[_Seq], tokens: list[int], start: int, stop: int, now: float,
+    def _apply_rows(self, seqs: list[_Seq], tokens: Sequence[int], start: int, stop: int,
+                    now: float,
                     results: dict, finished: set[int], deltas: bool) -> None:
         """Apply decode rows `start:stop` (checked: one sampled token each, of
         a one-sample sequence): the generic steps of `_apply_item` with what
@@ -992,11 +1012,13 @@ class Scheduler:
             req = seq.request
             metrics = req.metrics
             metrics.num_computed_tokens += 1
-            index = seq.index
+            # A row's sequence is one sample's (`_decode_token`), so its index is set; the
+            # ignores stand for checks that would run once per decoded token.
+            index: int = seq.index  # type: ignore[assignment]
             outputs = req.outputs[index]
             outputs.append(token)
             # The row's sample has a token already: its first token is stamped.
-            gap = now - metrics.last_token_time
+            gap = now - metrics.last_token_time  # type: ignore[operator]
             if gap > metrics.max_token_gap:
                 metrics.max_token_gap = gap
             metrics.last_token_time = now
@@ -1059,7 +1081,8 @@ class Scheduler:
             raise WrongArgumentType(f"sampled must be a mapping, got {sampled!r:.80}")
 
     def _plan_rows(self, output: SchedulerOutput, sampled: Mapping,
-                   row_tokens: Sequence[int] | None) -> tuple[tuple[list, list] | None, Mapping]:
+                   row_tokens: Sequence[int] | None
+                   ) -> tuple[tuple[list[_Seq], Sequence[int]] | None, Mapping]:
         """The decode rows of the last `schedule()`'s own output with their
         sampled tokens, checked at C speed: ((sequences, tokens), sampled).
         None in place of the rows when `_plan_items` must check them one by
@@ -1071,7 +1094,7 @@ class Scheduler:
         not one token per row. Changes nothing."""
         seq_ids = output.rows.seq_ids
         own = output is self._scheduled and not self._rows_disturbed
-        tokens = row_tokens
+        tokens: Sequence[Any] | None = row_tokens  # whatever `sampled` holds: checked below
         if row_tokens is not None:
             if not isinstance(row_tokens, (list, tuple)):
                 raise WrongArgumentType(
@@ -1081,21 +1104,21 @@ class Scheduler:
                     f"row_tokens needs one token per row ({len(seq_ids)}), got {len(row_tokens)}")
         elif own:
             tokens = list(map(sampled.get, seq_ids))  # None for a missing id: checked below
-        if own and tokens and (not set(map(type, tokens)) <= _INT_TYPE or min(tokens) < 0):
-            own = False
-        if own:
+        # `tokens` is set whenever `own` is; the rows are taken when every value is a plain int >= 0
+        if own and tokens is not None and (
+                not tokens or (set(map(type, tokens)) <= _INT_TYPE and min(tokens) >= 0)):
             return (self._row_seqs, tokens), sampled
         if row_tokens is not None:
             sampled = {**sampled, **dict(zip(seq_ids, row_tokens))}
         return None, sampled
 
     def _plan_items(self, items: Sequence[ScheduledSeq], item_rows: Sequence[int] | None,
-                    sampled: Mapping) -> list[tuple]:
+                    sampled: Mapping) -> list[_PlannedItem]:
         """Check records of an `update` call; (rows before it, item, live
         seq, sampled tokens or None) per record whose sequence is still live
         and in flight. `item_rows`: the output's, or None for records that
         stand for every row themselves. Changes nothing."""
-        plan = []
+        plan: list[_PlannedItem] = []
         add_step, sampled_value = plan.append, sampled.get  # bound once: a call per record
         seqs_of = self._seqs_of
         marks = itertools.repeat(0) if item_rows is None else item_rows
@@ -1106,7 +1129,7 @@ class Scheduler:
                 seq = self._live_seq(item)
             if seq is None or not seq.in_flight:
                 continue  # aborted, or unscheduled after a failed forward: ignored
-            tokens = None
+            tokens: int | list[int] | AcceptedTokens | None = None
             if item.sample:
                 value = sampled_value(item.seq_id, _MISSING)
                 if value is _MISSING:
@@ -1211,10 +1234,13 @@ class Scheduler:
         """A speculative row's tokens, one by one until a stop condition; the
         store kept the accepted drafts (all but the last token) as reserved.
         True if the sample ended."""
+        index = seq.index
+        if index is None:  # `_checked_accepted` admits one-sample rows only
+            raise IntegrityError(f"accepted tokens for prompt sequence {seq.seq_id!r}")
         seq.num_computed = accepted.num_computed
         seq.num_reserved += len(accepted.tokens) - 1
         for token in accepted.tokens:
-            if self._add_token(seq, seq.index, token, now, results, deltas):
+            if self._add_token(seq, index, token, now, results, deltas):
                 return True
         return False
 
@@ -1247,7 +1273,7 @@ class Scheduler:
         if not forks:  # the common case: sequences ended, none forked
             self._running = [seq for seq in self._running if not seq.done]
             return
-        running = []
+        running: list[_Seq] = []
         for seq in self._running:
             children = forks.get(id(seq))
             if children is not None:
@@ -1281,6 +1307,9 @@ class Scheduler:
 
 
 _MISSING = object()  # no entry in `sampled`
+# One record of `update`'s plan: (rows before it, the record, its live sequence,
+# its checked sampled value: a token, one per sample, accepted drafts, or None)
+_PlannedItem = tuple[int, ScheduledSeq, _Seq, int | list[int] | AcceptedTokens | None]
 _INT_TYPE = {int}  # the type of a plain sampled token id
 
 
@@ -1328,7 +1357,9 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...
     seqs: list[_Seq] = []
     tokens: list[int] = []
     stale: list[_Seq] = []
-    positions, indices, reqs = [], [], []
+    positions: list[int] = []
+    indices: list[int] = []
+    reqs: list[Request] = []
     add_seq, add_token = seqs.append, tokens.append  # bound once
     add_position, add_index, add_req = positions.append, indices.append, reqs.append
     for seq in itertools.islice(running, start, start + limit):
@@ -1377,7 +1408,7 @@ def _extend(ops: list, plan) -> None:
         ops.extend(plan)
 
 
-def _sampled_tokens(item: ScheduledSeq, value: object) -> int | list[int]:
+def _sampled_tokens(item: ScheduledSeq, value: int | Sequence[int]) -> int | list[int]:
     """The sampled value of one scheduled sequence, checked: an int for one
     sample, a list of `num_samples` ints for a prompt with several (one int
     there means that token for each)."""

@@ -18,20 +18,16 @@ a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 
 if TYPE_CHECKING:
     from cache import KVFormat
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
-          "tib": 2**40}
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Prefill chunks per forward in the server: a closed loop's clients arrive
 #: in waves, and a wave of short chunks on a cached system prompt costs one
@@ -42,13 +38,27 @@ PREFILL_BATCH = 8
 
 def parse_bytes(text: str) -> int:
     """"4GiB", "512MB", "1e9" -> bytes (binary units for Ki/Mi/Gi and bare K/M/G)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"not a memory size: {text!r} (try 4GiB or 512MB)")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise InvalidArgument(f"memory size must be positive, got {text!r}")
-    return value
+    from cache.tier_setup import parse_bytes as parse
+
+    return parse(text)
+
+
+def cache_tier_options(disk_cache: str | None, disk_cache_size: str | None,
+                       host_cache_size: str | None) -> dict[str, Any]:
+    """`Engine` keywords of `--disk-cache`, `--disk-cache-size` and
+    `--host-cache-size`, checked before the model loads (a bad size, a size
+    without its directory, a directory that cannot be made)."""
+    if disk_cache_size is not None and disk_cache is None:
+        raise InvalidArgument("--disk-cache-size needs --disk-cache DIR")
+    options: dict[str, Any] = {}
+    if host_cache_size is not None:
+        options["host_cache_size"] = parse_bytes(host_cache_size)
+    if disk_cache is not None:
+        Path(disk_cache).mkdir(parents=True, exist_ok=True)
+        options["disk_cache"] = disk_cache
+        if disk_cache_size is not None:
+            options["disk_cache_size"] = parse_bytes(disk_cache_size)
+    return options
 
 
 def page_bytes(model: Any, block_size: int, kv_format: KVFormat | None = None) -> int:
@@ -203,7 +213,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     if max_model_len is not None and context is not None and max_model_len > context:
         raise InvalidArgument(f"--max-model-len {max_model_len} is more than the model's context "
                               f"({context} tokens in its config.json)")
-    model, tokenizer = mlx_lm.load(str(path))
+    # without return_config, load gives (model, tokenizer)
+    model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
     if num_blocks is None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
         size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs,
@@ -215,6 +226,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
                     prefill_batch=prefill_batch, **engine_kwargs)
     config = engine.scheduler.config
+    if config.max_model_len is None:  # the Engine sets it (at most what the pool holds)
+        raise IntegrityError("the engine's scheduler has no max_model_len")
     if max_model_len is None and context is not None and context < config.max_model_len:
         config.max_model_len = context  # the pool holds more than the model reads
         if engine.speculator is not None:

@@ -41,7 +41,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import IntegrityError, InvalidArgument
 from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
 from scheduler.request import RequestStatus, SamplingParams, TokenLogprob
 from scheduler.scheduler import RequestOutput
@@ -184,8 +184,10 @@ def build_app(engine: AsyncEngine, model_name: str, *,
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
-async def _route_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _route_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's 404 (no such route) and 405 as OpenAI's error object."""
+    if not isinstance(error, HTTPException):  # registered for HTTPException only
+        return await _unexpected_error(request, error)
     method, path = request.method, request.url.path
     if error.status_code == 404:
         message = f"Unknown request URL: {method} {path:.200}"
@@ -209,7 +211,10 @@ class OpenAIServer:
                  max_body_bytes: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.max_model_len = engine.engine.scheduler.config.max_model_len
+        max_model_len = engine.engine.scheduler.config.max_model_len
+        if max_model_len is None:  # the Engine sets it (at most what the pool holds)
+            raise IntegrityError("the engine's scheduler has no max_model_len")
+        self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_model_len)
         self.tokenizer = engine.engine.text.tokenizer if engine.engine.text else None
         self.created = int(time.time())
@@ -335,6 +340,8 @@ class _Options:
     """What shapes the reply (not the sampling)."""
 
     __slots__ = ("stream", "include_usage")
+    stream: bool
+    include_usage: bool
 
     @classmethod
     def of(cls, body: Mapping, chat: bool) -> _Options:

@@ -33,7 +33,9 @@ class GracefulServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, deadline: float,
                  drain: float = DRAIN_SECONDS) -> None:
-        config.timeout_graceful_shutdown = deadline + drain
+        # uvicorn annotates this int | None, yet uses it as a timeout in seconds, where a
+        # float works; rounding it to an int would change the shutdown deadline.
+        config.timeout_graceful_shutdown = deadline + drain  # type: ignore[assignment]
         super().__init__(config)
         self.engine = engine
         self.deadline = deadline

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
-from blockmgr.errors import OutOfBlocks, OutOfSlots
-from scheduler.request import SamplingParams
+from blockmgr.errors import IntegrityError, OutOfBlocks, OutOfSlots
+from scheduler.request import Request, SamplingParams
 from scheduler.sampling import KeyChain, adjust_logits, filtered_logprobs
 from scheduler.scheduler import AcceptedTokens, ScheduledSeq
 
@@ -52,6 +52,8 @@ class _Row:
     """One decode row under speculation."""
 
     item: ScheduledSeq
+    request: Request  # item.request (a scheduled row's, never None)
+    sample_index: int  # item.sample_index (an eligible row's, never None)
     tokens: list[int]  # the sample's tokens: prompt + outputs
     max_drafts: int  # drafts this row may take (its remaining length - 1)
     drafts: list[int] = field(default_factory=list)
@@ -65,13 +67,13 @@ class _Row:
 
     @property
     def params(self) -> SamplingParams:
-        return self.item.request.sampling
+        return self.request.sampling
 
     def history(self, num_drafts: int) -> tuple[list[int], list[int]]:
         """(prompt, output + the first `num_drafts` drafts): what penalties
         and processors see at the position after those drafts."""
-        request = self.item.request
-        output = request.outputs[self.item.sample_index]
+        request = self.request
+        output = request.outputs[self.sample_index]
         return request.prompt_tokens, list(output) + self.drafts[:num_drafts]
 
 
@@ -108,7 +110,7 @@ class Speculator:
     def eligible(self, item: ScheduledSeq) -> bool:
         """Can this scheduled row be speculated? A sampling row of one
         sample past its prompt, with a short pending chunk, no logprobs."""
-        request = item.request
+        request = _request(item)
         return (
             item.sample
             and item.num_samples == 1
@@ -147,13 +149,16 @@ class Speculator:
         return accepted, counts
 
     def _row(self, item: ScheduledSeq) -> _Row:
-        request = item.request
-        output = request.outputs[item.sample_index]
+        request = _request(item)
+        index = item.sample_index
+        if index is None:  # `eligible` rows are one sample's
+            raise IntegrityError(f"speculating {item.seq_id!r}, a prompt shared by samples")
+        output = request.outputs[index]
         tokens = request.prompt_tokens + output
         remaining = request.sampling.max_tokens - len(output)
         if self.max_model_len is not None:
             remaining = min(remaining, self.max_model_len - len(tokens))
-        return _Row(item, tokens, max(0, min(self.k, remaining - 1)))
+        return _Row(item, request, index, tokens, max(0, min(self.k, remaining - 1)))
 
     # ---------------------------------------------------------------- draft
 
@@ -185,10 +190,10 @@ class Speculator:
         sharing it hit the draft's prefix cache (hybrid hits end at
         snapshots only)."""
         draft = self.draft_cache
-        new = [r for r in rows if draft.num_computed(r.seq_id) < len(r.item.request.prompt_tokens)]
+        new = [r for r in rows if draft.num_computed(r.seq_id) < len(r.request.prompt_tokens)]
         if not new:
             return
-        inputs = [r.tokens[draft.num_computed(r.seq_id):len(r.item.request.prompt_tokens)]
+        inputs = [r.tokens[draft.num_computed(r.seq_id):len(r.request.prompt_tokens)]
                   for r in new]
         _forward_last(self.draft_model, draft, new, inputs, self.batched)
         counts.num_draft_forwards += 1 if self.batched else len(new)
@@ -234,7 +239,7 @@ class Speculator:
         counts.num_draft_forwards += 1 if self.batched else len(rows)
         histories = [r.history(len(r.drafts)) for r in rows]
         adjusted = adjust_logits(last, [r.params for r in rows], histories)
-        tokens = []
+        tokens: list[mx.array] = []
         for b, r in enumerate(rows):
             if r.params.greedy:
                 tokens.append(mx.argmax(adjusted[b]))
@@ -243,8 +248,8 @@ class Speculator:
                 r.draft_logprobs.append(logprobs)
                 chain = _key(keys, r)
                 tokens.append(mx.random.categorical(logprobs, key=chain.next() if chain else None))
-        tokens = mx.stack(tokens).tolist()
-        for r, token in zip(rows, tokens):
+        drafted = cast("list[int]", mx.stack(tokens).tolist())  # one token id per row
+        for r, token in zip(rows, drafted):
             r.drafts.append(int(token))
         counts.num_drafted += len(rows)
 
@@ -315,7 +320,7 @@ def accept_greedy(row: _Row, logits: mx.array) -> tuple[int, int]:
     gives. `logits`: ``[len(drafts) + 1, V]``."""
     n = len(row.drafts) + 1
     adjusted = adjust_logits(logits, [row.params] * n, [row.history(i) for i in range(n)])
-    choice = mx.argmax(adjusted, axis=-1).tolist()
+    choice = cast("list[int]", mx.argmax(adjusted, axis=-1).tolist())  # a token id per position
     num = 0
     while num < len(row.drafts) and row.drafts[num] == choice[num]:
         num += 1
@@ -341,7 +346,7 @@ def accept_sampled(row: _Row, logits: mx.array, key: KeyChain | None) -> tuple[i
         p = mx.exp(logp[positions, index])
         q = mx.exp(mx.stack(row.draft_logprobs)[positions, index])
         u = mx.random.uniform(shape=(len(row.drafts),), key=key.next() if key else None)
-        keep = (u * q < p).tolist()
+        keep = cast("list[bool]", (u * q < p).tolist())  # one bool per draft
         while num < len(keep) and keep[num]:
             num += 1
     target = mx.exp(logp[num])
@@ -350,7 +355,7 @@ def accept_sampled(row: _Row, logits: mx.array, key: KeyChain | None) -> tuple[i
         total = residual.sum()
         target = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target)
     token = mx.random.categorical(mx.log(target), key=key.next() if key else None)
-    return num, int(token.item())
+    return num, int(cast(int, token.item()))  # a scalar token id
 
 
 def _sampling_logprobs(adjusted: mx.array, params: SamplingParams) -> mx.array:
@@ -358,6 +363,13 @@ def _sampling_logprobs(adjusted: mx.array, params: SamplingParams) -> mx.array:
     scaled by 1 / temperature, renormalized. ``[R, V]``."""
     scaled = filtered_logprobs(adjusted, params) * (1.0 / params.temperature)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def _request(item: ScheduledSeq) -> Request:
+    """The request of a row the scheduler scheduled (it always sets it)."""
+    if item.request is None:
+        raise IntegrityError(f"scheduled row {item.seq_id!r} has no request")
+    return item.request
 
 
 def _key(keys: Mapping[Hashable, KeyChain], row: _Row) -> KeyChain | None:
@@ -385,7 +397,7 @@ def _forward(model, cache, rows, inputs, picks, batched: bool) -> list[mx.array]
     per row its logits at `picks[b]`, evaluated. A raising forward is
     rolled back by `cache.step`."""
     groups = [list(range(len(rows)))] if batched else [[b] for b in range(len(rows))]
-    out: list[mx.array] = [None] * len(rows)  # type: ignore[list-item]
+    out: dict[int, mx.array] = {}  # row -> its logits
     for group in groups:
         lengths = [len(inputs[b]) for b in group]
         width = max(lengths)
@@ -398,4 +410,4 @@ def _forward(model, cache, rows, inputs, picks, batched: bool) -> list[mx.array]
             cache.recurrent.flush()
         for i, b in enumerate(group):
             out[b] = picked[i]
-    return out
+    return [out[b] for b in range(len(rows))]

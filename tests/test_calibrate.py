@@ -173,7 +173,8 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
                       decode_batch_overhead=0.2, decode_padded_context_token=5e-7,
                       random_sample_per_row=0.004, prefill_chunk_token_square=3e-7,
                       decode_forward_overhead=0.17, decode_attention_per_context_token=1.5e-6,
-                      decode_attention_beyond_knee=4e-6, decode_context_knee=6144)
+                      decode_attention_beyond_knee=4e-6, decode_context_knee=6144,
+                      host_move_per_page=0.0, disk_load_per_page=0.0)  # timed apart, as copies
     samples = simulated_samples(truth)
     assert len(samples) > 200
     keys = [s.shape.decode_context_tokens for s in samples]
@@ -196,7 +197,9 @@ def test_the_calibration_grid_pins_every_term():
     model, description = tiny_model()
     shapes = [s for s in calibrate(model, description, QUICK_GRID).samples]
     names = [f.name for f in fields(CostModel)]
-    truth = CostModel(**{name: 0.0 if name in ("copy_per_slot", "swap_per_page") else (i + 1) * 1e-3
+    apart = ("copy_per_slot", "swap_per_page", "host_move_per_page", "disk_load_per_page",
+             "disk_store_per_page")  # no calibration step moves pages between tiers
+    truth = CostModel(**{name: 0.0 if name in apart else (i + 1) * 1e-3
                          for i, name in enumerate(COEFFICIENTS)}, decode_context_knee=512)
     samples = [StepSample(s.label, s.shape, truth.time_of(s.shape)) for s in shapes]
     fitted, _ = fit_cost_model(samples, {"copy_per_page": truth.copy_per_page})

@@ -170,8 +170,8 @@ def stores_for(model_name: str, num_slots: int) -> list[Driver]:
     model = built(model_name)
     pc = PagedCache.for_model(model, 32, BLOCK, num_slots=num_slots, num_host_blocks=16,
                               num_host_slots=num_slots)
-    kwargs = dict(num_blocks=32, block_size=BLOCK, num_slots=num_slots, num_host_blocks=16,
-                  num_host_slots=num_slots)
+    kwargs: dict[str, Any] = dict(num_blocks=32, block_size=BLOCK, num_slots=num_slots,
+                                  num_host_blocks=16, num_host_slots=num_slots)
     return [
         Driver(BlockManager(BlockManagerConfig(**kwargs))),
         Driver(GroupedStore(GroupedStoreConfig(windows=(None,), **kwargs))),

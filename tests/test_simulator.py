@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -452,3 +453,31 @@ def test_time_per_output_token_matches_the_cost_model(tmp_path, n):
     prefill = cost.step_overhead + 50 * cost.prefill_per_token
     assert s["latency"]["ttft_s"]["mean"] == pytest.approx(prefill)
     assert s["latency"]["e2e_s"]["mean"] == pytest.approx(prefill + 19 * step)
+
+
+# ------------------------------------------------------------ cache tiers
+
+
+def _tiered(num_host: int, num_disk: int, disk_load: float = 0.0005) -> dict:
+    cfg = small_config(mix={"agent": 1.0}, num_requests=80, rate=4.0)
+    cfg.block_manager = BlockManagerConfig(
+        num_blocks=160, block_size=16, num_host_cache_blocks=num_host, num_disk_blocks=num_disk)
+    cfg.cost = replace(cfg.cost, disk_load_per_page=disk_load)
+    return run_simulation(cfg).summary
+
+
+def test_cache_tiers_keep_what_the_device_pool_drops_and_price_its_loads():
+    """An agent workload the device pool cannot hold: a host tier, then a
+    disk tier below it, hit more of each prompt (every run leak-free under
+    --check); a slower disk makes the same run (same hits, same loads)
+    wait longer for its first tokens."""
+    device, host, disk = _tiered(0, 0), _tiered(400, 0), _tiered(400, 3000)
+    rates = [s["prefix_cache"]["hit_rate"] for s in (device, host, disk)]
+    assert rates[0] < rates[1] < rates[2]
+    assert "tiers" not in device["prefix_cache"]
+    tiers = disk["prefix_cache"]["tiers"]
+    assert tiers["host"]["pages_demoted_in"] > 0 and tiers["disk"]["pages_loaded_from"] > 0
+    assert all(s["checks"]["leaks"] == "ok" for s in (device, host, disk))
+    slow = _tiered(400, 3000, disk_load=0.05)
+    assert slow["prefix_cache"]["tiers"]["disk"]["pages_loaded_from"] > 0
+    assert slow["latency"]["ttft_s"]["mean"] > disk["latency"]["ttft_s"]["mean"]

@@ -474,7 +474,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": _load_average(),
         "python": platform.python_version(),
-        "mlx_version": mx.__version__,
+        "mlx_version": getattr(mx, "__version__"),  # the module has it; its stubs omit it
         "mlx_device": str(mx.default_device()),
         "blas": blas_info(),
     }

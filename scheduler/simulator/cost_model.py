@@ -39,6 +39,13 @@ by `CostModel.time_of(StepShape)`:
                               doubles past ~12-16k keys)
     + copy_per_page      * CopyBlock ops  (+ copy_per_slot * CopySlot/ZeroSlot)
     + swap_per_page      * swap ops
+    + host_move_per_page * prefix-cache pages and snapshots moved between the
+                              device and the host tier (a demotion or a load)
+    + disk_load_per_page * pages and snapshots loaded from the disk tier (a
+                              read the forward waits for)
+    + disk_store_per_page * pages and snapshots demoted to the disk tier
+                              (written behind the forward: 0 unless the
+                              writes outrun the disk)
 
 A "decode row" is a sequence scheduled for one token, a prefill chunk one
 scheduled for more (the engine's own split: all one-token rows run in one
@@ -59,10 +66,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from blockmgr import CopyBlock, CopySlot, ZeroSlot
-from blockmgr.ops import SwapIn, SwapInSlot, SwapOut, SwapOutSlot
+from blockmgr.ops import MovePage, MoveSlot, SwapIn, SwapInSlot, SwapOut, SwapOutSlot, Tier
 
 _SWAP_OPS = (SwapOut, SwapIn, SwapOutSlot, SwapInSlot)
 _SLOT_OPS = (CopySlot, ZeroSlot)
+_MOVE_OPS = (MovePage, MoveSlot)
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +90,9 @@ class StepShape:
     swaps: int = 0
     prefill_token_squares: int = 0
     decode_context_tokens: float = 0.0  # keys the decode rows read, summed
+    host_moves: int = 0  # prefix-cache pages/snapshots moved between device and host
+    disk_loads: int = 0  # ... loaded from disk
+    disk_stores: int = 0  # ... written to disk
 
     @property
     def runs_decode_forward(self) -> bool:
@@ -110,6 +121,9 @@ class StepShape:
             1.0 if self.runs_decode_forward else 0.0,
             float(self.decode_context_tokens),
             max(0.0, self.decode_context_tokens - knee),
+            float(self.host_moves),
+            float(self.disk_loads),
+            float(self.disk_stores),
         )
 
 
@@ -137,10 +151,10 @@ def step_shape(out, attended: Callable[[int], float] | None = None) -> StepShape
     sums.drawn += sum(1 for req in out.rows.requests if req.sampling.temperature > 0)
     last_end = sums.last_end
     longest = last_end if attended is None or not sums.decode else attended(last_end)  # monotone
-    copies, slots, swaps = count_ops(out.ops)
+    copies, slots, swaps, host, loads, stores = count_ops(out.ops)
     return StepShape(sums.prefill, sums.decode, sums.context, sums.chunks, sums.sampled,
                      sums.pairs, longest, sums.drawn, copies, slots, swaps, sums.squares,
-                     sums.decode_keys)
+                     sums.decode_keys, host, loads, stores)
 
 
 @dataclass(slots=True)
@@ -165,7 +179,7 @@ class _ShapeSums:
             return
         if attended is None:  # integer keys: their sum is exact in any order
             ends = positions[start:stop]
-            keys = sum(ends) + len(ends)
+            keys: float = sum(ends) + len(ends)  # an int here, a float from `attended` below
             self.context += keys
             self.decode_keys += keys
             self.last_end = max(self.last_end, max(ends) + 1)
@@ -197,9 +211,10 @@ class _ShapeSums:
         self.squares += n * n
 
 
-def count_ops(ops) -> tuple[int, int, int]:
-    """(page copies, slot copies/zeroes, swapped pages or slots) of a plan."""
-    pages = slots = swaps = 0
+def count_ops(ops) -> tuple[int, int, int, int, int, int]:
+    """(page copies, slot copies/zeroes, swapped pages or slots, host-tier
+    moves, disk loads, disk stores) of a plan. O(ops)."""
+    pages = slots = swaps = host = loads = stores = 0
     for op in ops or ():
         kind = type(op)
         if kind is CopyBlock:
@@ -208,7 +223,14 @@ def count_ops(ops) -> tuple[int, int, int]:
             slots += 1
         elif kind in _SWAP_OPS:
             swaps += 1
-    return pages, slots, swaps
+        elif kind in _MOVE_OPS:
+            if op.dst_tier == Tier.DISK:
+                stores += 1
+            elif op.src_tier == Tier.DISK:
+                loads += 1
+            else:
+                host += 1
+    return pages, slots, swaps, host, loads, stores
 
 
 @dataclass(slots=True, frozen=True)
@@ -237,6 +259,9 @@ class CostModel:
     decode_forward_overhead: float = 0.0
     decode_attention_per_context_token: float = 0.0
     decode_attention_beyond_knee: float = 0.0
+    host_move_per_page: float = 0.0001
+    disk_load_per_page: float = 0.0005
+    disk_store_per_page: float = 0.0
     decode_context_knee: float = 0.0
 
     def __post_init__(self) -> None:
@@ -278,6 +303,9 @@ class CostModel:
             + self.decode_attention_per_context_token * s.decode_context_tokens
             + (self.decode_attention_beyond_knee * (s.decode_context_tokens - self.decode_context_knee)
                if s.decode_context_tokens > self.decode_context_knee else 0.0)
+            + self.host_move_per_page * s.host_moves
+            + self.disk_load_per_page * s.disk_loads
+            + self.disk_store_per_page * s.disk_stores
         )
 
     def step_time(

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from scheduler.simulator.layout import ModelLayout
 
@@ -75,7 +75,7 @@ class ModelSpec:
     shape: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> dict:
-        out = {"path": self.path} if self.path else {"preset": self.preset}
+        out: dict[str, Any] = {"path": self.path} if self.path else {"preset": self.preset}
         if self.layers is not None:
             out["layers"] = self.layers
         if self.shape:
@@ -121,7 +121,9 @@ def load_model(spec: ModelSpec) -> tuple[Any, dict]:
             raise ModelSpecError(f"cannot build {spec.preset} with {config['num_hidden_layers']} "
                                  f"layers: {type(exc).__name__}: {exc}") from None
     mx.eval(model.parameters())
-    num_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    # without a destination, tree_flatten gives a list of (key, array) pairs
+    leaves = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    num_params = sum(v.size for _, v in leaves)
     return model, {**spec.describe(), "config": config, "num_parameters": int(num_params)}
 
 
@@ -146,7 +148,8 @@ def model_layout(model: Any) -> ModelLayout:
 
     specs = layer_specs(model)
     counts = {kind: sum(1 for s in specs if s.kind is kind) for kind in LayerKind}
-    windows = sorted({s.window for s in specs if s.kind is LayerKind.SLIDING})
+    windows = sorted({s.window for s in specs
+                      if s.kind is LayerKind.SLIDING and s.window is not None})
     if len(windows) > 1:
         raise ModelSpecError(f"the model's sliding layers use several windows {windows}; "
                              "a simulated layout has one")

@@ -75,7 +75,8 @@ class ModelLayout:
         num_attention = self.full + self.sliding
         if not num_attention:
             return 0.0
-        windowed = min(end, self.window) if self.sliding else 0
+        # `window` is set exactly when there are sliding layers (checked on construction)
+        windowed = min(end, self.window) if self.window is not None else 0
         return (self.full * end + self.sliding * windowed) / num_attention
 
     def store_config(self, bm: BlockManagerConfig) -> GroupedStoreConfig:
@@ -93,6 +94,10 @@ class ModelLayout:
             watermark=bm.watermark,
             num_host_blocks=bm.num_host_blocks,
             num_host_slots=bm.num_host_slots,
+            num_host_cache_blocks=bm.num_host_cache_blocks,
+            num_host_cache_slots=bm.num_host_cache_slots,
+            num_disk_blocks=bm.num_disk_blocks,
+            num_disk_slots=bm.num_disk_slots,
         )
 
     def to_dict(self) -> dict[str, Any]:

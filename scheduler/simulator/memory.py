@@ -70,7 +70,7 @@ def snapshot(bm: SequencePages) -> MemorySnapshot:
     """Measure `bm` now. O(pages held by live sequences)."""
     block_size = bm.block_size
     is_swapped = bm.is_swapped
-    pages: set[int] = set()
+    pages: set[int | None] = set()  # None (a released page) is discarded at the end
     last_fill: dict[int, int] = {}
     logical = 0
     contiguous = 0

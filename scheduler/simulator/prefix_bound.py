@@ -13,11 +13,12 @@ O(tokens); explicit token prompts cost O(tokens). Namespaces never share.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from scheduler.simulator.workloads import RequestSpec
 
-Segment = tuple[int, int]
+# (text key, length in tokens); an explicit token prompt's segments are (("token", id), 1)
+Segment = tuple[Hashable, int]
 
 
 class PrefixBound:

@@ -25,18 +25,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from blockmgr.errors import IntegrityError
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.prefix_bound import PrefixBound
 from scheduler.simulator.runner import ProgressFn, SimulationResult, check_no_leaks, sessions_of
 from scheduler.simulator.tokens import TokenSource
-from scheduler.simulator.workloads import RequestSpec
+from scheduler.simulator.workloads import RequestSpec, head_arrival
 
 
 class ReplayError(ValueError):
@@ -112,7 +113,7 @@ class Replay:
         self._heap: list = []
         self._order = itertools.count()
         self._next_head: list[RequestSpec] | None = None
-        self._live: dict[str, tuple[RequestSpec, list[RequestSpec], int, Any]] = {}
+        self._live: dict[Hashable, tuple[RequestSpec, list[RequestSpec], int, Any]] = {}
         self._last_step: tuple[Any, float] | None = None
         self._step_listener = step_listener
         self._num_added = self._num_done = self._steps = 0
@@ -137,13 +138,13 @@ class Replay:
         times = [self._heap[0][0]] if self._heap else []
         head = self._head()
         if head is not None:
-            times.append(head[0].arrival)
+            times.append(head_arrival(head))
         return min(times) if times else None
 
     def _admit(self) -> None:
         now = self.clock.now()
-        while (head := self._head()) is not None and head[0].arrival <= now:
-            heapq.heappush(self._heap, (head[0].arrival, next(self._order), head, 0))
+        while (head := self._head()) is not None and head_arrival(head) <= now:
+            heapq.heappush(self._heap, (head_arrival(head), next(self._order), head, 0))
             self._next_head = None
         while self._heap and self._heap[0][0] <= now:
             when, _, session, index = heapq.heappop(self._heap)
@@ -165,8 +166,10 @@ class Replay:
             request = Request(spec.request_id, prompt, sampling, arrival_time=when)
             self._done(spec, session, index, request, aborted=True)
             return
-        request = self.engine.get_request(spec.request_id)
-        self._live[spec.request_id] = (spec, session, index, request)
+        live = self.engine.get_request(spec.request_id)
+        if live is None:  # just added: no step ran since
+            raise IntegrityError(f"request {spec.request_id!r} was added but is not live")
+        self._live[spec.request_id] = (spec, session, index, live)
 
     def _done(self, spec, session, index, request, aborted: bool) -> None:
         self.metrics.on_finish(RequestRecord.of(spec.workload, request, self.clock.now(), aborted))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -255,7 +256,7 @@ def comparison_rows(first: dict, second: dict) -> list[tuple[str, float | None, 
 
 
 def _at(summary: dict, path: tuple[str, ...]) -> float | None:
-    value = summary
+    value: Any = summary  # a nested section, then the number at the path
     for key in path:
         if not isinstance(value, dict) or value.get(key) is None:
             return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from blockmgr import BlockManager, GroupedStore
@@ -38,7 +38,7 @@ from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.prefix_bound import PrefixBound
 from scheduler.simulator.tokens import TokenSource, derive_key
 from scheduler.simulator.trace import iter_sessions, read_trace
-from scheduler.simulator.workloads import RequestSpec, generate
+from scheduler.simulator.workloads import RequestSpec, generate, head_arrival
 
 ProgressFn = Callable[[int, int, float], None]
 
@@ -84,8 +84,6 @@ class Simulation:
         self.now = 0.0
         self.bm = GroupedStore(config.layout.store_config(config.block_manager))
         self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
-        layout = config.layout
-        self._attended = None if layout.reads_every_key else layout.attended  # None: the fast path
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
         self._sessions = iter(sessions) if sessions is not None else sessions_of(config)
@@ -96,13 +94,13 @@ class Simulation:
         self._order = itertools.count()
         self._next_head: list[RequestSpec] | None = None
         self._free_clients = config.workload.concurrency
-        self._live: dict[str, _Live] = {}
+        self._live: dict[Hashable, _Live] = {}  # by request id
         self._greedy: dict = {}  # output length -> shared one-sample SamplingParams
         self._num_added = 0
         self._num_done = 0
         self._steps = 0
         self._idle_steps = 0
-        self._attended = _attended_of(config.layout)
+        self._attended = _attended_of(config.layout)  # None: the fast path
 
     def _clock(self) -> float:
         return self.now
@@ -294,7 +292,7 @@ class Simulation:
             )
         return False
 
-    def _finish(self, request_id: str, aborted: bool) -> None:
+    def _finish(self, request_id: Hashable, aborted: bool) -> None:
         entry = self._live.pop(request_id)
         self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now, aborted))
         self._num_done += 1
@@ -323,6 +321,19 @@ class Simulation:
         summary["requests"]["submitted"] = self._num_added
         if self._bound is not None:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
+        tiers = bm.tier_usage()
+        if tiers:  # the prefix cache's host and disk tiers (design/tiers.md)
+            summary["prefix_cache"]["tiers"] = {
+                usage.tier.name.lower(): {
+                    "nodes": usage.num_nodes,
+                    "pages_used": list(usage.num_used_pages),
+                    "pages": list(usage.num_pages),
+                    "slots_used": usage.num_used_slots,
+                    "pages_demoted_in": usage.num_demoted_pages,
+                    "pages_loaded_from": usage.num_loaded_pages,
+                }
+                for usage in tiers
+            }
         if cfg.check_every is not None:
             bm.check_integrity()
             self.metrics.num_integrity_checks += 1
@@ -406,7 +417,7 @@ def _ordered(sessions: list[list[RequestSpec]]) -> list[list[RequestSpec]]:
     """Open-loop heads in arrival order (closed-loop heads keep file order, after)."""
     timed = [s for s in sessions if s[0].arrival is not None]
     untimed = [s for s in sessions if s[0].arrival is None]
-    timed.sort(key=lambda s: s[0].arrival)
+    timed.sort(key=head_arrival)
     return timed + untimed
 
 

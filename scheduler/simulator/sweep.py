@@ -21,8 +21,8 @@ from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.plots import PlottingUnavailable, plot_sweep
 from scheduler.simulator.runner import run_simulation
 
-#: Sweepable name -> (config section or None for top level, field).
-SWEEP_PARAMS: dict[str, tuple[str | None, str]] = {
+#: Sweepable name -> (config section, field).
+SWEEP_PARAMS: dict[str, tuple[str, str]] = {
     "num_blocks": ("block_manager", "num_blocks"),
     "block_size": ("block_manager", "block_size"),
     "num_slots": ("block_manager", "num_slots"),

@@ -43,8 +43,9 @@ import json
 import math
 import warnings
 from datetime import datetime
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from scheduler.simulator.tokens import derive_key
 from scheduler.simulator.workloads import RequestSpec
@@ -141,8 +142,8 @@ def _scaled(spec: RequestSpec, scale: float) -> RequestSpec:
                  think_time=spec.think_time * scale)
 
 
-def _copy(s: RequestSpec, **changes) -> RequestSpec:
-    values = dict(
+def _copy(s: RequestSpec, **changes: Any) -> RequestSpec:
+    values: dict[str, Any] = dict(
         request_id=s.request_id, prompt=s.prompt, output_len=s.output_len,
         output_key=s.output_key, n=s.n, namespace=s.namespace, arrival=s.arrival,
         after=s.after, think_time=s.think_time, workload=s.workload, tokens=s.tokens,
@@ -181,13 +182,14 @@ def _read_jsonl(handle, path, prefix_block_tokens: int | None):
             session = [spec]
             sessions.append(session)
         else:
-            session = session_of.get(spec.after)
-            if session is None or session[-1].request_id != spec.after:
+            previous = session_of.get(spec.after)
+            if previous is None or previous[-1].request_id != spec.after:
                 raise TraceError(
                     f"{path}:{lineno}: 'after' must name the previous request of a "
                     f"session that appears earlier, got {spec.after!r}"
                 )
-            session.append(spec)
+            previous.append(spec)
+            session = previous
         session_of[spec.request_id] = session
     if blocks.used is not None:
         header["prefix_block_tokens"] = blocks.used
@@ -258,7 +260,7 @@ def _read_csv(handle, path) -> list[list[RequestSpec]]:
     return sessions
 
 
-def _column(columns: list[str], options: tuple[str, ...], path) -> str:
+def _column(columns: Sequence[str], options: tuple[str, ...], path) -> str:
     for name in options:
         if name in columns:
             return name

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from blockmgr.errors import IntegrityError
 from scheduler.simulator.lengths import LengthDist, parse_length
 from scheduler.simulator.tokens import derive_key
 
@@ -63,7 +65,7 @@ class RequestSpec:
     output_len: int
     output_key: int
     n: int = 1
-    namespace: str | None = None
+    namespace: str | int | None = None  # a tenant (traces give strings or integers)
     arrival: float | None = None
     after: str | None = None
     think_time: float = 0.0
@@ -193,11 +195,21 @@ class WorkloadConfig:
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"unknown workload settings: {', '.join(unknown)}")
-        values = {}
+        values: dict[str, Any] = {}
         for name, value in data.items():
             default = known[name].default
             values[name] = parse_length(value) if isinstance(default, LengthDist) else value
         return cls(**values)
+
+
+def head_arrival(session: Sequence[RequestSpec]) -> float:
+    """When an open-loop session starts: its head's arrival time. Callers
+    pass open-loop sessions only; a closed-loop one (no arrival) raises
+    `IntegrityError`. O(1)."""
+    arrival = session[0].arrival
+    if arrival is None:
+        raise IntegrityError(f"session of {session[0].request_id} has no arrival time")
+    return arrival
 
 
 def _positive_int(name: str, value: object) -> None:

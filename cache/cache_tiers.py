@@ -1,0 +1,331 @@
+"""`CacheTiers`: the storage of the prefix cache's host and disk tiers.
+
+The bookkeeping (`blockmgr.tiered_trie`) decides which cached prefix lives
+in which tier and says so with `MovePage` / `MoveSlot` ops in the plans of
+the calls that caused them; `PagedCache` hands each group's runs of those
+ops here, in plan order. A page is moved as one record (`PageRecords`: all
+layers of its group, bit for bit in the page format), a snapshot as one
+slot record (`SlotRecords`, e.g. `recurrent.RecurrentPools`):
+
+* host tier: one ``[pages, record bytes]`` uint8 array per group and one
+  for slots, allocated on first use (`np.empty`: untouched rows take no
+  resident memory), apart from the swap space;
+* disk tier: a `DiskTier` (records in files, an index, a writer thread).
+  A move to disk copies the record out when the op is applied (a device
+  read is evaluated then) and queues the write: no forward waits for it.
+
+Loads from disk are read and verified before the allocation that needs
+them (`verified_match`: `disk_loads` of the match, unreadable records
+forgotten and the prefix found again), kept in memory and written to the
+device pages when the op is applied. A disk that fails (a full disk, an
+I/O error) is turned off (`disable_tier`) with one log line; requests go
+on with the device and host tiers. Costs: O(bytes moved) per op run, one
+device evaluation per wave of reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from blockmgr import PrefixMatch
+from blockmgr.errors import IntegrityError, InvalidArgument
+from blockmgr.ops import MovePage, MoveSlot, Tier
+from blockmgr.tiered_trie import DiskEntry, TierUsage
+from cache.disk_tier import DiskTier
+
+log = logging.getLogger("blockmgr.disk_cache")
+
+SLOTS = "slots"
+
+
+def page_kind(group: int) -> str:
+    """The disk record kind of layer group `group`'s pages."""
+    return f"pages{group}"
+
+
+class RecordStore(Protocol):
+    """Device storage as records: pages of one group, or slots."""
+
+    @property
+    def nbytes(self) -> int: ...  # one record
+    def read(self, ids: Sequence[int]) -> np.ndarray: ...
+    def write(self, ids: Sequence[int], records: np.ndarray) -> None: ...
+
+
+class TieredStore(Protocol):
+    """What `CacheTiers` asks of the bookkeeping (`blockmgr.GroupedStore`)."""
+
+    def find_prefix(self, tokens: Iterable[int], namespace: Hashable = None) -> PrefixMatch: ...
+    def disk_loads(self, match: PrefixMatch) -> tuple[list[list[int]], list[int]]: ...
+    def forget_disk_pages(self, group: int, pages: Sequence[int]) -> None: ...
+    def disk_entries(self) -> list[DiskEntry]: ...
+    def disable_tier(self, tier: Tier) -> None: ...
+    def tier_usage(self) -> tuple[TierUsage, ...]: ...
+
+
+class HostRecords:
+    """`num_records` host rows of `nbytes` each (allocated on first write)."""
+
+    __slots__ = ("num_records", "nbytes", "_rows")
+
+    def __init__(self, num_records: int, nbytes: int) -> None:
+        self.num_records = num_records
+        self.nbytes = nbytes
+        self._rows: np.ndarray | None = None
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return 0 if self._rows is None else self._rows.nbytes
+
+    def read(self, ids: Sequence[int]) -> np.ndarray:
+        if self._rows is None:
+            raise IntegrityError("a host-tier record was read before any was written")
+        return self._rows[np.asarray(ids, np.int64)]  # a copy (fancy index)
+
+    def write(self, ids: Sequence[int], records: np.ndarray) -> None:
+        if self._rows is None:
+            self._rows = np.empty((self.num_records, self.nbytes), np.uint8)
+        self._rows[np.asarray(ids, np.int64)] = records
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Per tier (index: `Tier`): records moved in and loaded out, tokens of
+    hits served from it, seconds spent loading from it."""
+
+    hit_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+    loaded_records: list[int] = field(default_factory=lambda: [0, 0, 0])
+    stored_records: list[int] = field(default_factory=lambda: [0, 0, 0])
+    load_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    num_disk_misses: int = 0
+
+
+class CacheTiers:
+    """Host and disk storage of the prefix cache; see the module doc."""
+
+    def __init__(
+        self,
+        pages: Sequence[RecordStore | None],
+        slots: RecordStore | None,
+        *,
+        num_host_pages: int = 0,
+        num_host_slots: int = 0,
+        disk: DiskTier | None = None,
+    ) -> None:
+        """`pages[g]`: group g's device pages as records (None: a group no
+        layer stores, whose moves copy nothing); `slots`: the device slots
+        (None without recurrent state)."""
+        self._device: dict[str, RecordStore | None] = {
+            page_kind(g): store for g, store in enumerate(pages)}
+        self._device[SLOTS] = slots
+        self._host = {
+            kind: HostRecords(num_host_slots if kind == SLOTS else num_host_pages, store.nbytes)
+            for kind, store in self._device.items() if store is not None
+        } if num_host_pages else {}
+        self.disk = disk
+        self._staged: dict[tuple[str, int], np.ndarray] = {}
+        self.counters = TierCounters()
+
+    # ---------------------------------------------------------------- moves
+
+    def move_pages(self, group: int, ops: Sequence[MovePage]) -> None:
+        """Apply a run of one group's `MovePage` ops, in order."""
+        self._move(page_kind(group), [(op.src, op.src_tier, op.dst, op.dst_tier) for op in ops])
+
+    def move_slots(self, ops: Sequence[MoveSlot]) -> None:
+        """Apply a run of `MoveSlot` ops, in order."""
+        self._move(SLOTS, [(op.src, op.src_tier, op.dst, op.dst_tier) for op in ops])
+
+    def _move(self, kind: str, moves: list[tuple[int, Tier, int, Tier]]) -> None:
+        if self._device.get(kind) is None:
+            return  # nothing stored in this group: nothing to move
+        for wave in _waves(moves):
+            sources = self._read_sources(kind, wave)
+            self._write_destinations(kind, wave, sources)
+
+    def _read_sources(self, kind: str, wave: list[tuple[int, Tier, int, Tier]]) -> np.ndarray:
+        store = self._device[kind]
+        assert store is not None
+        out = np.empty((len(wave), store.nbytes), np.uint8)
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            rows = [i for i, move in enumerate(wave) if move[1] == tier]
+            if not rows:
+                continue
+            ids = [wave[i][0] for i in rows]
+            begin = time.perf_counter()
+            if tier == Tier.DEVICE:
+                out[rows] = store.read(ids)
+            elif tier == Tier.HOST:
+                out[rows] = self._host[kind].read(ids)
+            else:
+                out[rows] = np.stack([self._disk_record(kind, record) for record in ids])
+            if tier != Tier.DEVICE:
+                self.counters.load_seconds[tier] += time.perf_counter() - begin
+        return out
+
+    def _disk_record(self, kind: str, record: int) -> np.ndarray:
+        data = self._staged.pop((kind, record), None)
+        if data is None and self.disk is not None:
+            data = self.disk.read(kind, record)
+        if data is None:
+            raise IntegrityError(f"disk record {kind}/{record} was loaded without being verified")
+        return data
+
+    def _write_destinations(self, kind: str, wave: list[tuple[int, Tier, int, Tier]],
+                            sources: np.ndarray) -> None:
+        store = self._device[kind]
+        assert store is not None
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            rows = [i for i, move in enumerate(wave) if move[3] == tier]
+            if not rows:
+                continue
+            ids = [wave[i][2] for i in rows]
+            if tier == Tier.DEVICE:
+                store.write(ids, sources[rows])
+                for i in rows:
+                    self.counters.loaded_records[wave[i][1]] += 1
+            elif tier == Tier.HOST:
+                self._host[kind].write(ids, sources[rows])
+            else:
+                for i, record in zip(rows, ids):
+                    self._staged.pop((kind, record), None)
+                    if self.disk is not None:
+                        self.disk.write(kind, record, sources[i].copy())
+            self.counters.stored_records[tier] += len(rows) if tier else 0
+
+    # ------------------------------------------------------------- loading
+
+    def verified_match(self, store: TieredStore, tokens: Sequence[int],
+                       namespace: Hashable) -> PrefixMatch:
+        """`store.find_prefix(tokens, namespace)`, with every disk record its
+        load would read read and verified first (kept for the load): an
+        unreadable record's prefixes are forgotten and the prefix found
+        again; an I/O error turns the disk tier off. O(records read)."""
+        while True:
+            match = store.find_prefix(tokens, namespace)
+            disk = self.disk
+            if disk is None or not match.loads:
+                return match
+            pages, slots = store.disk_loads(match)
+            if not any(pages) and not slots:
+                return match
+            try:
+                bad_pages, bad_slots = self._stage(disk, pages, slots)
+            except OSError as error:
+                self.disable_disk(store, f"a read failed: {error.strerror or error}")
+                continue
+            if not any(bad_pages) and not bad_slots:
+                return match
+            num_bad = sum(map(len, bad_pages)) + len(bad_slots)
+            self.counters.num_disk_misses += num_bad
+            log.warning("disk cache: %d unreadable record(s) (truncated or corrupt): "
+                        "their prefixes are dropped", num_bad)
+            self._forget(store, bad_pages, bad_slots)
+
+    def _stage(self, disk: DiskTier, pages: list[list[int]],
+               slots: list[int]) -> tuple[list[list[int]], list[int]]:
+        bad_pages: list[list[int]] = [[] for _ in pages]
+        bad_slots: list[int] = []
+        wanted = [(page_kind(g), page, bad_pages[g]) for g, ps in enumerate(pages) for page in ps]
+        wanted += [(SLOTS, slot, bad_slots) for slot in slots]
+        begin = time.perf_counter()
+        for kind, record, bad in wanted:
+            if self._device.get(kind) is None or (kind, record) in self._staged:
+                continue
+            data = disk.read(kind, record)
+            if data is None:
+                bad.append(record)
+            else:
+                self._staged[(kind, record)] = data
+        self.counters.load_seconds[Tier.DISK] += time.perf_counter() - begin
+        return bad_pages, bad_slots
+
+    def _forget(self, store: TieredStore, bad_pages: list[list[int]], bad_slots: list[int]) -> None:
+        for group, pages in enumerate(bad_pages):
+            if pages:
+                store.forget_disk_pages(group, pages)
+        if bad_slots:  # a snapshot goes with its node: forget the node by its pages
+            wanted = set(bad_slots)
+            for entry in store.disk_entries():
+                if entry.slot in wanted:
+                    for group, entry_pages in enumerate(entry.pages):
+                        held = [p for p in entry_pages if p is not None]
+                        if held:
+                            store.forget_disk_pages(group, held)
+                            break
+
+    @staticmethod
+    def hit_tiers(match: PrefixMatch) -> list[int]:
+        """A hit's tokens by the tier they are in now (before its load)."""
+        tokens = [0, 0, 0]
+        for node in match.loads:
+            num = min(node.end, match.num_tokens) - node.start
+            if num > 0:
+                tokens[node.tier] += num
+        tokens[Tier.DEVICE] = match.num_tokens - tokens[Tier.HOST] - tokens[Tier.DISK]
+        return tokens
+
+    def count_hit(self, tokens: list[int]) -> None:
+        """Count a served hit's tokens by tier (`hit_tiers`)."""
+        for tier, num in enumerate(tokens):
+            self.counters.hit_tokens[tier] += num
+
+    def drop_staged(self) -> None:
+        """Forget records read ahead for allocations that never came."""
+        self._staged.clear()
+
+    # ----------------------------------------------------------- the disk
+
+    def check_disk(self, store: TieredStore) -> None:
+        """Turn the disk tier off if its writer failed (one log line was
+        written by the writer)."""
+        disk = self.disk
+        if disk is not None and disk.failure is not None:
+            self.disable_disk(store, disk.failure, logged=True)
+
+    def disable_disk(self, store: TieredStore, reason: str, *, logged: bool = False) -> None:
+        """Stop using the disk (its prefixes are dropped, nothing goes there
+        again); the directory is unlocked and left for the next start."""
+        disk = self.disk
+        if disk is None:
+            return
+        if not logged:
+            log.error("disk cache %s: %s; the disk tier is turned off", disk.directory, reason)
+        store.disable_tier(Tier.DISK)
+        self.disk = None
+        self._staged.clear()
+        disk.failure = disk.failure or reason
+        disk.close()
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes the host tier has allocated."""
+        return sum(h.allocated_nbytes for h in self._host.values())
+
+    def record_nbytes(self, kind: str) -> int:
+        store = self._device.get(kind)
+        if store is None:
+            raise InvalidArgument(f"no record kind {kind!r}")
+        return store.nbytes
+
+
+def _waves(moves: list[tuple[int, Tier, int, Tier]]) -> list[list[tuple[int, Tier, int, Tier]]]:
+    """Split moves into waves that read every source before writing any
+    destination: a move whose source or destination an earlier move of the
+    wave writes starts a new wave (the plan's sequential meaning kept)."""
+    waves: list[list[tuple[int, Tier, int, Tier]]] = []
+    written: set[tuple[Tier, int]] = set()
+    for move in moves:
+        src, dst = (move[1], move[0]), (move[3], move[2])
+        if not waves or src in written or dst in written:
+            waves.append([])
+            written = set()
+        waves[-1].append(move)
+        written.add(dst)
+    return waves

@@ -1,0 +1,257 @@
+"""Building a `PagedCache`'s prefix-cache tiers: sizes, fingerprint, restore.
+
+* `tier_sizes`: byte budgets (host memory, disk) turned into pages per
+  layer group and recurrent snapshots with the real bytes of the model's
+  pages in its format (one probe forward on a one-page cache finds every
+  attention position's shape, `KVFormat.page_nbytes` prices it);
+* `model_fingerprint`: the identity of a model's weights and architecture;
+* `open_tiers`: the `CacheTiers` of a built cache: device records per group
+  and for slots, the host rows, the disk directory opened (locked) and
+  restored into the store.
+
+Imports `cache` only, never `scheduler`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from blockmgr import GroupedStore
+from blockmgr.errors import InvalidArgument
+from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, page_kind
+from cache.disk_tier import VERSION, DiskTier, RecordKind
+from cache.model_storage import ModelStorageParts, model_storage_parts
+from cache.page_format import KVFormat, PageStore
+from cache.page_records import PageRecords
+from cache.recurrent_backend import RecurrentBackend
+
+log = logging.getLogger("blockmgr.disk_cache")
+
+#: The disk budget when a directory is given without a size.
+DEFAULT_DISK_CACHE_SIZE = 20 * 2**30
+#: Pages per recurrent snapshot in a hybrid model's tier budget: a cached
+#: prefix keeps a snapshot at each request's end (and branch points), a
+#: turn of a conversation is some hundreds of tokens.
+PAGES_PER_SNAPSHOT = 32
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
+          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """"4GiB", "512MB", "1e9" (or an int) -> bytes (binary units for
+    Ki/Mi/Gi and bare K/M/G). Raises `InvalidArgument` for anything else
+    or a size below 1."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise InvalidArgument(f"not a memory size: {text!r} (try 4GiB or 512MB)")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise InvalidArgument(f"memory size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """One attention position's pages: kv heads, key and value head sizes, dtype."""
+
+    n_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: mx.Dtype
+
+
+@dataclass(frozen=True, slots=True)
+class TierSizes:
+    """The constructor arguments of a cache's tiers (`PagedCache`)."""
+
+    kv_shapes: Mapping[int, KVShape]
+    num_host_cache_blocks: int
+    num_host_cache_slots: int
+    num_disk_blocks: int
+    num_disk_slots: int
+    disk_cache: str | os.PathLike[str] | None
+    model_fingerprint: str
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"kv_shapes": self.kv_shapes,
+                "num_host_cache_blocks": self.num_host_cache_blocks,
+                "num_host_cache_slots": self.num_host_cache_slots,
+                "num_disk_blocks": self.num_disk_blocks, "num_disk_slots": self.num_disk_slots,
+                "disk_cache": self.disk_cache, "model_fingerprint": self.model_fingerprint}
+
+
+def probe_kv_shapes(model: Any, parts: ModelStorageParts, block_size: int,
+                    kv_format: KVFormat) -> tuple[dict[int, KVShape], int]:
+    """Every attention position's `KVShape` and one slot's bytes (0 without
+    recurrent layers), from one one-token forward on a one-page cache of
+    the same layout (pools take their shapes from the first K/V written).
+    Cost: one forward of one token, one page of every pool."""
+    from cache.paged_cache import PagedCache  # the module that imports this one
+
+    hybrid = parts.recurrent is not None
+    probe_parts = model_storage_parts(model, num_slots=1) if hybrid else parts
+    probe = PagedCache(probe_parts.specs, 1, block_size, num_slots=1 if hybrid else 0,
+                       recurrent=probe_parts.recurrent, layout=probe_parts.layout,
+                       kv_format=kv_format, enable_prefix_cache=False)
+    probe.allocate("probe", [0])
+    with probe.step(["probe"], num_new=[1]) as views:
+        mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=views))
+    shapes = {layer: KVShape(pool.shape.n_kv_heads, pool.shape.k_head_dim,
+                             pool.shape.v_head_dim, pool.shape.dtype)
+              for layer, pool in probe.pools().items()}
+    slot_nbytes = 0
+    if probe_parts.recurrent is not None:
+        slot_nbytes = probe_parts.recurrent.slot_record_nbytes or 0
+    return shapes, slot_nbytes
+
+
+def tier_sizes(model: Any, parts: ModelStorageParts, block_size: int, kv_format: KVFormat,
+               host_cache_size: int | str | None, disk_cache: str | os.PathLike[str] | None,
+               disk_cache_size: int | str | None) -> TierSizes:
+    """Pages and snapshots of each tier for byte budgets (see the module
+    doc). A page of every layer group is the unit (each group gets as many
+    pages); a hybrid model sets one snapshot beside `PAGES_PER_SNAPSHOT`
+    pages. Raises `InvalidArgument` for a budget below one unit."""
+    shapes, slot_nbytes = probe_kv_shapes(model, parts, block_size, kv_format)
+    from cache.paged_cache import layer_windows
+
+    windows = layer_windows(parts.specs)
+    page_nbytes = 0
+    for window in windows:
+        for layer, spec in enumerate(parts.specs):
+            if spec.kind.paged and spec.window == window and layer in shapes:
+                s = shapes[layer]
+                page_nbytes += kv_format.page_nbytes(block_size, s.n_kv_heads, s.k_head_dim,
+                                                     s.v_head_dim, s.dtype)
+    page_nbytes = max(page_nbytes, 1)
+    host = _split(parse_bytes(host_cache_size), page_nbytes, slot_nbytes, "host_cache_size") \
+        if host_cache_size is not None else (0, 0)
+    disk = (0, 0)
+    if disk_cache is not None:
+        budget = DEFAULT_DISK_CACHE_SIZE if disk_cache_size is None else disk_cache_size
+        disk = _split(parse_bytes(budget), page_nbytes, slot_nbytes, "disk_cache_size")
+    elif disk_cache_size is not None:
+        raise InvalidArgument("disk_cache_size needs disk_cache (a directory)")
+    return TierSizes(shapes, host[0], host[1], disk[0], disk[1], disk_cache,
+                     model_fingerprint(model))
+
+
+def _split(nbytes: int, page_nbytes: int, slot_nbytes: int, name: str) -> tuple[int, int]:
+    """(pages, slots) that `nbytes` holds."""
+    if not slot_nbytes:
+        pages = nbytes // page_nbytes
+        if not pages:
+            raise InvalidArgument(f"{name} {nbytes} is less than one page ({page_nbytes} bytes)")
+        return pages, 0
+    unit = PAGES_PER_SNAPSHOT * page_nbytes + slot_nbytes
+    slots = nbytes // unit
+    if slots:
+        return slots * PAGES_PER_SNAPSHOT, slots
+    pages = (nbytes - slot_nbytes) // page_nbytes
+    if pages < 1:
+        raise InvalidArgument(
+            f"{name} {nbytes} is less than one page and one snapshot "
+            f"({page_nbytes + slot_nbytes} bytes)")
+    return pages, 1
+
+
+def model_fingerprint(model: Any) -> str:
+    """A hex digest of the model's class, every parameter's name, shape and
+    dtype, and a strided sample of 256 values of each (evaluated): another
+    architecture, size or set of weights (a fine-tune, another
+    quantization) gives another digest. Cost: one small gather per
+    parameter (milliseconds, whatever the model's size)."""
+    digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    params = tree_flatten(model.parameters())
+    assert isinstance(params, list)  # tree_flatten's default: (name, array) pairs
+    for name, array in params:
+        digest.update(f"{name}:{array.shape}:{array.dtype}".encode())
+        flat = array.reshape(-1)
+        step = max(1, flat.size // 256)
+        sample = flat[::step][:256]
+        digest.update(np.asarray(sample.view(mx.uint8) if sample.dtype.size == 1 else
+                                 sample.view({2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+                                             [sample.dtype.size])).tobytes())
+    return digest.hexdigest()
+
+
+class _SlotRecords:
+    """The recurrent backend's slots as a `RecordStore`."""
+
+    __slots__ = ("_backend", "nbytes")
+
+    def __init__(self, backend: RecurrentBackend) -> None:
+        nbytes = backend.slot_record_nbytes
+        if not nbytes:
+            raise InvalidArgument(
+                "cache tiers need the recurrent state's shapes up front "
+                "(RecurrentPools.for_model probes them)")
+        self._backend = backend
+        self.nbytes = nbytes
+
+    def read(self, ids: Sequence[int]) -> np.ndarray:
+        return self._backend.read_slot_records(ids)
+
+    def write(self, ids: Sequence[int], records: np.ndarray) -> None:
+        self._backend.write_slot_records(ids, records)
+
+
+def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
+               recurrent: RecurrentBackend | None, block_size: int, kv_format: KVFormat,
+               disk_cache: str | os.PathLike[str] | None,
+               model_fingerprint: str | None) -> CacheTiers:
+    """The tiers' storage for a cache whose `store` has tiers and whose
+    `pools` (per group, by layer) are allocated: the disk directory opened,
+    locked and restored into `store` (a fresh one). Raises
+    `InvalidArgument` for a disk tier without a directory or fingerprint,
+    `DiskCacheLocked` for a directory in use."""
+    config = store.config
+    pages: list[RecordStore | None] = [PageRecords(p) if p else None for p in pools]
+    slots = _SlotRecords(recurrent) if recurrent is not None and store.is_hybrid else None
+    disk = None
+    if config.num_disk_blocks:
+        if disk_cache is None or not model_fingerprint:
+            raise InvalidArgument(
+                "a disk tier needs disk_cache (a directory) and model_fingerprint")
+        layout = [f"{page_kind(g)}={p.describe() if isinstance(p, PageRecords) else ''}"
+                  for g, p in enumerate(pages)]
+        if slots is not None:
+            layout.append(f"{SLOTS}={slots.nbytes}")
+        fingerprint = hashlib.sha256("|".join(
+            [f"v{VERSION}", model_fingerprint, f"block_size={block_size}",
+             f"format={kv_format.name}:{kv_format.group_size}", *layout]).encode()).hexdigest()
+        kinds = [RecordKind(page_kind(g), p.nbytes, config.num_disk_blocks)
+                 for g, p in enumerate(pages) if p is not None]
+        if slots is not None:
+            kinds.append(RecordKind(SLOTS, slots.nbytes, config.num_disk_slots))
+        disk = DiskTier(disk_cache, fingerprint, kinds)
+        _restore(store, disk)
+    return CacheTiers(pages, slots, num_host_pages=config.num_host_cache_blocks,
+                      num_host_slots=config.num_host_cache_slots, disk=disk)
+
+
+def _restore(store: GroupedStore, disk: DiskTier) -> None:
+    found = disk.restored
+    if not found:
+        disk.keep([])
+        return
+    rejected = {id(entry) for entry in store.restore_disk([item.entry for item in found])}
+    kept = [item for item in found if id(item.entry) not in rejected]
+    disk.keep(kept)
+    log.info("disk cache %s: %d cached prefixes restored (%d not restorable)",
+             disk.directory, len(kept), len(found) - len(kept))
