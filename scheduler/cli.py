@@ -28,7 +28,12 @@ from typing import Any
 
 from blockmgr.errors import IntegrityError
 from scheduler.serve import PREFILL_BATCH
-from scheduler.simulator.kv_memory import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES
+from scheduler.simulator.kv_memory import (
+    BITS,
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    engine_num_slots,
+)
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -272,7 +277,9 @@ def _add_pool_options(parser) -> None:
     m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
     m.add_argument("--block-size", type=_positive_int, help="tokens per page (default 16)")
     m.add_argument("--hybrid", action="store_true", help="hybrid model: recurrent slots in play")
-    m.add_argument("--num-slots", type=_nonneg_int, help="recurrent slots (default with --hybrid: 2 x max seqs)")
+    m.add_argument("--num-slots", type=_nonneg_int,
+                   help="recurrent slots (default with --hybrid: 2 x max seqs; with "
+                        "--kv-memory: 2 x max seqs + 2, as serve gives the engine)")
     m.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix trie")
     m.add_argument("--watermark", type=_nonneg_float, help="fraction of pages kept free at admission")
     m.add_argument("--layout", choices=sorted(LAYOUTS),
@@ -529,7 +536,10 @@ def build_config(args):
         data["layout"] = read_layout(args.profile).to_dict()  # the store the profile timed
     recurrent = ModelLayout.from_dict(data["layout"]).recurrent  # ValueError if malformed
     if (args.hybrid or recurrent) and args.num_slots is None and not bm.get("num_slots"):
-        bm["num_slots"] = 2 * sc["max_num_seqs"]
+        sized = args.kv_memory is not None or data.get("kv_memory") is not None
+        # a pool sized by KV memory has the slots serve gives the engine
+        bm["num_slots"] = (engine_num_slots(sc["max_num_seqs"]) if sized
+                           else 2 * sc["max_num_seqs"])
     if args.hybrid and not bm.get("num_slots"):
         raise ValueError("--hybrid needs --num-slots >= 2")
     data["kv_memory"] = _kv_memory(args, data.get("kv_memory"))

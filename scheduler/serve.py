@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from blockmgr.errors import IntegrityError, InvalidArgument
+from scheduler.simulator.kv_memory import format_bytes
 
 if TYPE_CHECKING:
     from cache import KVFormat
@@ -149,14 +150,6 @@ def pool_line(size: PoolSize, kv_format: KVFormat, block_size: int) -> str:
              if size.num_slots else "")
     return (f"{size.num_blocks} pages of {block_size} tokens, {name} "
             f"({format_bytes(size.page_bytes)} each){slots}: {format_bytes(size.nbytes)} of KV")
-
-
-def format_bytes(num_bytes: int) -> str:
-    """1536 -> "1.50 KiB" (binary units, as `parse_bytes` reads them)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes} bytes"
 
 
 #: config.json keys that bound a model's context, as vLLM reads them (the

@@ -29,6 +29,13 @@ DEFAULT_GROUP_SIZE = 64
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
+def engine_num_slots(max_num_seqs: int) -> int:
+    """The recurrent slots `blockmgr serve` gives a hybrid model's engine
+    (`scheduler.engine.default_num_slots`, without a draft model): each
+    running sequence's state and a prefix snapshot, plus two."""
+    return 2 * max_num_seqs + 2
+
+
 @dataclass(frozen=True, slots=True)
 class KVFormatSpec:
     """How pages store K and V rows: `key_bits` / `value_bits` 8 or 4
@@ -188,6 +195,14 @@ class KVMemory:
             raise ValueError("kv_memory needs a budget and a shape")
         return cls(budget=given["budget"], shape=KVShape.from_dict(given["shape"]),
                    format=KVFormatSpec.from_dict(given.get("format", {})))
+
+
+def format_bytes(num_bytes: int) -> str:
+    """1536 -> "1.50 KiB" (binary units, as `parse_bytes` reads them)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 def _known(data: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from scheduler.simulator.kv_memory import KVMemory, format_bytes
 from scheduler.simulator.metrics import MEMORY_FIELDS, STEP_FIELDS
 from scheduler.simulator.plots import PlottingUnavailable, plot_run
 
@@ -167,6 +168,7 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         + f", seed {wl['seed']}" + _trace_note(cfg) + ".",
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
         + (f", {bm['num_slots']} recurrent slots (hybrid)" if bm.get("num_slots") else "")
+        + _kv_memory_note(cfg)
         + (", prefix cache on" if bm["enable_prefix_cache"] else ", prefix cache off") + ".",
         _time_note(report["summary"]),
         "Every metric and the full config are in `report.json`.",
@@ -207,6 +209,17 @@ def _time_note(summary: dict) -> str:
     return (f"Real engine on {engine['model']}: all times are engine step times on this machine "
             f"(idle gaps between arrivals skipped), BLAS {blas['name']} "
             f"({blas['matmul_1024_gflops']:.0f} GFLOPS).")
+
+
+def _kv_memory_note(cfg: dict) -> str:
+    """", k8v4-g64 pages of 1.50 MiB from a KV memory of 4.00 GiB" when the
+    pool was sized by a KV memory (`KVMemory`), else nothing."""
+    if cfg.get("kv_memory") is None:
+        return ""
+    memory = KVMemory.from_dict(cfg["kv_memory"])
+    page = memory.page_bytes(cfg["block_manager"]["block_size"])
+    return (f", {memory.format.name} pages of {format_bytes(page)} from a KV memory of "
+            f"{format_bytes(memory.budget)}")
 
 
 def _trace_note(cfg: dict) -> str:
