@@ -126,6 +126,12 @@ def test_serve_bad_max_model_len_is_one_line(tmp_path):
         (["--model", ".", "--port", "-1"], "--port"),
         (["--model", ".", "--max-model-len", "0"], "--max-model-len"),
         (["--model", ".", "--max-body-size", "huge"], "not a memory size"),
+        (["--model", ".", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3"),
+        (["--model", ".", "--kv-bits", "8", "--kv-group-size", "16"],
+         "argument --kv-group-size: invalid choice: 16"),
+        (["--model", ".", "--kv-group-size", "32"], "--kv-group-size needs --kv-bits"),
+        (["--model", ".", "--kv-bits", "4", "--kv-key-bits", "8", "--kv-value-bits", "8"],
+         "--kv-bits has no effect"),
     ],
 )
 def test_serve_bad_options_are_one_line(args, message):
@@ -135,3 +141,46 @@ def test_serve_bad_options_are_one_line(args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("blockmgr serve: error:"), err
     assert message in lines[0]
+
+
+def test_serve_quantized_pages_sizes_the_pool_by_their_bytes(tmp_path):
+    """--kv-memory divided by the quantized page: 2 layers x 2 kv heads x 8
+    tokens x (8-bit key row of 32: 32 bytes + a float32 scale and bias;
+    4-bit value row: 16 + 8) = 2 KiB a page, 512 pages in 1 MiB (at the
+    model's float32 it would be 8 KiB, 128 pages). The format is in the
+    start-up line and /metrics, and the server answers from those pages."""
+    model = build_model_dir(tmp_path / "tiny", context=512, head_dim=32)
+    port = _free_port()
+    proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "1MiB",
+                  "--block-size", "8", "--kv-key-bits", "8", "--kv-value-bits", "4",
+                  "--kv-group-size", "32")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_up(proc, url)
+        answer = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        metrics = httpx.get(url + "/metrics").text.splitlines()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    err = proc.stderr.read()
+    assert ('blockmgr_cache_config_info{kv_format="k8v4-g32",block_size="8",num_pages="512"} 1'
+            in metrics)
+    assert "blockmgr_kv_pages_total 512" in metrics
+    assert ("blockmgr serve: tiny: 512 pages of 8 tokens, k8v4-g32 (2.00 KiB each): "
+            "1.00 MiB of KV" in err), err
+
+
+def test_serve_refuses_a_group_size_the_head_size_does_not_divide(tmp_path):
+    model = build_model_dir(tmp_path / "tiny", context=64)  # head size 16
+    proc = _serve("--model", str(model), "--kv-bits", "8", "--kv-group-size", "32")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blockmgr serve: error: layer 0: key head "
+                                                   "size 16 is not a multiple of the kv group "
+                                                   "size 32"), err
