@@ -305,6 +305,34 @@ def test_the_rebuilt_view_is_what_the_store_serves_after_every_step(name, vocab)
     assert subscriber.prefixes() == set()
 
 
+@pytest.mark.parametrize("name, kv_format", [("llama", (8, 4)), ("sliding", (4, 4)),
+                                             ("lfm2", (8, 8))])
+def test_quantized_pages_are_advertised_as_what_they_serve(name, kv_format):
+    """The events do not depend on the page format (a quantized page holds
+    the same tokens, vLLM's BlockStored has no field for it; the format is
+    in /metrics' cache_config_info): after every step, the view rebuilt
+    from them is what the quantized store serves, in blocks of its size."""
+    from cache import KVFormat
+    from tests.quant_models import VOCAB
+    from tests.quant_models import built as built_quantizable
+
+    sink, subscriber = RecordingSink(), Subscriber()
+    engine = Engine(built_quantizable(name), num_blocks=28, block_size=BLOCK_SIZE,
+                    kv_events=sink, max_num_seqs=4, kv_format=KVFormat(*kv_format, 32))
+    store, checked = engine.cache.store, []
+
+    def after_step(sequences):
+        while subscriber.num_batches < len(sink.payloads):
+            subscriber.receive(sink.payloads[subscriber.num_batches])  # block size checked
+        expected = servable_prefixes(store, sequences)
+        assert subscriber.prefixes() == expected
+        checked.append(len(expected))
+
+    run_and_check(engine, workload(VOCAB), after_step)
+    assert engine.cache.kv_format.quantized and store.stats.num_evicted_nodes > 0
+    assert max(checked) > 5 and engine.kv_events.num_errors == 0
+
+
 class FlakySink(RecordingSink):
     """Loses every third batch after accepting it and raises on the next
     send, as `ZmqSink` does when its thread fails; and refuses every
