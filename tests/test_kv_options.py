@@ -223,3 +223,37 @@ def test_metrics_name_the_page_format():
     assert info == ['blockmgr_cache_config_info{kv_format="k4v4-g32",block_size="8",'
                     'num_pages="32"} 1']
     assert "# TYPE blockmgr_cache_config_info gauge" in text
+
+
+def test_replay_runs_the_simulated_format(tmp_path):
+    """`blockmgr replay --config report.json` of a pool sized by a KV memory
+    runs the engine on pages of that format (not silently at the model's
+    dtype), as many as the config says; a model whose head size the group
+    does not divide is refused naming the layer."""
+    from scheduler.simulator.config import SimulationConfig
+    from scheduler.simulator.engine_models import ModelSpec, load_model
+    from scheduler.simulator.replay import Replay
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"q{i}", "arrival": 0.0, "output_len": 3,
+                                         "prompt_tokens": [1 + i, 2, 3, 4, 5]}) + "\n"
+                             for i in range(3)))
+    argv = ["simulate", "--trace", str(trace), "--block-size", "8", "--kv-memory", "64KiB",
+            "--kv-shape", "layers=2,kv_heads=2,head_dim=32,dtype=float32", "--kv-bits", "8",
+            "--kv-group-size", "32"]
+    config = cli.build_config(cli.build_parser().parse_args(argv))
+    config = SimulationConfig.from_dict({**config.to_dict(), "vocab_size": 101})
+    # 2 layers x 2 heads x 8 tokens x 2 sides x (32 + 2 x 4) bytes = 2560 bytes a page
+    assert config.block_manager.num_blocks == 64 * 1024 // 2560
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101)
+    model, description = load_model(ModelSpec(preset="qwen3-0.6b", layers=2,
+                                              shape={**shape, "head_dim": 32}))
+    replay = Replay(config, model, description)
+    assert replay.engine.cache.kv_format == KVFormat(8, 8, 32)
+    assert replay.run().summary["requests"]["finished"] == 3
+    assert replay.engine.cache.nbytes == 25 * 2560
+    model, description = load_model(ModelSpec(preset="qwen3-0.6b", layers=2,
+                                              shape={**shape, "head_dim": 16}))
+    with pytest.raises(InvalidArgument, match="layer 0: key head size 16"):
+        Replay(config, model, description)

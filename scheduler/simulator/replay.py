@@ -40,6 +40,15 @@ from scheduler.simulator.tokens import TokenSource
 from scheduler.simulator.workloads import RequestSpec, head_arrival
 
 
+def _kv_format(config: SimulationConfig) -> Any:
+    """The `cache.KVFormat` of the config's `kv_memory` (None: the model's
+    dtype), so a replayed pool stores pages as the simulated one counts them."""
+    from cache import KVFormat
+
+    memory = config.kv_memory
+    return None if memory is None else KVFormat(**memory.format.to_dict())
+
+
 class ReplayError(ValueError):
     """The workload cannot be replayed on this engine (names the reason)."""
 
@@ -100,6 +109,7 @@ class Replay:
         self.num_slots = bm.num_slots
         self.engine = Engine(
             model, bm.num_blocks, bm.block_size, num_slots=bm.num_slots or None,
+            kv_format=_kv_format(config),
             enable_prefix_cache=bm.enable_prefix_cache, watermark=bm.watermark,
             num_host_blocks=bm.num_host_blocks, num_host_slots=bm.num_host_slots,
             scheduler_config=replace(config.scheduler), clock=self.clock.now,
