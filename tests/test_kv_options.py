@@ -14,6 +14,7 @@ takes (packed values, scales, biases). The reference slot bytes are mlx-lm's
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -257,3 +258,44 @@ def test_replay_runs_the_simulated_format(tmp_path):
                                               shape={**shape, "head_dim": 16}))
     with pytest.raises(InvalidArgument, match="layer 0: key head size 16"):
         Replay(config, model, description)
+
+
+def test_a_sweep_over_formats_and_block_sizes_resizes_the_pool():
+    """Each point of a sweep over a KV memory's format, budget and block size
+    has the pages that memory holds at that point (what serve would build)."""
+    from scheduler.simulator.sweep import grid_points, parse_grid
+
+    shape = "layers=28,kv_heads=8,head_dim=128,dtype=bfloat16"
+    argv = ["simulate", "--max-context", "1024", "--kv-memory", "128MiB", "--kv-shape", shape]
+    base = cli.build_config(cli.build_parser().parse_args(argv))
+    grid = parse_grid("kv_bits=none,8,4;block_size=16,32;kv_memory=128MiB,256MiB")
+    points = grid_points(base, grid, None)
+    assert len(points) == 12
+    row = {None: 256, 8: 136, 4: 72}  # bytes of a key or value row (bfloat16, groups of 64)
+    for params, config in points:
+        budget = {"128MiB": 128, "256MiB": 256}[params["kv_memory"]] * 2**20
+        page = params["block_size"] * 28 * 8 * 2 * row[params["kv_bits"]]
+        assert config.block_manager.block_size == params["block_size"]
+        assert config.block_manager.num_blocks == budget // page, params
+        assert config.kv_memory.format.key_bits == config.kv_memory.format.value_bits \
+            == params["kv_bits"]
+    points = grid_points(base, parse_grid("kv_value_bits=4;kv_group_size=32,128"), None)
+    # the base keeps keys at the model's dtype
+    assert [c.kv_memory.format.name for _, c in points] == ["kfullv4-g32", "kfullv4-g128"]
+
+
+@pytest.mark.parametrize("spec, base_argv, message", [
+    ("kv_bits=8,4", ["--num-blocks", "256"], "sweeping kv_* needs a pool sized by --kv-memory"),
+    ("num_blocks=64;kv_bits=8", ["--kv-memory", "128MiB"], "sweep num_blocks or the KV memory"),
+    ("kv_bits=8,3", ["--kv-memory", "128MiB"], "key_bits must be one of (4, 8)"),
+    ("kv_group_size=48", ["--kv-memory", "128MiB", "--kv-bits", "8"], "kv group size must be"),
+])
+def test_bad_kv_sweeps_are_refused(spec, base_argv, message):
+    from scheduler.simulator.sweep import grid_points, parse_grid
+
+    argv = ["simulate", "--max-context", "1024", *base_argv]
+    if "--kv-memory" in base_argv:
+        argv += ["--kv-shape", "layers=28,kv_heads=8,head_dim=128,dtype=bfloat16"]
+    base = cli.build_config(cli.build_parser().parse_args(argv))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grid_points(base, parse_grid(spec), None)

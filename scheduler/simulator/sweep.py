@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from scheduler.simulator.config import SimulationConfig
+from scheduler.simulator.config import SimulationConfig, apply_kv_memory
 from scheduler.simulator.plots import PlottingUnavailable, plot_sweep
 from scheduler.simulator.runner import run_simulation
 
@@ -42,6 +42,12 @@ SWEEP_PARAMS: dict[str, tuple[str, str]] = {
     "workload": ("workload", "mix"),
     "num_requests": ("workload", "num_requests"),
     "seed": ("workload", "seed"),
+    # a pool sized by a KV memory (--kv-memory): its page count follows these
+    "kv_memory": ("kv_memory", "budget"),
+    "kv_bits": ("kv_memory", "format"),
+    "kv_key_bits": ("kv_memory", "key_bits"),
+    "kv_value_bits": ("kv_memory", "value_bits"),
+    "kv_group_size": ("kv_memory", "group_size"),
 }
 
 DEFAULT_GRID = "num_blocks=1024,2048,4096;enable_prefix_cache=true,false"
@@ -98,17 +104,44 @@ def grid_points(base: SimulationConfig, grid: dict[str, list], mix_parser) -> li
         data = copy.deepcopy(base.to_dict())
         for name, value in params.items():
             section, key = SWEEP_PARAMS[name]
+            if section == "kv_memory":
+                _set_kv_memory(data, params, key, value)
+                continue
             if name == "workload":
                 value = mix_parser(value)
             if name == "preemption" and value == "swap" and not data["block_manager"].get("num_host_blocks"):
                 data["block_manager"]["num_host_blocks"] = data["block_manager"]["num_blocks"]
             data[section][key] = value
         try:
+            apply_kv_memory(data)  # a KV memory's page count at the point's block size
             config = SimulationConfig.from_dict(data)
         except ValueError as exc:
             raise ValueError(f"sweep point {params}: {exc}") from None
         points.append((params, config))
     return points
+
+
+def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
+    """Set a kv_* sweep value in the config dict's kv_memory section:
+    `budget` (a size such as 4GiB, or bytes), `format` (kv_bits: both sides;
+    none for the model's dtype) or one format field. Raises ValueError
+    without a KV memory, or when num_blocks is swept beside it."""
+    if data.get("kv_memory") is None:
+        raise ValueError(f"sweeping kv_* needs a pool sized by --kv-memory (and --kv-shape); "
+                         f"got {params}")
+    if "num_blocks" in params:
+        raise ValueError("sweep num_blocks or the KV memory, not both (the memory sizes the pool)")
+    memory = data["kv_memory"]
+    if key == "budget":
+        from scheduler.serve import parse_bytes
+
+        memory["budget"] = value if isinstance(value, int) else parse_bytes(str(value))
+        return
+    fmt = memory.setdefault("format", {})
+    if key == "format":
+        fmt["key_bits"] = fmt["value_bits"] = value
+    else:
+        fmt[key] = value
 
 
 def _run_point(args) -> dict:
