@@ -177,3 +177,40 @@ def test_a_generate_step_style_forward_that_fails_reserves_nothing_for_the_trie(
     pc.free("a")
     assert pc.allocate("b", prompt + [3]).num_cached_tokens == FIRST
     pc.check_integrity()
+
+
+@pytest.mark.parametrize("name, bits", [("llama", (8, 8)), ("sliding", (4, 4)),
+                                        ("lfm2", (8, 4)), ("qwen3_next", (4, 4))])
+def test_a_failed_views_step_on_quantized_pages_is_rolled_back(name, bits):
+    """The same fault on quantized pages (models of head size 32): the step
+    layer 0 wrote is not cached, and a prefix hit then decodes as mlx-lm's
+    quantized caches (`tests.quant_models.reference_caches`) fed the same
+    chunks."""
+    from cache import KVFormat
+    from tests.quant_models import VOCAB, reference_caches, run_chunks
+    from tests.quant_models import built as built_quantizable
+
+    model, fmt = built_quantizable(name), KVFormat(*bits, 32)
+    prompt = tokens(VOCAB, 1, FIRST + FAILED)
+    pc = PagedCache.for_model(model, num_blocks=64, block_size=BLOCK, num_slots=8,
+                              kv_format=fmt)
+    pc.allocate("a", prompt)
+    forward(model, pc.views(["a"]), prompt[:FIRST])
+    fail_in_layer_1(model, pc, "a", prompt[FIRST:])
+    assert pc.num_computed("a") == FIRST
+    pc.free("a")
+    pc.check_integrity()
+
+    second = prompt + tokens(VOCAB, 2, MORE)
+    hit = pc.allocate("b", second).num_cached_tokens
+    assert 0 < hit <= FIRST
+    steps = tokens(VOCAB, 3, 3)
+    got = [forward(model, pc.views(["b"]), second[hit:])]
+    for t in steps:
+        pc.append("b", [t])
+        got.append(forward(model, pc.views(["b"]), [t]))
+    chunks = [second[:hit], second[hit:]] + [[t] for t in steps]
+    want = np.array(run_chunks(model, reference_caches(model, fmt, name), chunks))[hit:]
+    np.testing.assert_allclose(np.concatenate(got), want, atol=TOL, rtol=0)
+    pc.free("b")
+    pc.check_integrity()
