@@ -318,7 +318,7 @@ def _add_kv_format_options(parser, title: str):
     """--kv-bits, --kv-key-bits, --kv-value-bits, --kv-group-size (serve,
     simulate), in a group of their own, which is returned."""
     k = parser.add_argument_group(title)
-    bits = ", ".join(map(str, BITS))
+    bits = " or ".join(map(str, BITS))
     k.add_argument("--kv-bits", type=int, choices=BITS, metavar="BITS",
                    help=f"quantize cached keys and values to {bits} bits (affine, along the head "
                         f"dimension, as mlx-lm's QuantizedKVCache; default: the model's dtype)")
@@ -391,7 +391,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
     serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
                        help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
-                            "recurrent slots first, pages with the rest")
+                            "recurrent slots first, pages (of the --kv-* format, scales "
+                            "included) with the rest")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
     serve.add_argument("--disk-cache", metavar="DIR",
                        help="keep evicted cached prefixes in this directory; they survive "
@@ -405,7 +406,7 @@ def _add_serve_parser(sub) -> None:
                        help="sequences running at once (default 64)")
     serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                        help="token budget of one step (default 2048)")
-    _add_kv_format_options(serve, "KV pages quantized")
+    _add_kv_format_options(serve, "KV page format (design/serving.md)")
     serve.add_argument("--prefill-batch", type=_positive_int, default=PREFILL_BATCH, metavar="N",
                        help=f"prefill chunks per forward (default {PREFILL_BATCH}; "
                             "see design/serving.md)")
