@@ -950,10 +950,17 @@ def cmd_serve(args) -> int:
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
-    pool = serve.pool_line(serve.engine_pool(engine), engine.cache.kv_format, args.block_size)
+    size = serve.engine_pool(engine)
+    pool = serve.pool_line(size, engine.cache.kv_format, args.block_size)
     print(f"blockmgr serve: {name}: {pool}, max model length "
           f"{engine.scheduler.config.max_model_len} tokens, on http://{args.host}:{args.port}",
           file=sys.stderr)
+    options = None if args.num_blocks is not None else serve.simulate_options(
+        engine.model, size, engine.cache.kv_format, args.block_size, args.kv_memory)
+    if options is not None:
+        context = min(engine.scheduler.config.max_model_len, size.num_blocks * args.block_size)
+        print(f"blockmgr serve: the same pool in the simulator: blockmgr simulate {options} "
+              f"--max-num-seqs {args.max_num_seqs} --max-context {context}", file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
               max_body_bytes=max_body_bytes)

@@ -152,6 +152,39 @@ def pool_line(size: PoolSize, kv_format: KVFormat, block_size: int) -> str:
             f"({format_bytes(size.page_bytes)} each){slots}: {format_bytes(size.nbytes)} of KV")
 
 
+def simulate_options(model: Any, size: PoolSize, kv_format: KVFormat, block_size: int,
+                     kv_memory: str) -> str | None:
+    """The `blockmgr simulate` options of the pool `size_pool` gave `model`
+    from `kv_memory`: --kv-memory, --kv-shape (read from the model's own
+    caches), the format's options, --block-size and --hybrid for recurrent
+    slots (with the engine's default count); the simulated pool then
+    has the same pages (design/simulator.md, "KV memory"). None when the
+    attention layers differ in kv heads, head sizes or dtype (one --kv-shape
+    cannot state them). Cost: one one-token forward."""
+    import mlx.core as mx
+
+    from cache.page_format import model_kv_shapes
+
+    layers = model_kv_shapes(model)
+    dtypes = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+    kinds = {(heads, k_dim, v_dim, dtypes.get(dtype)) for _, heads, k_dim, v_dim, dtype in layers}
+    if len(kinds) != 1:
+        return None
+    ((heads, k_dim, v_dim, dtype),) = kinds
+    if dtype is None:
+        return None
+    shape = f"layers={len(layers)},kv_heads={heads},head_dim={k_dim}"
+    shape += (f",v_head_dim={v_dim}" if v_dim != k_dim else "") + f",dtype={dtype}"
+    shape += f",slot_bytes={size.slot_bytes}" if size.num_slots else ""
+    options = f"--kv-memory {kv_memory} --kv-shape {shape} --block-size {block_size}"
+    for flag, bits in (("--kv-key-bits", kv_format.key_bits),
+                       ("--kv-value-bits", kv_format.value_bits)):
+        options += f" {flag} {bits}" if bits is not None else ""
+    if kv_format.quantized:
+        options += f" --kv-group-size {kv_format.group_size}"
+    return options + (" --hybrid" if size.num_slots else "")
+
+
 #: config.json keys that bound a model's context, as vLLM reads them (the
 #: smallest one given wins), looked for in the config and its text_config.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",

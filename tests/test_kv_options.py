@@ -299,3 +299,24 @@ def test_bad_kv_sweeps_are_refused(spec, base_argv, message):
     base = cli.build_config(cli.build_parser().parse_args(argv))
     with pytest.raises(ValueError, match=re.escape(message)):
         grid_points(base, parse_grid(spec), None)
+
+
+@pytest.mark.parametrize("name, fmt", [("llama", KVFormat(8, 4, 32)), ("sliding", KVFormat()),
+                                       ("gemma3", KVFormat(4, 4, 32)), ("qwen3", KVFormat(8, 8, 64)),
+                                       ("lfm2", KVFormat(None, 8, 32)),
+                                       ("qwen3_next", KVFormat(4, 4, 32))])
+def test_serve_states_the_simulate_options_of_its_pool(name, fmt):
+    """The options `blockmgr serve` prints (read from the model's own caches)
+    give `blockmgr simulate` the engine's pages and slots."""
+    from scheduler.serve import simulate_options
+
+    model = built(name)
+    slot, page = reference_bytes(model, fmt)
+    budget = (default_num_slots(MAX_SEQS) * slot if slot else 0) + 300 * page + 7
+    size = size_pool(model, budget, BLOCK, MAX_SEQS, fmt)
+    options = simulate_options(model, size, fmt, BLOCK, str(budget))
+    assert options is not None and ("--hybrid" in options) == bool(slot)
+    argv = ["simulate", *options.split(), "--max-num-seqs", str(MAX_SEQS), "--max-context", "64"]
+    config = cli.build_config(cli.build_parser().parse_args(argv))
+    assert (config.block_manager.num_blocks, config.block_manager.num_slots) == (300, size.num_slots)
+    assert config.kv_memory.format.name == fmt.name

@@ -173,6 +173,10 @@ def test_serve_quantized_pages_sizes_the_pool_by_their_bytes(tmp_path):
     assert "blockmgr_kv_pages_total 512" in metrics
     assert ("blockmgr serve: tiny: 512 pages of 8 tokens, k8v4-g32 (2.00 KiB each): "
             "1.00 MiB of KV" in err), err
+    assert ("blockmgr serve: the same pool in the simulator: blockmgr simulate --kv-memory 1MiB "
+            "--kv-shape layers=2,kv_heads=2,head_dim=32,dtype=float32 --block-size 8 "
+            "--kv-key-bits 8 --kv-value-bits 4 --kv-group-size 32 --max-num-seqs 64 "
+            "--max-context 512" in err), err
 
 
 def test_serve_refuses_a_group_size_the_head_size_does_not_divide(tmp_path):
