@@ -73,10 +73,13 @@ def main() -> None:
     from benchmarks.blockmgr_table import CASES  # noqa: E402 - this checkout's cases
 
     iterations = {case.key: case.iterations for case in CASES}
+    keys = args.only.split(",")
+    if unknown := [key for key in keys if key not in iterations]:
+        parser.error(f"no such case: {', '.join(unknown)} (see blockmgr_table.py)")
     print(f"instructions per unit (callgrind), base {args.base.resolve()}, this {HERE}")
     print("| case | base | this | ratio |")
     print("|---|---|---|---|")
-    for key in args.only.split(","):
+    for key in keys:
         calls = args.calls or iterations[key]
         base, this = count(args.base.resolve(), key, calls), count(HERE, key, calls)
         print(f"| {key} | {base:,.0f} | {this:,.0f} | {this / base:.3f} |")

@@ -548,6 +548,8 @@ class BlockManager:
         """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
         seq = self._seqs.resident(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
+        if num_tokens == 1 and self._fits_next_token(seq):
+            return True  # the common decode step: room in the last page (`append`'s test)
         growth = self._growth(seq, num_tokens)
         return not growth.grows or self._room_error("need", growth.needs, growth.copy_slot) is None
 
