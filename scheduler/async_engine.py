@@ -12,8 +12,10 @@ their own request:
 
 Leaving the loop early, cancelling the task or closing the generator aborts
 the request (its pages are freed by the engine thread before its next
-step). A full waiting queue (`max_waiting`) refuses new requests with
-`QueueFull`; a stopped engine with `EngineStopped`. Text prompts are
+step). The thread starts with the first request (or `start()`); after
+`shutdown()` the engine takes no more. A full waiting queue
+(`max_waiting`) refuses new requests with `QueueFull`; a stopped engine
+with `EngineStopped`. Text prompts are
 tokenized on a worker thread (`encode`), and a request's stop-string
 automaton is built there too, so a long prompt never holds the engine
 thread. A request the engine ends with an error (its forward keeps failing,
@@ -170,8 +172,19 @@ class AsyncEngine:
         return await asyncio.to_thread(self.engine.encode_prompt, prompt)
 
     def _check_open(self) -> None:
-        if self._stopping or self._closing or not self._started:
+        """Refuse once stopped or stopping; start the thread on first use."""
+        if self._stopping or self._closing:
             raise EngineStopped("the engine is not running")
+        self.start()
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop the device's cached prefixes no live request uses, between two
+        steps on the engine thread (`Engine.reset_prefix_cache`); returns the
+        pages freed. `EngineStopped` once stopped."""
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("reset", future))
+        return await asyncio.wrap_future(future)
 
     async def outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a stream's outputs until the final one; abort if left early."""
@@ -247,6 +260,8 @@ class AsyncEngine:
         for command in self._commands:  # sent after the last drain
             if isinstance(command, _Add):
                 command.future.set_exception(EngineStopped("the engine stopped"))
+            elif command[0] == "reset":
+                command[1].set_exception(EngineStopped("the engine stopped"))
 
     def _drain(self) -> None:
         while self._commands:
@@ -255,6 +270,8 @@ class AsyncEngine:
                 self._admit(command)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+            elif command[0] == "reset":
+                _settle(command[1], self.engine.reset_prefix_cache)
             else:  # abort_all
                 for request_id in list(self._streams):
                     self.engine.abort(request_id, command[1])
@@ -297,3 +314,11 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the stream has the step's error already
                 pass
+
+
+def _settle(future: concurrent.futures.Future, call: Any) -> None:
+    """Run `call` and give its result (or its exception) to `future`."""
+    try:
+        future.set_result(call())
+    except Exception as error:  # noqa: BLE001 - the caller's to raise
+        future.set_exception(error)

@@ -350,6 +350,14 @@ def _add_serve_parser(sub) -> None:
                        help="largest request body, e.g. 16MiB; larger ones get 413 before they "
                             "are read (default: 32 bytes per token of --max-model-len, at "
                             "least 1MiB)")
+    serve.add_argument("--draft-model", metavar="DIR",
+                       help="a small mlx-lm model directory with the same vocabulary: "
+                            "speculative decoding (its KV pages come on top of --kv-memory)")
+    serve.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                       help="draft tokens per step with --draft-model (default 4)")
+    serve.add_argument("--enable-prefix-cache-reset", action="store_true",
+                       help="serve POST /reset_prefix_cache (drops every cached prefix no "
+                            "request uses; off by default, as in vLLM)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
     serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
@@ -832,6 +840,7 @@ def cmd_serve(args) -> int:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
         prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
+        **serve_speculation(args),
     )
     hint = serve.blas_hint()
     if hint:
@@ -844,8 +853,15 @@ def cmd_serve(args) -> int:
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
-              max_body_bytes=max_body_bytes)
+              max_body_bytes=max_body_bytes, allow_cache_reset=args.enable_prefix_cache_reset)
     return 0
+
+
+def serve_speculation(args) -> dict:
+    """`load_engine` keywords of `--draft-model` and `--num-speculative-tokens`."""
+    if args.draft_model is None:
+        return {}
+    return {"draft_model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def cmd_bench(args) -> int:

@@ -161,7 +161,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     default `PREFILL_BATCH`). `max_model_len` (prompt + output tokens of a
     sequence) defaults to the model's context (`model_context`) and may not
     exceed it; the engine then caps it at what the pool holds, and refuses a
-    larger one asked for."""
+    larger one asked for. `draft_model` may be a model directory
+    (`load_draft`): the engine then speculates."""
     import mlx_lm
 
     from scheduler.engine import Engine
@@ -176,6 +177,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
                               f"({context} tokens in its config.json)")
     # without return_config, load gives (model, tokenizer)
     model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
+    if engine_kwargs.get("draft_model") is not None:
+        engine_kwargs["draft_model"] = load_draft(engine_kwargs["draft_model"])
     if num_blocks is None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
         size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs)
@@ -193,6 +196,19 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
         if engine.speculator is not None:
             engine.speculator.max_model_len = context
     return engine, path.name
+
+
+def load_draft(path: str | Path) -> Any:
+    """The draft model of `--draft-model DIR` (an mlx-lm model directory
+    with the target's vocabulary; the Engine checks it)."""
+    import mlx_lm
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"--draft-model {str(path)!r} is not an mlx-lm model directory "
+                              f"(no config.json)")
+    model, _ = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
+    return model
 
 
 def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str | None = None,
@@ -259,17 +275,19 @@ def blas_hint() -> str | None:
 
 def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         max_waiting: int = 256, graceful_seconds: float = 10.0,
-        max_body_bytes: int | None = None) -> None:
+        max_body_bytes: int | None = None, allow_cache_reset: bool = False) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `graceful_seconds`
     to finish, then end cleanly (`scheduler.shutdown`). `max_body_bytes`:
-    None for the server's default (`server.default_max_body_bytes`)."""
+    None for the server's default (`server.default_max_body_bytes`).
+    `allow_cache_reset`: serve `POST /reset_prefix_cache` (`operator_api`)."""
     import uvicorn
 
     from scheduler.async_engine import AsyncEngine
-    from scheduler.server import build_app
+    from scheduler.operator_api import build_serving_app
     from scheduler.shutdown import GracefulServer
 
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    app = build_app(async_engine, model_name, max_body_bytes=max_body_bytes)
+    app = build_serving_app(async_engine, model_name, max_body_bytes=max_body_bytes,
+                            allow_cache_reset=allow_cache_reset)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
     GracefulServer(config, async_engine, graceful_seconds).run()

@@ -82,15 +82,56 @@ def test_cancelling_a_request_aborts_it_and_frees_its_pages(tiny):
     inner.check_integrity()
 
 
-def test_bad_requests_raise_typed_errors_and_the_loop_goes_on(tiny):
-    engine = AsyncEngine(_engine(tiny))
+def test_the_first_request_starts_the_engine_and_none_is_taken_after_shutdown(tiny):
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    (want,) = _engine(tiny).generate(["Hello"], params)
+    engine = AsyncEngine(_engine(tiny))  # no start(): the first request starts it
+    assert not engine.is_running
+    try:
+        assert asyncio.run(_text(engine, "Hello", params)) == want.text
+        assert engine.is_running
+    finally:
+        engine.shutdown()
 
-    async def add_before_start():
+    async def add_after_shutdown():
         await engine.add("x")
 
     with pytest.raises(EngineStopped):
-        asyncio.run(add_before_start())
-    engine.start()
+        asyncio.run(add_after_shutdown())
+
+
+def test_reset_prefix_cache_drops_the_cached_pages_and_a_rerun_hits_nothing(tiny):
+    inner = _engine(tiny)
+    engine = AsyncEngine(inner)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompt = PROMPTS[1] * 4  # several full pages
+
+    async def main():
+        await _text(engine, prompt, params)
+        cached = inner.cache.num_cached_blocks
+        freed = await engine.reset_prefix_cache()
+        after = inner.cache.num_cached_blocks
+        return cached, freed, after
+
+    try:
+        cached, freed, after = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert cached > 0
+    assert after == 0
+    assert freed == cached
+    assert inner.cache.num_free_blocks == inner.cache.store.config.num_blocks
+    inner.check_integrity()
+
+    async def reset_after_shutdown():
+        await engine.reset_prefix_cache()
+
+    with pytest.raises(EngineStopped):
+        asyncio.run(reset_after_shutdown())
+
+
+def test_bad_requests_raise_typed_errors_and_the_loop_goes_on(tiny):
+    engine = AsyncEngine(_engine(tiny))
     try:
         async def main():
             with pytest.raises(InvalidArgument, match="empty"):

@@ -81,7 +81,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
                 lines = r.iter_lines()
                 next(lines)  # in flight
                 deadline = time.monotonic() + 30
-                while "blockmgr_requests_running 2" not in httpx.get(url + "/metrics").text:
+                running = 'blockmgr_requests_running{model_name="tiny"} 2'
+                while running not in httpx.get(url + "/metrics").text:
                     assert time.monotonic() < deadline, "the whole answer is not running"
                     time.sleep(0.02)  # both run: the signal comes with both in flight
                 proc.send_signal(signal.SIGTERM)
