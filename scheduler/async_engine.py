@@ -32,7 +32,7 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import RequestOutput
+from scheduler.status import StatusLine
 from scheduler.text import is_text_prompt, stop_strings
 
 
@@ -77,9 +78,14 @@ class AsyncEngine:
 
     max_waiting: requests that may wait for admission (added and not yet
     running) before `generate` raises `QueueFull`.
+    status: a `StatusLine` polled by the engine thread after each step and
+    idle wake-up; each line it gives goes to `status_sink` (a callable of a
+    str; it must not raise, and what it raises is dropped).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, *, max_waiting: int = 256,
+                 status: StatusLine | None = None,
+                 status_sink: Callable[[str], None] | None = None) -> None:
         if not isinstance(engine, Engine):
             raise WrongArgumentType(f"engine must be an Engine, got {engine!r:.80}")
         self.engine = engine
@@ -96,6 +102,7 @@ class AsyncEngine:
         self._pending = 0  # adds sent, not yet taken by the engine thread
         self._num_aborted_at_exit = 0
         self._pending_lock = threading.Lock()
+        self._status, self._status_sink = status, status_sink
 
     # ------------------------------------------------------------ lifecycle
 
@@ -253,6 +260,7 @@ class AsyncEngine:
             else:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+            self._report_status()
         self._drain()
         self._num_aborted_at_exit = len(self._streams)
         for request_id in list(self._streams):
@@ -262,6 +270,17 @@ class AsyncEngine:
                 command.future.set_exception(EngineStopped("the engine stopped"))
             elif command[0] == "reset":
                 command[1].set_exception(EngineStopped("the engine stopped"))
+
+    def _report_status(self) -> None:
+        """Give the status line to its sink when one is due (never raises)."""
+        if self._status is None or self._status_sink is None:
+            return
+        try:
+            line = self._status.poll(self.engine, self.metrics)
+            if line is not None:
+                self._status_sink(line)
+        except Exception:  # noqa: BLE001 - a report must never stop the engine
+            pass
 
     def _drain(self) -> None:
         while self._commands:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
-from scheduler.serve import PREFILL_BATCH
+from scheduler.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
+from scheduler.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -321,9 +322,18 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
-    serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
-                       help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
-                            "recurrent slots first, pages with the rest")
+    serve.add_argument("--kv-memory", metavar="SIZE",
+                       help="KV memory, e.g. 4GiB or 512MB: a hybrid model's recurrent slots "
+                            "first, pages with the rest (default: --kv-memory-fraction of the "
+                            "memory available at start, after the weights); allocated at start")
+    serve.add_argument("--kv-memory-fraction", type=float, default=KV_MEMORY_FRACTION,
+                       metavar="F", help=f"share of the available memory the KV pool takes "
+                                         f"without --kv-memory (default {KV_MEMORY_FRACTION})")
+    serve.add_argument("--status-interval", type=_nonneg_float, default=DEFAULT_STATUS_INTERVAL,
+                       metavar="SECONDS",
+                       help=f"seconds between status lines (running, waiting, KV use, prefix "
+                            f"hit rate, tokens/s) while busy; 0: none (default "
+                            f"{DEFAULT_STATUS_INTERVAL:g})")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
     serve.add_argument("--disk-cache", metavar="DIR",
                        help="keep evicted cached prefixes in this directory; they survive "
@@ -826,7 +836,9 @@ def cmd_serve(args) -> int:
     """Load the model, size the pool, serve until SIGINT/SIGTERM."""
     from scheduler import serve
 
-    serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    dirs = [args.model] + ([args.draft_model] if args.draft_model else [])
+    budget = None if args.num_blocks else serve.kv_budget(args.kv_memory, dirs,
+                                                           args.kv_memory_fraction)
     tiers = serve.cache_tier_options(args.disk_cache, args.disk_cache_size, args.host_cache_size)
     max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
@@ -836,7 +848,8 @@ def cmd_serve(args) -> int:
     kv_events = serve.open_kv_events(endpoint, args.kv_events_topic, args.kv_events_replay,
                                      bind=bind)
     engine, name = serve.load_engine(
-        args.model, kv_memory=args.kv_memory, num_blocks=args.num_blocks,
+        args.model, kv_memory=None if budget is None else str(budget.nbytes),
+        num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
         prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
@@ -845,16 +858,29 @@ def cmd_serve(args) -> int:
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
-    bm = engine.cache.store
-    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
-    print(f"blockmgr serve: {name}: {bm.config.num_blocks} pages of {args.block_size} tokens "
-          f"({engine.cache.nbytes / 2**30:.2f} GiB){slots}, max model length "
+    serve.touch_pool(engine)
+    print(f"blockmgr serve: {name}: {startup_line(engine, budget)}, max model length "
           f"{engine.scheduler.config.max_model_len} tokens, on http://{args.host}:{args.port}",
           file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
-              max_body_bytes=max_body_bytes, allow_cache_reset=args.enable_prefix_cache_reset)
+              max_body_bytes=max_body_bytes, allow_cache_reset=args.enable_prefix_cache_reset,
+              status_interval=args.status_interval or None)
     return 0
+
+
+def startup_line(engine, budget) -> str:
+    """The pool as allocated (its real bytes), where its size came from,
+    and the process's peak resident memory."""
+    from scheduler import serve
+
+    bm, nbytes = engine.cache.store, engine.cache.nbytes
+    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
+    each = "" if slots else f", {nbytes / bm.config.num_blocks / 2**10:.1f} KiB each"
+    source = "--num-blocks" if budget is None else budget.describe()
+    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({bm.config.num_blocks} "
+            f"pages of {bm.config.block_size} tokens{each}{slots}; sized by {source}), "
+            f"peak resident memory {serve.peak_rss() / 2**30:.2f} GiB")
 
 
 def serve_speculation(args) -> dict:

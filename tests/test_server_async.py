@@ -33,16 +33,17 @@ async def _text(engine: AsyncEngine, prompt, params) -> str:
     return "".join(parts)
 
 
+async def _all_texts(engine: AsyncEngine, params) -> list[str]:
+    return await asyncio.gather(*(_text(engine, p, params) for p in PROMPTS))
+
+
 def test_concurrent_async_requests_equal_generate(tiny):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = [o.text for o in _engine(tiny).generate(PROMPTS, params)]
     engine = AsyncEngine(_engine(tiny))
     engine.start()
     try:
-        async def main():
-            return await asyncio.gather(*(_text(engine, p, params) for p in PROMPTS))
-
-        assert asyncio.run(main()) == want
+        assert asyncio.run(_all_texts(engine, params)) == want
     finally:
         engine.shutdown()
     assert not engine.is_running
@@ -174,3 +175,23 @@ def test_a_raising_step_ends_the_live_requests_with_its_error(tiny):
         engine.shutdown()
     assert inner.cache.block_manager.num_sequences == 0
     inner.check_integrity()
+
+
+def test_a_raising_status_sink_leaves_every_request_correct(tiny):
+    from scheduler.status import StatusLine
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.text for o in _engine(tiny).generate(PROMPTS, params)]
+    lines = []
+
+    def sink(line):
+        lines.append(line)
+        raise RuntimeError("the log is gone")
+
+    engine = AsyncEngine(_engine(tiny), status=StatusLine(1e-9), status_sink=sink)
+    try:
+        assert asyncio.run(_all_texts(engine, params)) == want
+    finally:
+        engine.shutdown()
+    assert lines  # it was called (and raised) while the requests ran
+    engine.engine.check_integrity()
