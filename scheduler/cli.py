@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -411,6 +412,9 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (outputs may end before max_tokens)")
     b.add_argument("--api-key", help="sent as a bearer token")
+    b.add_argument("--fresh-cache", action="store_true",
+                   help="send a new cache_salt this run: a server that honours it (blockmgr "
+                        "serve, vLLM) cannot answer from an earlier run's prefix cache")
     _add_workload_options(bench)
     r = bench.add_argument_group("run and report")
     r.add_argument("--config", metavar="FILE", help="start from a config (or a report.json) and apply options")
@@ -893,6 +897,7 @@ def serve_speculation(args) -> dict:
 def cmd_bench(args) -> int:
     """Replay the workload against `--url` and write the report."""
     from blockmgr.errors import InvalidArgument
+    from scheduler.bench_checks import load_warnings
     from scheduler.bench_report import bench_rows, write_bench_report
     from scheduler.loadgen import BenchOptions, run_bench
     from scheduler.simulator.runner import sessions_of
@@ -908,7 +913,9 @@ def cmd_bench(args) -> int:
         options = BenchOptions(args.url, model=args.model, api=args.api,
                                prompt_format=args.prompt_format, time_scale=time_scale,
                                timeout=args.timeout, ignore_eos=not args.no_ignore_eos,
-                               api_key=args.api_key)
+                               api_key=args.api_key,
+                               cache_salt=f"run-{uuid.uuid4().hex[:12]}" if args.fresh_cache
+                               else None)
         sessions = list(sessions_of(config))
     except (InvalidArgument, TraceError) as exc:
         raise ValueError(str(exc)) from None
@@ -928,6 +935,8 @@ def cmd_bench(args) -> int:
             bar.close()
     _write_and_print(args, result, f"blockmgr bench {options.base}", write_bench_report,
                      bench_rows)
+    for line in load_warnings(result.summary["load"]):
+        print(f"blockmgr bench: warning: {line}", file=sys.stderr)
     failed = result.summary["requests"]["aborted"]
     if failed:
         print(f"blockmgr bench: warning: {failed} of {total} requests failed", file=sys.stderr)
