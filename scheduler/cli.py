@@ -238,7 +238,7 @@ def _add_workload_options(parser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", type=_mix, metavar="MIX",
                    help=f"kinds, optionally weighted: chat | chat,agent | chat=0.7,multiturn=0.3 | all "
-                        f"(kinds: {', '.join(WORKLOAD_KINDS)}; default chat)")
+                        f"(kinds: {', '.join(WORKLOAD_KINDS)}; default all, equal weights)")
     w.add_argument("-n", "--num-requests", type=_positive_int, metavar="N", help="requests in total (default 2000)")
     w.add_argument("--seed", type=_nonneg_int, help="workload seed (default 0)")
     w.add_argument("--arrival", choices=("poisson", "closed"), help="open-loop Poisson or closed loop")

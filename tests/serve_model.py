@@ -50,9 +50,11 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def build_model_dir(path: Path, seed: int = 3, context: int | None = None) -> Path:
+def build_model_dir(path: Path, seed: int = 3, context: int | None = None,
+                    shape: dict | None = None) -> Path:
     """Write a tiny llama + tokenizer into `path`; returns `path`.
-    `context`: the config's max_position_embeddings (None: not given)."""
+    `context`: the config's max_position_embeddings (None: not given);
+    `shape`: config fields that replace the tiny ones (e.g. `head_dim`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -64,6 +66,7 @@ def build_model_dir(path: Path, seed: int = 3, context: int | None = None) -> Pa
     }
     if context is not None:
         config["max_position_embeddings"] = context
+    config.update(shape or {})
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
