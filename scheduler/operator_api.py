@@ -136,6 +136,9 @@ def _tokenize_prompt(body: Any) -> Any:
 
 def _token_ids(tokens: object, vocab_size: int) -> list[int]:
     """Checked token ids in [0, vocab_size) (400 naming the field)."""
+    if not isinstance(tokens, list):
+        raise HttpError(400, f"tokens must be a list of token ids, got {tokens!r:.40}",
+                        param="tokens")
     try:
         checked = prompt_list(tokens, "tokens", exact=True)
         check_token_range(checked, vocab_size, "tokens")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -133,7 +134,7 @@ class KVBudget:
                 f"weights")
 
 
-def kv_budget(kv_memory: str | None, model_dirs: list[str | Path],
+def kv_budget(kv_memory: str | None, model_dirs: Sequence[str | Path],
               fraction: float = KV_MEMORY_FRACTION) -> KVBudget:
     """`kv_memory` parsed, or (None) `fraction` of the memory available now
     (`available_memory`) less the weights of `model_dirs` still to load.
@@ -262,7 +263,10 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     budget = None
     if num_blocks is None:
         draft = engine_kwargs.get("draft_model")
-        budget = kv_budget(kv_memory, [path] + ([draft] if isinstance(draft, (str, Path)) else []))
+        dirs: list[str | Path] = [path]
+        if isinstance(draft, (str, Path)):
+            dirs.append(draft)
+        budget = kv_budget(kv_memory, dirs)
     # without return_config, load gives (model, tokenizer)
     model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
     if engine_kwargs.get("draft_model") is not None:
@@ -270,11 +274,15 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     if budget is not None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
         size = size_pool(model, budget.nbytes, block_size, max_num_seqs)
-        num_blocks = size.num_blocks
+        pool_blocks = size.num_blocks
         engine_kwargs.setdefault("num_slots", size.num_slots or None)
+    elif num_blocks is not None:
+        pool_blocks = num_blocks
+    else:  # a budget is made exactly when no page count is given
+        raise IntegrityError("neither a page count nor a KV budget")
     if max_model_len is not None:
         engine_kwargs["max_model_len"] = max_model_len
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
+    engine = Engine(model, num_blocks=pool_blocks, block_size=block_size, tokenizer=tokenizer,
                     prefill_batch=prefill_batch, **engine_kwargs)
     config = engine.scheduler.config
     if config.max_model_len is None:  # the Engine sets it (at most what the pool holds)
