@@ -460,6 +460,13 @@ class Engine:
     def get_request(self, request_id: Hashable) -> Request | None:
         return self.scheduler.get_request(request_id)
 
+    def synchronize(self) -> None:
+        """Wait until the device work this thread queued is done. A thread
+        that drove the engine calls it before it ends: MLX work still queued
+        by a finished thread when the process exits can abort the process
+        ("terminate called without an active exception")."""
+        mx.synchronize()
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix on the device that no live sequence uses
         (vLLM's `reset_prefix_cache`; the host and disk tiers keep theirs);

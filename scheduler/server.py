@@ -166,7 +166,7 @@ def build_app(engine: AsyncEngine, model_name: str, *,
     (default: `default_max_body_bytes` of the engine's `max_model_len`).
     `routes`: more routes (`operator_api`'s), after the OpenAI ones."""
     api = OpenAIServer(engine, model_name, max_body_bytes=max_body_bytes)
-    routes = [
+    table = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -183,7 +183,7 @@ def build_app(engine: AsyncEngine, model_name: str, *,
         logger.info("blockmgr serve: engine stopped, %d unfinished requests aborted", aborted)
 
     handlers = {HTTPException: _route_error, Exception: _unexpected_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    return Starlette(routes=table, lifespan=lifespan, exception_handlers=handlers)
 
 
 async def _route_error(request: HttpRequest, error: Exception) -> Response:

@@ -195,3 +195,29 @@ def test_a_raising_status_sink_leaves_every_request_correct(tiny):
         engine.shutdown()
     assert lines  # it was called (and raised) while the requests ran
     engine.engine.check_integrity()
+
+
+def test_a_script_that_used_an_async_engine_exits_cleanly(tmp_path):
+    """The engine thread leaves no MLX work queued: a script's exit used to
+    abort ("terminate called without an active exception") one run in three."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    model_dir = build_model_dir(tmp_path / "tiny")
+    script = (
+        "import asyncio, mlx_lm\n"
+        "from scheduler import AsyncEngine, Engine, SamplingParams\n"
+        f"model, tok = mlx_lm.load({str(model_dir)!r})\n"
+        "engine = AsyncEngine(Engine(model, num_blocks=64, tokenizer=tok))\n"
+        "async def main():\n"
+        "    async for _ in engine.generate(tok.encode('Hello'), SamplingParams(max_tokens=8)):\n"
+        "        pass\n"
+        "asyncio.run(main())\n"
+        "engine.shutdown()\n")
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+        assert done.returncode == 0, done.stderr
