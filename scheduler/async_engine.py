@@ -270,7 +270,7 @@ class AsyncEngine:
                 command.future.set_exception(EngineStopped("the engine stopped"))
             elif command[0] == "reset":
                 command[1].set_exception(EngineStopped("the engine stopped"))
-        self.engine.synchronize()  # nothing of this thread's left queued at process exit
+        self.engine.release_thread()  # MLX: clear a thread's streams before it ends
 
     def _report_status(self) -> None:
         """Give the status line to its sink when one is due (never raises)."""

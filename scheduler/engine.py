@@ -460,12 +460,14 @@ class Engine:
     def get_request(self, request_id: Hashable) -> Request | None:
         return self.scheduler.get_request(request_id)
 
-    def synchronize(self) -> None:
-        """Wait until the device work this thread queued is done. A thread
-        that drove the engine calls it before it ends: MLX work still queued
-        by a finished thread when the process exits can abort the process
+    def release_thread(self) -> None:
+        """Wait for the device work this thread queued, then destroy the MLX
+        streams it created. A thread that drove the engine calls it before
+        it ends (MLX's rule since 0.32: `clear_streams` at the end of every
+        thread that used MLX): streams left to process exit can abort it
         ("terminate called without an active exception")."""
         mx.synchronize()
+        mx.clear_streams()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix on the device that no live sequence uses
