@@ -12,8 +12,10 @@ their own request:
 
 Leaving the loop early, cancelling the task or closing the generator aborts
 the request (its pages are freed by the engine thread before its next
-step). A full waiting queue (`max_waiting`) refuses new requests with
-`QueueFull`; a stopped engine with `EngineStopped`. Text prompts are
+step). The thread starts with the first request (or `start()`); after
+`shutdown()` the engine takes no more. A full waiting queue
+(`max_waiting`) refuses new requests with `QueueFull`; a stopped engine
+with `EngineStopped`. Text prompts are
 tokenized on a worker thread (`encode`), and a request's stop-string
 automaton is built there too, so a long prompt never holds the engine
 thread. A request the engine ends with an error (its forward keeps failing,
@@ -30,7 +32,7 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from scheduler.engine import Engine
 from scheduler.metrics import ServingMetrics
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import RequestOutput
+from scheduler.status import StatusLine
 from scheduler.text import is_text_prompt, stop_strings
 
 
@@ -75,9 +78,14 @@ class AsyncEngine:
 
     max_waiting: requests that may wait for admission (added and not yet
     running) before `generate` raises `QueueFull`.
+    status: a `StatusLine` polled by the engine thread after each step and
+    idle wake-up; each line it gives goes to `status_sink` (a callable of a
+    str; it must not raise, and what it raises is dropped).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, *, max_waiting: int = 256,
+                 status: StatusLine | None = None,
+                 status_sink: Callable[[str], None] | None = None) -> None:
         if not isinstance(engine, Engine):
             raise WrongArgumentType(f"engine must be an Engine, got {engine!r:.80}")
         self.engine = engine
@@ -94,6 +102,7 @@ class AsyncEngine:
         self._pending = 0  # adds sent, not yet taken by the engine thread
         self._num_aborted_at_exit = 0
         self._pending_lock = threading.Lock()
+        self._status, self._status_sink = status, status_sink
 
     # ------------------------------------------------------------ lifecycle
 
@@ -170,8 +179,19 @@ class AsyncEngine:
         return await asyncio.to_thread(self.engine.encode_prompt, prompt)
 
     def _check_open(self) -> None:
-        if self._stopping or self._closing or not self._started:
+        """Refuse once stopped or stopping; start the thread on first use."""
+        if self._stopping or self._closing:
             raise EngineStopped("the engine is not running")
+        self.start()
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop the device's cached prefixes no live request uses, between two
+        steps on the engine thread (`Engine.reset_prefix_cache`); returns the
+        pages freed. `EngineStopped` once stopped."""
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("reset", future))
+        return await asyncio.wrap_future(future)
 
     async def outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         """Yield a stream's outputs until the final one; abort if left early."""
@@ -240,6 +260,7 @@ class AsyncEngine:
             else:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+            self._report_status()
         self._drain()
         self._num_aborted_at_exit = len(self._streams)
         for request_id in list(self._streams):
@@ -247,6 +268,20 @@ class AsyncEngine:
         for command in self._commands:  # sent after the last drain
             if isinstance(command, _Add):
                 command.future.set_exception(EngineStopped("the engine stopped"))
+            elif command[0] == "reset":
+                command[1].set_exception(EngineStopped("the engine stopped"))
+        self.engine.release_thread()  # MLX: clear a thread's streams before it ends
+
+    def _report_status(self) -> None:
+        """Give the status line to its sink when one is due (never raises)."""
+        if self._status is None or self._status_sink is None:
+            return
+        try:
+            line = self._status.poll(self.engine, self.metrics)
+            if line is not None:
+                self._status_sink(line)
+        except Exception:  # noqa: BLE001 - a report must never stop the engine
+            pass
 
     def _drain(self) -> None:
         while self._commands:
@@ -255,6 +290,8 @@ class AsyncEngine:
                 self._admit(command)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+            elif command[0] == "reset":
+                _settle(command[1], self.engine.reset_prefix_cache)
             else:  # abort_all
                 for request_id in list(self._streams):
                     self.engine.abort(request_id, command[1])
@@ -297,3 +334,11 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the stream has the step's error already
                 pass
+
+
+def _settle(future: concurrent.futures.Future, call: Any) -> None:
+    """Run `call` and give its result (or its exception) to `future`."""
+    try:
+        future.set_result(call())
+    except Exception as error:  # noqa: BLE001 - the caller's to raise
+        future.set_exception(error)

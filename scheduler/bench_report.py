@@ -16,6 +16,7 @@ import json
 import platform
 from pathlib import Path
 
+from scheduler.bench_checks import load_warnings
 from scheduler.simulator.plots import PlottingUnavailable, plot_latency
 from scheduler.simulator.report import REPORT_VERSION, format_pair
 
@@ -27,7 +28,7 @@ def build_bench_report(result, plots: list[str]) -> dict:
         "config": result.config.to_dict(),
         "bench": {"url": options.base, "model": result.model, "api": options.api,
                   "prompt_format": options.prompt_format, "time_scale": options.time_scale,
-                  "ignore_eos": options.ignore_eos},
+                  "ignore_eos": options.ignore_eos, "cache_salt": options.cache_salt},
         "summary": result.summary,
         "timeline": {},
         "plots": plots,
@@ -70,8 +71,22 @@ def bench_rows(summary: dict) -> list[tuple[str, str]]:
         ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
         ("cached prompt tokens (server-reported)", f"{pc['hit_rate'] * 100:.1f} %"),
     ]
+    rows += load_rows(summary.get("load"))
     for error, count in summary.get("errors", {}).items():
         rows.append((f"error x{count}", error))
+    return rows
+
+
+def load_rows(load: dict | None) -> list[tuple[str, str]]:
+    """The offered and served rates, and the warnings (`bench_checks`)."""
+    if load is None:
+        return []
+    rows = []
+    if load["offered_sessions_per_s"] is not None:
+        rows.append(("offered / served sessions per s",
+                     f"{load['offered_sessions_per_s']:.2f} / "
+                     f"{load['served_sessions_per_s']:.2f}"))
+    rows += [("WARNING", line) for line in load_warnings(load)]
     return rows
 
 

@@ -21,19 +21,21 @@ import argparse
 import dataclasses
 import json
 import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
-from scheduler.serve import PREFILL_BATCH
+from scheduler.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
 from scheduler.simulator.kv_memory import (
     BITS,
     DEFAULT_GROUP_SIZE,
     GROUP_SIZES,
     engine_num_slots,
 )
+from scheduler.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -243,7 +245,7 @@ def _add_workload_options(parser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", type=_mix, metavar="MIX",
                    help=f"kinds, optionally weighted: chat | chat,agent | chat=0.7,multiturn=0.3 | all "
-                        f"(kinds: {', '.join(WORKLOAD_KINDS)}; default chat)")
+                        f"(kinds: {', '.join(WORKLOAD_KINDS)}; default all, equal weights)")
     w.add_argument("-n", "--num-requests", type=_positive_int, metavar="N", help="requests in total (default 2000)")
     w.add_argument("--seed", type=_nonneg_int, help="workload seed (default 0)")
     w.add_argument("--arrival", choices=("poisson", "closed"), help="open-loop Poisson or closed loop")
@@ -389,10 +391,18 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
-    serve.add_argument("--kv-memory", default="4GiB", metavar="SIZE",
-                       help="KV memory, e.g. 4GiB or 512MB (default 4GiB): a hybrid model's "
-                            "recurrent slots first, pages (of the --kv-* format, scales "
-                            "included) with the rest")
+    serve.add_argument("--kv-memory", metavar="SIZE",
+                       help="KV memory, e.g. 4GiB or 512MB: a hybrid model's recurrent slots "
+                            "first, pages with the rest (default: --kv-memory-fraction of the "
+                            "memory available at start, after the weights); allocated at start")
+    serve.add_argument("--kv-memory-fraction", type=float, default=KV_MEMORY_FRACTION,
+                       metavar="F", help=f"share of the available memory the KV pool takes "
+                                         f"without --kv-memory (default {KV_MEMORY_FRACTION})")
+    serve.add_argument("--status-interval", type=_nonneg_float, default=DEFAULT_STATUS_INTERVAL,
+                       metavar="SECONDS",
+                       help=f"seconds between status lines (running, waiting, KV use, prefix "
+                            f"hit rate, tokens/s) while busy; 0: none (default "
+                            f"{DEFAULT_STATUS_INTERVAL:g})")
     serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
     serve.add_argument("--disk-cache", metavar="DIR",
                        help="keep evicted cached prefixes in this directory; they survive "
@@ -420,6 +430,14 @@ def _add_serve_parser(sub) -> None:
                        help="largest request body, e.g. 16MiB; larger ones get 413 before they "
                             "are read (default: 32 bytes per token of --max-model-len, at "
                             "least 1MiB)")
+    serve.add_argument("--draft-model", metavar="DIR",
+                       help="a small mlx-lm model directory with the same vocabulary: "
+                            "speculative decoding (its KV pages come on top of --kv-memory)")
+    serve.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
+                       help="draft tokens per step with --draft-model (default 4)")
+    serve.add_argument("--enable-prefix-cache-reset", action="store_true",
+                       help="serve POST /reset_prefix_cache (drops every cached prefix no "
+                            "request uses; off by default, as in vLLM)")
     serve.add_argument("--served-model-name", help="model id in the API (default: DIR's name)")
     serve.add_argument("--shutdown-timeout", type=_nonneg_float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long in-flight requests may finish before "
@@ -463,6 +481,9 @@ def _add_bench_parser(sub) -> None:
     b.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (outputs may end before max_tokens)")
     b.add_argument("--api-key", help="sent as a bearer token")
+    b.add_argument("--fresh-cache", action="store_true",
+                   help="send a new cache_salt this run: a server that honours it (blockmgr "
+                        "serve, vLLM) cannot answer from an earlier run's prefix cache")
     _add_workload_options(bench)
     r = bench.add_argument_group("run and report")
     r.add_argument("--config", metavar="FILE", help="start from a config (or a report.json) and apply options")
@@ -931,7 +952,9 @@ def cmd_serve(args) -> int:
 
     fields = kv_format_fields(args)  # bad options fail before the model loads
     kv_format = None if fields is None else KVFormat(**fields)
-    serve.parse_bytes(args.kv_memory)  # a bad size fails before the model loads
+    dirs = [args.model] + ([args.draft_model] if args.draft_model else [])
+    budget = None if args.num_blocks else serve.kv_budget(args.kv_memory, dirs,
+                                                           args.kv_memory_fraction)
     tiers = serve.cache_tier_options(args.disk_cache, args.disk_cache_size, args.host_cache_size)
     max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
@@ -941,35 +964,62 @@ def cmd_serve(args) -> int:
     kv_events = serve.open_kv_events(endpoint, args.kv_events_topic, args.kv_events_replay,
                                      bind=bind)
     engine, name = serve.load_engine(
-        args.model, kv_memory=args.kv_memory, kv_format=kv_format,
+        args.model, kv_memory=None if budget is None else str(budget.nbytes), kv_format=kv_format,
         num_blocks=args.num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
         prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
+        **serve_speculation(args),
     )
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
+    serve.touch_pool(engine)
     size = serve.engine_pool(engine)
     pool = serve.pool_line(size, engine.cache.kv_format, args.block_size)
-    print(f"blockmgr serve: {name}: {pool}, max model length "
+    print(f"blockmgr serve: {name}: {pool}", file=sys.stderr)
+    print(f"blockmgr serve: {name}: {startup_line(engine, budget)}, max model length "
           f"{engine.scheduler.config.max_model_len} tokens, on http://{args.host}:{args.port}",
           file=sys.stderr)
-    options = None if args.num_blocks is not None else serve.simulate_options(
-        engine.model, size, engine.cache.kv_format, args.block_size, args.kv_memory)
+    options = None if budget is None else serve.simulate_options(
+        engine.model, size, engine.cache.kv_format, args.block_size,
+        args.kv_memory or str(budget.nbytes))
     if options is not None:
         context = min(engine.scheduler.config.max_model_len, size.num_blocks * args.block_size)
         print(f"blockmgr serve: the same pool in the simulator: blockmgr simulate {options} "
               f"--max-num-seqs {args.max_num_seqs} --max-context {context}", file=sys.stderr)
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
-              max_body_bytes=max_body_bytes)
+              max_body_bytes=max_body_bytes, allow_cache_reset=args.enable_prefix_cache_reset,
+              status_interval=args.status_interval or None)
     return 0
+
+
+def startup_line(engine, budget) -> str:
+    """The pool as allocated (its real bytes), where its size came from,
+    and the process's peak resident memory."""
+    from scheduler import serve
+
+    bm, nbytes = engine.cache.store, engine.cache.nbytes
+    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
+    each = "" if slots else f", {nbytes / bm.config.num_blocks / 2**10:.1f} KiB each"
+    source = "--num-blocks" if budget is None else budget.describe()
+    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({bm.config.num_blocks} "
+            f"pages of {bm.config.block_size} tokens{each}{slots}; sized by {source}), "
+            f"peak resident memory {serve.peak_rss() / 2**30:.2f} GiB")
+
+
+def serve_speculation(args) -> dict:
+    """`load_engine` keywords of `--draft-model` and `--num-speculative-tokens`."""
+    if args.draft_model is None:
+        return {}
+    return {"draft_model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def cmd_bench(args) -> int:
     """Replay the workload against `--url` and write the report."""
     from blockmgr.errors import InvalidArgument
+    from scheduler.bench_checks import load_warnings
     from scheduler.bench_report import bench_rows, write_bench_report
     from scheduler.loadgen import BenchOptions, run_bench
     from scheduler.simulator.runner import sessions_of
@@ -985,7 +1035,9 @@ def cmd_bench(args) -> int:
         options = BenchOptions(args.url, model=args.model, api=args.api,
                                prompt_format=args.prompt_format, time_scale=time_scale,
                                timeout=args.timeout, ignore_eos=not args.no_ignore_eos,
-                               api_key=args.api_key)
+                               api_key=args.api_key,
+                               cache_salt=f"run-{uuid.uuid4().hex[:12]}" if args.fresh_cache
+                               else None)
         sessions = list(sessions_of(config))
     except (InvalidArgument, TraceError) as exc:
         raise ValueError(str(exc)) from None
@@ -1005,6 +1057,8 @@ def cmd_bench(args) -> int:
             bar.close()
     _write_and_print(args, result, f"blockmgr bench {options.base}", write_bench_report,
                      bench_rows)
+    for line in load_warnings(result.summary["load"]):
+        print(f"blockmgr bench: warning: {line}", file=sys.stderr)
     failed = result.summary["requests"]["aborted"]
     if failed:
         print(f"blockmgr bench: warning: {failed} of {total} requests failed", file=sys.stderr)

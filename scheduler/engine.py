@@ -401,6 +401,8 @@ class Engine:
                 f"stop strings {sampling.stop!r:.80} need Engine(tokenizer=...)"
             )
         check_token_range(list(sampling.logit_bias), self.vocab_size, "logit_bias")
+        if sampling.min_tokens:  # their logits are masked until min_tokens
+            check_token_range(list(sampling.stop_token_ids), self.vocab_size, "stop_token_ids")
         if self.text is None or sampling.ignore_eos:
             return sampling
         missing = [t for t in self.text.eos_token_ids if t not in sampling.stop_token_ids]
@@ -457,6 +459,26 @@ class Engine:
 
     def get_request(self, request_id: Hashable) -> Request | None:
         return self.scheduler.get_request(request_id)
+
+    def release_thread(self) -> None:
+        """Wait for the device work this thread queued, then destroy the MLX
+        streams it created. A thread that drove the engine calls it before
+        it ends (MLX's rule since 0.32: `clear_streams` at the end of every
+        thread that used MLX): streams left to process exit can abort it
+        ("terminate called without an active exception")."""
+        mx.synchronize()
+        mx.clear_streams()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix on the device that no live sequence uses
+        (vLLM's `reset_prefix_cache`; the host and disk tiers keep theirs);
+        returns the pages it freed. Not thread-safe: call it between steps.
+        Cost: O(cached pages)."""
+        store = self.cache.store
+        before = store.num_free_blocks
+        self.cache.reset_prefix_cache()
+        self._publish_kv_events()
+        return store.num_free_blocks - before
 
     # ----------------------------------------------------------------- step
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from blockmgr.errors import IntegrityError, InvalidArgument
+from scheduler.bench_checks import load_section
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.tokens import TokenSource
@@ -74,6 +75,9 @@ class BenchOptions:
     timeout: seconds one request may take before it is counted as failed.
     ignore_eos: send vLLM's `ignore_eos` so outputs run to max_tokens on
         servers that honour it.
+    cache_salt: sent as every request's `cache_salt` (before the
+        workload's namespace): a new one per run keeps a server that honours
+        it (this one, vLLM) from answering from an earlier run's cache.
     """
 
     url: str
@@ -84,6 +88,7 @@ class BenchOptions:
     timeout: float = 600.0
     ignore_eos: bool = True
     api_key: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -180,8 +185,9 @@ class PromptBuilder:
             body.update(n=spec.n, temperature=1.0, seed=spec.output_key % (1 << 31))
         if self.options.ignore_eos:
             body["ignore_eos"] = True
-        if spec.namespace is not None:
-            body["cache_salt"] = str(spec.namespace)  # vLLM's per-tenant cache isolation
+        salt = _cache_salt(self.options.cache_salt, spec.namespace)
+        if salt is not None:
+            body["cache_salt"] = salt  # vLLM's per-tenant cache isolation
         if self.options.api == "chat":
             body["messages"] = self.messages(spec)
         elif self.options.prompt_format == "tokens":
@@ -203,6 +209,13 @@ class PromptBuilder:
             role = "system" if i == 0 else ("user" if i % 2 else "assistant")
             messages.append({"role": role, "content": prompt_text(self.tokens.text(key, length))})
         return messages
+
+
+def _cache_salt(run: str | None, namespace: object) -> str | None:
+    """The run's salt and the workload's namespace, as one `cache_salt`."""
+    parts = [part for part in (run, None if namespace is None else str(namespace))
+             if part is not None]
+    return "/".join(parts) if parts else None
 
 
 # ------------------------------------------------------------------ client
@@ -336,6 +349,7 @@ class LoadGenerator:
         summary["requests"]["cached_tokens_reported"] = sum(
             bool((o.usage or {}).get("prompt_tokens_details")) for o in self.outcomes)
         summary["errors"] = dict(errors.most_common(10))
+        summary["load"] = load_section(self.outcomes, self.options.time_scale)
         return BenchResult(self.config, self.options, self._served_model(), summary, metrics,
                            self.outcomes)
 

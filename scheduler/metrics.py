@@ -9,6 +9,15 @@ preemptions, forward errors, rejected requests), histograms of time to
 first token and time per output token, and `cache_config_info` (value 1,
 the KV page format, page size and page count in its labels, as vLLM's
 `cache_config_info`). Metric names start with `blockmgr_`.
+
+Beside them (`operator_families`): end-to-end and queue-time histograms,
+requests refused by HTTP status (`count_refused`), and vLLM's names for the
+load gauges a gateway reads (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and its older
+spelling `vllm:gpu_cache_usage_perc`). With `model_name` set every sample
+carries a `model_name` label, as vLLM's do. The KV usage gauges count the
+pages the prefix cache holds as used (vLLM counts its evictable cached
+blocks as free): the cache gives them back on demand.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from typing import Any
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: End-to-end and queue-time buckets (seconds): vLLM's request-latency buckets.
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 @dataclass(slots=True)
@@ -61,6 +73,10 @@ class ServingMetrics:
     num_generation_tokens: int = 0
     num_rejected: int = 0
     num_preemptions: int = 0
+    e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    refused: Counter = field(default_factory=Counter)
+    model_name: str | None = None
 
     def observe_step(self, engine: Any) -> None:
         stats = engine.scheduler.stats
@@ -77,6 +93,20 @@ class ServingMetrics:
             self.ttft.observe(metrics.time_to_first_token)
         if metrics.time_per_output_token is not None:
             self.tpot.observe(metrics.time_per_output_token)
+        self._observe_latencies(metrics)
+
+    def _observe_latencies(self, metrics: Any) -> None:
+        """End to end (arrival to finish) and queue time (arrival to first
+        scheduled) of a finished request; a request never scheduled has no
+        queue time."""
+        if metrics.finish_time is not None:
+            self.e2e.observe(metrics.finish_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
+
+    def count_refused(self, status: int) -> None:
+        """A request answered with error `status` before any output."""
+        self.refused[status] += 1
 
     def render(self, engine: Any) -> str:
         """The whole exposition, one metric family after another."""
@@ -122,10 +152,50 @@ class ServingMetrics:
                 self.ttft.lines("time_to_first_token_seconds"))
         _family(lines, "time_per_output_token_seconds", "histogram", "Time per output token.",
                 self.tpot.lines("time_per_output_token_seconds"))
+        lines.extend(self.operator_families(engine))
+        if self.model_name is not None:
+            lines = [_labelled(line, "model_name", self.model_name) for line in lines]
         return "\n".join(lines) + "\n"
 
+    def operator_families(self, engine: Any) -> list[str]:
+        """Latency histograms, refusals, and vLLM's load gauges (module doc)."""
+        sched, store = engine.scheduler, engine.cache.store
+        lines: list[str] = []
+        _family(lines, "e2e_request_latency_seconds", "histogram",
+                "Arrival to finish of finished requests.",
+                self.e2e.lines("e2e_request_latency_seconds"))
+        _family(lines, "request_queue_time_seconds", "histogram",
+                "Arrival to first scheduled of finished requests.",
+                self.queue.lines("request_queue_time_seconds"))
+        _family(lines, "requests_refused_total", "counter",
+                "Completion requests answered with an error status, by status.", [
+                    f'requests_refused_total{{status="{k}"}} {v}'
+                    for k, v in sorted(dict(self.refused).items())])
+        usage = store.usage
+        for name, kind, help_text, value in (
+                ("num_requests_running", "gauge", "Sequences running.", sched.num_running),
+                ("num_requests_waiting", "gauge", "Sequences waiting.", sched.num_waiting),
+                ("kv_cache_usage_perc", "gauge", "KV pages used / pages (1 is full).", usage),
+                ("gpu_cache_usage_perc", "gauge", "kv_cache_usage_perc (older name).", usage)):
+            _family(lines, name, kind, help_text, [f"{name} {value!r}"], prefix="vllm:")
+        return lines
 
-def _family(lines: list[str], name: str, kind: str, help_text: str, samples: list[str]) -> None:
-    lines.append(f"# HELP blockmgr_{name} {help_text}")
-    lines.append(f"# TYPE blockmgr_{name} {kind}")
-    lines.extend(f"blockmgr_{s}" for s in samples)
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples: list[str],
+            prefix: str = "blockmgr_") -> None:
+    lines.append(f"# HELP {prefix}{name} {help_text}")
+    lines.append(f"# TYPE {prefix}{name} {kind}")
+    lines.extend(f"{prefix}{s}" for s in samples)
+
+
+def _labelled(line: str, label: str, value: str) -> str:
+    """A sample line with `label="value"` first among its labels (comments
+    unchanged). The value is escaped as Prometheus' text format asks."""
+    if line.startswith("#"):
+        return line
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if "{" in line:
+        name, rest = line.split("{", 1)
+        return f'{name}{{{label}="{escaped}",{rest}'
+    name, rest = line.split(" ", 1)
+    return f'{name}{{{label}="{escaped}"}} {rest}'

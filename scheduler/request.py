@@ -77,6 +77,9 @@ class SamplingParams:
         when its text contains one; the text is cut before it.
     ignore_eos: do not stop at the tokenizer's end-of-sequence tokens
         (an engine with a tokenizer adds them to `stop_token_ids` otherwise).
+    min_tokens: in [0, max_tokens]; until a sample has this many tokens its
+        `stop_token_ids` (end of sequence included) cannot be sampled (their
+        logits are -inf, as vLLM's); stop strings still apply.
     logits_processors: mlx-lm logits processors, `f(tokens, logits) ->
         logits` with `tokens` the sample's prompt + output so far (an
         `mx.array`) and `logits` ``[1, V]``; applied in order, first, one
@@ -105,6 +108,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logits_processors: tuple = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -133,6 +137,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise WrongArgumentType(f"ignore_eos must be a bool, got {self.ignore_eos!r:.80}")
         self.logits_processors = _check_processors(self.logits_processors)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
 
     @property
     def greedy(self) -> bool:

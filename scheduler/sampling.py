@@ -132,7 +132,7 @@ def adjust_logits(
             bias_values.extend(p.logit_bias.values())
     penalized = [r for r, p in enumerate(params) if p.penalized]
     if not bias_rows and not penalized:
-        return logits
+        return _block_early_stops(logits, params, histories)
     logits = logits.astype(mx.float32)
     if bias_rows:
         logits = logits.at[mx.array(bias_rows), mx.array(bias_cols)].add(
@@ -142,7 +142,25 @@ def adjust_logits(
         histories = _needs_histories(histories)
         logits = _apply_penalties(
             logits, [(r, params[r], _history(histories, r)) for r in penalized])
-    return logits
+    return _block_early_stops(logits, params, histories)
+
+
+def _block_early_stops(
+    logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[History | None] | None
+) -> mx.array:
+    """-inf at the stop tokens of the rows whose output is shorter than their
+    `min_tokens` (last, so that no bias or penalty brings them back). Rows
+    without `min_tokens` cost one attribute read; O(stop tokens) for the others."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for r, p in enumerate(params):
+        if p.min_tokens and p.stop_token_ids:
+            if len(_history(_needs_histories(histories), r)[1]) < p.min_tokens:
+                rows.extend([r] * len(p.stop_token_ids))
+                cols.extend(p.stop_token_ids)
+    if not rows:
+        return logits
+    return logits.at[mx.array(rows), mx.array(cols)].add(-mx.inf)
 
 
 def _needs_histories(histories: Sequence[History | None] | None) -> Sequence[History | None]:

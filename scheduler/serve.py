@@ -18,7 +18,9 @@ a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
 from __future__ import annotations
 
 import json
+import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -35,6 +37,13 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: weight read per forward (BENCHMARKS.md, "serve"); `prefill_groups` keeps
 #: the padding bounded whatever the lengths.
 PREFILL_BATCH = 8
+
+
+#: The share of the memory available at start that `blockmgr serve` gives
+#: the KV pool without `--kv-memory` (vLLM's `--gpu-memory-utilization` is
+#: 0.9 of a GPU's own memory; here the memory is shared with the system
+#: and every other process, so half of what is free).
+KV_MEMORY_FRACTION = 0.5
 
 
 def parse_bytes(text: str) -> int:
@@ -89,6 +98,80 @@ def slot_bytes(model: Any) -> int:
         return 0
     return sum(spec.nbytes for layer in probe_specs(model).values() for spec in layer
                if spec is not None)
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: Linux's MemAvailable; on a Mac,
+    Metal's recommended working set less what MLX holds; else the physical
+    memory less what MLX holds. Cost: one file read or system call."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    import mlx.core as mx
+
+    recommended = mx.device_info().get("max_recommended_working_set_size")
+    total = recommended if isinstance(recommended, int) else \
+        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, total - mx.get_active_memory())
+
+
+def weights_bytes(path: str | Path) -> int:
+    """Bytes of a model directory's weight files (what loading it takes)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """The KV memory budget and where it came from: `--kv-memory`, or
+    `fraction` of the `available` bytes (after the weights)."""
+
+    nbytes: int
+    fraction: float | None = None
+    available: int | None = None
+
+    def describe(self) -> str:
+        if self.fraction is None or self.available is None:
+            return "--kv-memory"
+        return (f"{self.fraction:g} of {self.available / 2**30:.2f} GiB available after the "
+                f"weights")
+
+
+def kv_budget(kv_memory: str | None, model_dirs: Sequence[str | Path],
+              fraction: float = KV_MEMORY_FRACTION) -> KVBudget:
+    """`kv_memory` parsed, or (None) `fraction` of the memory available now
+    (`available_memory`) less the weights of `model_dirs` still to load.
+    `InvalidArgument` for a fraction outside (0, 1] or nothing left."""
+    if kv_memory is not None:
+        return KVBudget(parse_bytes(kv_memory))
+    if not 0 < fraction <= 1:
+        raise InvalidArgument(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
+    available = available_memory() - sum(weights_bytes(d) for d in model_dirs)
+    if available <= 0:
+        raise InvalidArgument("no memory is left for the KV pool after the model's weights; "
+                              "give --kv-memory")
+    return KVBudget(int(available * fraction), fraction, available)
+
+
+def touch_pool(engine: Any) -> None:
+    """Allocate (and write) the engine's page pools and slots now, not at
+    the first request: one two-token request of token 0, its cache then
+    dropped. Cost: two one-token forwards and writing the whole pool."""
+    from scheduler.request import SamplingParams
+
+    engine.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.reset_prefix_cache()
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux gives KiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,12 +304,15 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
                 prefill_batch: int = PREFILL_BATCH, max_model_len: int | None = None,
                 **engine_kwargs):
     """(Engine, model name) for an mlx-lm model directory. Without
-    `num_blocks` the pool fits `kv_memory` (default 4GiB; `size_pool`).
+    `num_blocks` the pool fits `kv_memory` (default: `KV_MEMORY_FRACTION`
+    of the memory available before loading, after the weights: `kv_budget`;
+    `size_pool`).
     Prefill chunks that arrive together share forwards (`prefill_batch`,
     default `PREFILL_BATCH`). `max_model_len` (prompt + output tokens of a
     sequence) defaults to the model's context (`model_context`) and may not
     exceed it; the engine then caps it at what the pool holds, and refuses a
-    larger one asked for."""
+    larger one asked for. `draft_model` may be a model directory
+    (`load_draft`): the engine then speculates."""
     import mlx_lm
 
     from scheduler.engine import Engine
@@ -239,17 +325,30 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     if max_model_len is not None and context is not None and max_model_len > context:
         raise InvalidArgument(f"--max-model-len {max_model_len} is more than the model's context "
                               f"({context} tokens in its config.json)")
+    budget = None
+    if num_blocks is None:
+        draft = engine_kwargs.get("draft_model")
+        dirs: list[str | Path] = [path]
+        if isinstance(draft, (str, Path)):
+            dirs.append(draft)
+        budget = kv_budget(kv_memory, dirs)
     # without return_config, load gives (model, tokenizer)
     model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
-    if num_blocks is None:
+    if engine_kwargs.get("draft_model") is not None:
+        engine_kwargs["draft_model"] = load_draft(engine_kwargs["draft_model"])
+    if budget is not None:
         max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
-        size = size_pool(model, parse_bytes(kv_memory or "4GiB"), block_size, max_num_seqs,
+        size = size_pool(model, budget.nbytes, block_size, max_num_seqs,
                          engine_kwargs.get("kv_format"))
-        num_blocks = size.num_blocks
+        pool_blocks = size.num_blocks
         engine_kwargs.setdefault("num_slots", size.num_slots or None)
+    elif num_blocks is not None:
+        pool_blocks = num_blocks
+    else:  # a budget is made exactly when no page count is given
+        raise IntegrityError("neither a page count nor a KV budget")
     if max_model_len is not None:
         engine_kwargs["max_model_len"] = max_model_len
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tokenizer,
+    engine = Engine(model, num_blocks=pool_blocks, block_size=block_size, tokenizer=tokenizer,
                     prefill_batch=prefill_batch, **engine_kwargs)
     config = engine.scheduler.config
     if config.max_model_len is None:  # the Engine sets it (at most what the pool holds)
@@ -259,6 +358,19 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
         if engine.speculator is not None:
             engine.speculator.max_model_len = context
     return engine, path.name
+
+
+def load_draft(path: str | Path) -> Any:
+    """The draft model of `--draft-model DIR` (an mlx-lm model directory
+    with the target's vocabulary; the Engine checks it)."""
+    import mlx_lm
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"--draft-model {str(path)!r} is not an mlx-lm model directory "
+                              f"(no config.json)")
+    model, _ = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
+    return model
 
 
 def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str | None = None,
@@ -325,17 +437,27 @@ def blas_hint() -> str | None:
 
 def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         max_waiting: int = 256, graceful_seconds: float = 10.0,
-        max_body_bytes: int | None = None) -> None:
+        max_body_bytes: int | None = None, allow_cache_reset: bool = False,
+        status_interval: float | None = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `graceful_seconds`
     to finish, then end cleanly (`scheduler.shutdown`). `max_body_bytes`:
-    None for the server's default (`server.default_max_body_bytes`)."""
+    None for the server's default (`server.default_max_body_bytes`).
+    `allow_cache_reset`: serve `POST /reset_prefix_cache` (`operator_api`).
+    `status_interval`: seconds between status lines in the log while busy
+    (`scheduler.status`; None: none)."""
     import uvicorn
 
     from scheduler.async_engine import AsyncEngine
-    from scheduler.server import build_app
+    from scheduler.operator_api import build_serving_app
     from scheduler.shutdown import GracefulServer
+    from scheduler.status import StatusLine
 
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    app = build_app(async_engine, model_name, max_body_bytes=max_body_bytes)
+    log = logging.getLogger("uvicorn.error")  # uvicorn's log, which it configures
+
+    status = None if status_interval is None else StatusLine(status_interval)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, status=status,
+                               status_sink=lambda line: log.info("blockmgr serve: %s", line))
+    app = build_serving_app(async_engine, model_name, max_body_bytes=max_body_bytes,
+                            allow_cache_reset=allow_cache_reset)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
     GracefulServer(config, async_engine, graceful_seconds).run()

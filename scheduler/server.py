@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -87,7 +87,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[object], bool]] = {
     "best_of": _off(1),
     "use_beam_search": _off(False),
     "length_penalty": _off(1, 1.0),
-    "min_tokens": _off(0),
     "guided_json": _off(),
     "guided_regex": _off(),
     "guided_choice": _off(),
@@ -132,7 +131,8 @@ _FINISH = {
 }
 #: Body fields mapped one to one onto `SamplingParams` (OpenAI's, then vLLM's extensions).
 _PASSTHROUGH = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
-                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+                "min_tokens")
 
 
 class HttpError(Exception):
@@ -160,17 +160,19 @@ class HttpError(Exception):
 
 
 def build_app(engine: AsyncEngine, model_name: str, *,
-              max_body_bytes: int | None = None) -> Starlette:
+              max_body_bytes: int | None = None, routes: Sequence[Route] = ()) -> Starlette:
     """The Starlette app; starts `engine` on startup, shuts it down on exit.
     `max_body_bytes`: larger request bodies are refused (413) unread
-    (default: `default_max_body_bytes` of the engine's `max_model_len`)."""
+    (default: `default_max_body_bytes` of the engine's `max_model_len`).
+    `routes`: more routes (`operator_api`'s), after the OpenAI ones."""
     api = OpenAIServer(engine, model_name, max_body_bytes=max_body_bytes)
-    routes = [
+    table = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *routes,
     ]
 
     @contextlib.asynccontextmanager
@@ -181,7 +183,7 @@ def build_app(engine: AsyncEngine, model_name: str, *,
         logger.info("blockmgr serve: engine stopped, %d unfinished requests aborted", aborted)
 
     handlers = {HTTPException: _route_error, Exception: _unexpected_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    return Starlette(routes=table, lifespan=lifespan, exception_handlers=handlers)
 
 
 async def _route_error(request: HttpRequest, error: Exception) -> Response:
@@ -540,6 +542,10 @@ async def _json_body(request: HttpRequest, limit: int) -> Mapping:
     if not isinstance(body, dict):
         raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+#: The body reader, for the routes of other modules (`operator_api`).
+json_body = _json_body
 
 
 def _check_supported(body: Mapping, unsupported: Mapping[str, Callable[[object], bool]]) -> None:

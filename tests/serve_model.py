@@ -51,11 +51,12 @@ def build_tokenizer(path: Path):
 
 
 def build_model_dir(path: Path, seed: int = 3, context: int | None = None,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, shape: dict | None = None) -> Path:
     """Write a tiny llama + tokenizer into `path`; returns `path`.
     `context`: the config's max_position_embeddings (None: not given).
     `head_dim`: the attention head size (None: hidden size / heads = 16,
-    which no quantization group size divides; 32 takes groups of 32)."""
+    which no quantization group size divides; 32 takes groups of 32).
+    `shape`: config fields that replace the tiny ones."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -69,6 +70,7 @@ def build_model_dir(path: Path, seed: int = 3, context: int | None = None,
         config["max_position_embeddings"] = context
     if head_dim is not None:
         config["head_dim"] = head_dim
+    config.update(shape or {})
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)

@@ -162,3 +162,19 @@ def test_a_failed_check_exits_1_with_one_line(tmp_path, capsys, monkeypatch):
     assert code == 1 and out == ""
     assert err.strip() == ("blockmgr simulate: check failed: LeakError: "
                            "3 pages in use but the trie holds 2")
+
+
+def test_simulate_help_states_the_true_workload_defaults(capsys):
+    """The help's defaults are the config's (the workload default is every
+    kind, equally weighted, not chat alone)."""
+    from scheduler.simulator.workloads import WORKLOAD_KINDS, WorkloadConfig
+
+    with pytest.raises(SystemExit):
+        cli.main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = WorkloadConfig()
+    assert defaults.mix == dict.fromkeys(WORKLOAD_KINDS, 1.0)
+    assert "default all, equal weights" in text
+    assert f"requests in total (default {defaults.num_requests})" in text
+    assert f"new sessions per simulated second (default {defaults.rate:g})" in text
+    assert f"closed loop: clients (default {defaults.concurrency})" in text

@@ -81,7 +81,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
                 lines = r.iter_lines()
                 next(lines)  # in flight
                 deadline = time.monotonic() + 30
-                while "blockmgr_requests_running 2" not in httpx.get(url + "/metrics").text:
+                running = 'blockmgr_requests_running{model_name="tiny"} 2'
+                while running not in httpx.get(url + "/metrics").text:
                     assert time.monotonic() < deadline, "the whole answer is not running"
                     time.sleep(0.02)  # both run: the signal comes with both in flight
                 proc.send_signal(signal.SIGTERM)
@@ -101,7 +102,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
     assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-2])  # whole chunks
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     # 2 MiB of pages of 8 tokens: 2 layers x (K + V) x 2 heads x 16 dims x 4 bytes x 8 tokens
-    assert "blockmgr serve: tiny: 512 pages of 8 tokens" in err
+    assert "blockmgr serve: tiny: KV pool 0.00 GiB allocated (512 pages of 8 tokens, 4.0 KiB " \
+           "each; sized by --kv-memory)" in err
     assert "max model length 3000 tokens" in err
     assert "shutdown deadline reached" in err
     # the engine ended both requests at the deadline: nothing was left to abort at exit
@@ -132,6 +134,7 @@ def test_serve_bad_max_model_len_is_one_line(tmp_path):
         (["--model", ".", "--kv-group-size", "32"], "--kv-group-size needs --kv-bits"),
         (["--model", ".", "--kv-bits", "4", "--kv-key-bits", "8", "--kv-value-bits", "8"],
          "--kv-bits has no effect"),
+        (["--model", ".", "--kv-memory-fraction", "1.5"], "--kv-memory-fraction"),
     ],
 )
 def test_serve_bad_options_are_one_line(args, message):
@@ -168,9 +171,9 @@ def test_serve_quantized_pages_sizes_the_pool_by_their_bytes(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
     err = proc.stderr.read()
-    assert ('blockmgr_cache_config_info{kv_format="k8v4-g32",block_size="8",num_pages="512"} 1'
-            in metrics)
-    assert "blockmgr_kv_pages_total 512" in metrics
+    assert ('blockmgr_cache_config_info{model_name="tiny",kv_format="k8v4-g32",block_size="8",'
+            'num_pages="512"} 1' in metrics)
+    assert 'blockmgr_kv_pages_total{model_name="tiny"} 512' in metrics
     assert ("blockmgr serve: tiny: 512 pages of 8 tokens, k8v4-g32 (2.00 KiB each): "
             "1.00 MiB of KV" in err), err
     assert ("blockmgr serve: the same pool in the simulator: blockmgr simulate --kv-memory 1MiB "
@@ -188,3 +191,61 @@ def test_serve_refuses_a_group_size_the_head_size_does_not_divide(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("blockmgr serve: error: layer 0: key head "
                                                    "size 16 is not a multiple of the kv group "
                                                    "size 32"), err
+def _rss(pid: int) -> int:
+    """The process's resident bytes now (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
+def test_serve_allocates_the_pool_at_start_and_logs_its_status(tmp_path):
+    """The pool is resident before the first request and the start-up line
+    gives its real size; while busy a status line comes every interval."""
+    model = build_model_dir(tmp_path / "tiny", context=4096)
+    port = _free_port()
+    proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "256MiB",
+                  "--status-interval", "0.3")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_up(proc, url)
+        # pages of 16 tokens: 2 layers x (K + V) x 2 heads x 16 dims x 4 bytes x 16 tokens = 8 KiB
+        assert _rss(proc.pid) > 256 * 2**20  # before any request
+        body = {"prompt": "Hello", "max_tokens": 300, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body,
+                                                         timeout=120), range(2)))
+        assert all(a.status_code == 200 for a in answers)
+        time.sleep(0.6)  # one more interval: the line of the last tokens
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    err = proc.stderr.read()
+    assert ("blockmgr serve: tiny: KV pool 0.25 GiB allocated (32768 pages of 16 tokens, 8.0 KiB "
+            "each; sized by --kv-memory)") in err
+    status = [line for line in err.splitlines() if "blockmgr serve: running" in line]
+    assert status, err
+    rates = [float(line.rsplit("generation ", 1)[1].split()[0]) for line in status]
+    assert any(rate > 0 for rate in rates)
+    assert all(" of 32768 pages" in line for line in status)
+
+
+def test_serve_sizes_the_pool_from_the_available_memory(tmp_path):
+    """Without --kv-memory: --kv-memory-fraction of MemAvailable (read here
+    on its own) less the weights; a shared machine moves it a little."""
+    from scheduler.serve import kv_budget
+
+    model = build_model_dir(tmp_path / "tiny")
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        pytest.skip("reads /proc/meminfo (Linux)")
+    free = next(int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
+                if line.startswith("MemAvailable:"))
+    weights = (model / "model.safetensors").stat().st_size
+    budget = kv_budget(None, [model], 0.25)
+    assert budget.fraction == 0.25
+    assert budget.nbytes == pytest.approx(0.25 * (free - weights), rel=0.05)
+    assert "0.25 of" in budget.describe() and "GiB available after the weights" in \
+        budget.describe()
+    assert kv_budget("3MiB", [model]).nbytes == 3 * 2**20

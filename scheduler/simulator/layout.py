@@ -133,3 +133,18 @@ def layout_named(name: str, window: int | None = None) -> ModelLayout:
             raise ValueError(f"layout {name!r} has no sliding layer for a window")
         layout = replace(layout, window=window)
     return layout
+
+
+def describe_layout(layout: ModelLayout) -> str:
+    """The layout's preset name when it is one (whatever its window), its
+    layer ratio and its store's groups, e.g. "gemma3 (1 full : 5 sliding,
+    window 512; page groups: full attention, window 512)"."""
+    name = next((n for n, preset in LAYOUTS.items()
+                 if bool(preset.sliding) == bool(layout.sliding)  # a window needs sliding layers
+                 and replace(preset, window=layout.window) == layout), None)
+    kinds = [f"{count} {kind}" for kind, count in (("full", layout.full),
+                                                   ("sliding", layout.sliding),
+                                                   ("recurrent", layout.recurrent)) if count]
+    ratio = " : ".join(kinds) + (f", window {layout.window}" if layout.window else "")
+    groups = ", ".join("full attention" if w is None else f"window {w}" for w in layout.windows)
+    return f"{name or 'custom'} ({ratio}; page groups: {groups})"

@@ -12,10 +12,12 @@ are real (wall-clock) seconds spent in the scheduler and block manager.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.simulator.group_usage import GroupUsage
 from scheduler.simulator.memory import MemorySnapshot
 
 PERCENTILES = (50, 90, 99)
@@ -85,9 +87,11 @@ class RequestRecord:
     max_gap: float
     samples: int = 1
     aborted: bool = False
+    abort_reason: str | None = None  # why an aborted request was (the report counts them)
 
     @classmethod
-    def of(cls, workload: str, request, now: float, aborted: bool) -> "RequestRecord":
+    def of(cls, workload: str, request, now: float, aborted: bool,
+           abort_reason: str | None = None) -> "RequestRecord":
         """The record of a finished or aborted scheduler `Request` (`now`
         stands in for a missing finish time)."""
         m = request.metrics
@@ -106,6 +110,7 @@ class RequestRecord:
             max_gap=m.max_token_gap,
             samples=request.sampling.n,
             aborted=aborted,
+            abort_reason=abort_reason,
         )
 
 
@@ -121,6 +126,8 @@ class MetricsRecorder:
         self.num_integrity_checks = 0
         self.peak_pages_used = 0
         self.peak_memory: MemorySnapshot | None = None
+        self.groups = GroupUsage()
+        self.abort_reasons: Counter[str] = Counter()
 
     # ------------------------------------------------------------ recording
 
@@ -142,6 +149,7 @@ class MetricsRecorder:
             sstats.num_preempted_recompute_total, sstats.num_preempted_swap_total,
             stats.num_query_tokens, stats.num_hit_tokens, num_done, bookkeeping,
         ))
+        self.groups.observe(bm)
 
     def on_memory(self, time: float, snap: MemorySnapshot) -> None:
         mem = self.memory
@@ -158,6 +166,7 @@ class MetricsRecorder:
     def on_finish(self, rec: RequestRecord) -> None:
         if rec.aborted:
             self.num_aborted += 1
+            self.abort_reasons[rec.abort_reason or "unspecified"] += 1
             return
         r = self.requests
         first = rec.first_token if rec.first_token is not None else rec.finish
@@ -213,7 +222,8 @@ class MetricsRecorder:
             "throughput": throughput,
             "latency": {**_latency(req), "queue_s": _dist(req["queue"])},
             "prefix_cache": _prefix(bm_stats, req),
-            "memory": self._memory(steps, mem, num_blocks, block_size),
+            "memory": {**self._memory(steps, mem, num_blocks, block_size),
+                       "groups": self.groups.summary(steps["step_time"])},
             "slots": _slots(steps, num_slots, bm_stats),
             "preemptions": {
                 "recompute": int(_last(steps["preempted_recompute"])),
@@ -273,6 +283,7 @@ class MetricsRecorder:
         requests = {
             "finished": num_done,
             "aborted": self.num_aborted,
+            "abort_reasons": dict(self.abort_reasons.most_common()),
             "by_workload": self._by_workload(req),
             "prompt_tokens": int(prompt_tokens),
             "output_tokens": int(out_tokens),

@@ -51,22 +51,17 @@ def windowed_rate(num: np.ndarray, den: np.ndarray, window: int) -> np.ndarray:
     return np.divide(num - lag_num, dd, out=np.full(len(dd), np.nan), where=dd > 0)
 
 
-def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir: Path) -> list[str]:
-    """Write the run's PNGs into `out_dir`; returns their file names."""
+def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir: Path,
+             groups: tuple[list, list] = ([], [])) -> list[str]:
+    """Write the run's PNGs into `out_dir`; returns their file names.
+    `groups`: the windows and use series of a store's page groups
+    (`GroupUsage`; empty for one group), each drawn on the page plot."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     t = steps["time"]
     names = []
+    names.append(plot_page_usage(plt, t, steps, memory, num_blocks, groups, out_dir))
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot(t, steps["page_usage"] * 100, label="pages in use (sequences + trie)", lw=1)
-    ax.plot(t, steps["trie_pages"] / num_blocks * 100, label="pages held by the prefix trie", lw=1)
-    if len(memory["time"]):
-        ax.plot(memory["time"], memory["physical_pages"] / num_blocks * 100,
-                label="pages of live sequences", lw=1)
-    ax.set(xlabel="simulated time (s)", ylabel="% of pool", title="Page usage", ylim=(0, 105))
-    ax.legend(loc="lower right", fontsize=8)
-    names.append(_save(fig, out_dir / "page_usage.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(t, steps["running"], label="running", lw=1)
@@ -105,6 +100,30 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
 
     names.append(plot_latency(requests, out_dir))
     return names
+
+
+def plot_page_usage(plt, t, steps: dict, memory: dict, num_blocks: int, groups: tuple,
+                    out_dir: Path) -> str:
+    """page_usage.png. The trie's pages are counted over every page group, so
+    they are a share of all groups' pages together; the live sequences' are
+    the first group's (their block tables); with several groups each group's
+    own use is drawn too."""
+    windows, series = groups
+    total = num_blocks * max(1, len(windows))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(t, steps["page_usage"] * 100, label="pages in use, fullest group", lw=1)
+    for window, values in zip(windows, series):
+        name = "full attention" if window is None else f"window {window}"
+        ax.plot(t[: len(values)], values * 100, label=f"group {name}", lw=1, ls="--")
+    ax.plot(t, steps["trie_pages"] / total * 100, label="pages held by the prefix trie", lw=1)
+    if len(memory["time"]):
+        ax.plot(memory["time"], memory["physical_pages"] / num_blocks * 100,
+                label="pages of live sequences" + (", first group" if len(windows) > 1 else ""),
+                lw=1)
+    ylabel = "% of pool" if len(windows) < 2 else "% of pages (trie: of all groups)"
+    ax.set(xlabel="simulated time (s)", ylabel=ylabel, title="Page usage", ylim=(0, 105))
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, out_dir / "page_usage.png")
 
 
 def plot_latency(requests: dict, out_dir: Path) -> str:

@@ -35,7 +35,8 @@ from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.prefix_bound import PrefixBound
-from scheduler.simulator.runner import ProgressFn, SimulationResult, check_no_leaks, sessions_of
+from scheduler.simulator.runner import (HEAD_DROPPED, NEVER_FITS, ProgressFn, SimulationResult,
+                                        check_no_leaks, sessions_of)
 from scheduler.simulator.tokens import TokenSource
 from scheduler.simulator.workloads import RequestSpec, head_arrival
 
@@ -174,15 +175,17 @@ class Replay:
                                     namespace=spec.namespace, arrival_time=when)
         except ValueError:  # longer than the engine's max_model_len: never fits
             request = Request(spec.request_id, prompt, sampling, arrival_time=when)
-            self._done(spec, session, index, request, aborted=True)
+            self._done(spec, session, index, request, aborted=True, reason=NEVER_FITS)
             return
         live = self.engine.get_request(spec.request_id)
         if live is None:  # just added: no step ran since
             raise IntegrityError(f"request {spec.request_id!r} was added but is not live")
         self._live[spec.request_id] = (spec, session, index, live)
 
-    def _done(self, spec, session, index, request, aborted: bool) -> None:
-        self.metrics.on_finish(RequestRecord.of(spec.workload, request, self.clock.now(), aborted))
+    def _done(self, spec, session, index, request, aborted: bool,
+              reason: str | None = None) -> None:
+        self.metrics.on_finish(RequestRecord.of(spec.workload, request, self.clock.now(), aborted,
+                                                reason))
         self._num_done += 1
         if index + 1 < len(session):
             follow = session[index + 1]
@@ -229,7 +232,7 @@ class Replay:
         request_id = seq_id[0] if isinstance(seq_id, tuple) else seq_id
         spec, session, index, request = self._live.pop(request_id)
         self.engine.abort(request_id)
-        self._done(spec, session, index, request, aborted=True)
+        self._done(spec, session, index, request, aborted=True, reason=HEAD_DROPPED)
 
     def _record(self, out, seconds: float, bookkeeping: float) -> None:
         self._steps += 1

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from scheduler.simulator.kv_memory import KVMemory, format_bytes
+from scheduler.simulator.group_usage import group_rows
+from scheduler.simulator.layout import ModelLayout, describe_layout
 from scheduler.simulator.metrics import MEMORY_FIELDS, STEP_FIELDS
 from scheduler.simulator.plots import PlottingUnavailable, plot_run
 
@@ -73,6 +75,7 @@ def write_report(result, out_dir: str | Path, plots: bool = True) -> tuple[Path,
                 result.metrics.request_arrays(),
                 result.config.block_manager.num_blocks,
                 out,
+                groups=(result.metrics.groups.windows, result.metrics.groups.arrays()),
             )
         except PlottingUnavailable as exc:
             note = str(exc)
@@ -111,6 +114,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("internal fragmentation mean", f"{mem['fragmentation_mean'] * 100:.2f} %"),
         ("pages saved by sharing mean / peak", f"{mem['sharing_saved_mean'] * 100:.1f} % / "
                                                f"{mem['sharing_saved_peak'] * 100:.1f} %"),
+        *group_rows(mem.get("groups", [])),
         *_slot_rows(summary.get("slots")),
         ("preemptions recompute / swap", f"{pre['recompute']} / {pre['swap']}"),
         ("evicted pages / trie nodes", f"{summary['evictions']['pages']} / {summary['evictions']['nodes']}"),
@@ -119,10 +123,17 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("bookkeeping per step mean / p99", format_pair(book["per_step_us"], "us", fmt="{:.0f}")),
         ("wall time", f"{book['wall_seconds']:.2f} s"),
     ]
+    rows += abort_rows(req)
     if "checks" in summary:
         checks = summary["checks"]
         rows.append(("integrity checks / leak check", f"{checks['integrity_checks']} / {checks['leaks']}"))
     return rows
+
+
+def abort_rows(requests: dict) -> list[tuple[str, str]]:
+    """One row per reason requests were aborted, with their count."""
+    return [(f"aborted x{count}", reason)
+            for reason, count in requests.get("abort_reasons", {}).items()]
 
 
 def _bound_rows(pc: dict) -> list[tuple[str, str]]:
@@ -166,7 +177,9 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         f"Workload {_mix(wl['mix'])}, {wl['num_requests']} requests, arrival {wl['arrival']}"
         + (f" at {wl['rate']} sessions/s" if wl["arrival"] == "poisson" else f", {wl['concurrency']} clients")
         + f", seed {wl['seed']}" + _trace_note(cfg) + ".",
+        *_layout_line(cfg.get("layout")),
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
+        + (" per page group" if _num_groups(cfg.get("layout")) > 1 else "")
         + (f", {bm['num_slots']} recurrent slots (hybrid)" if bm.get("num_slots") else "")
         + _kv_memory_note(cfg)
         + (", prefix cache on" if bm["enable_prefix_cache"] else ", prefix cache off") + ".",
@@ -199,6 +212,18 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     for name in report.get("plots", []):
         lines += [f"## {captions.get(name, name)}", "", f"![{captions.get(name, name)}]({name})", ""]
     return "\n".join(lines)
+
+
+def _layout_line(layout: dict | None) -> list[str]:
+    """"Layout <name> (<ratio>; page groups: ...)." ([] for a report
+    without one)."""
+    if layout is None:
+        return []
+    return [f"Layout {describe_layout(ModelLayout.from_dict(layout))}."]
+
+
+def _num_groups(layout: dict | None) -> int:
+    return 1 if layout is None else len(ModelLayout.from_dict(layout).windows)
 
 
 def _time_note(summary: dict) -> str:

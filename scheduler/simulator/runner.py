@@ -40,6 +40,12 @@ from scheduler.simulator.tokens import TokenSource, derive_key
 from scheduler.simulator.trace import iter_sessions, read_trace
 from scheduler.simulator.workloads import RequestSpec, generate, head_arrival
 
+#: Why the simulator aborts a request (the report counts each reason).
+NEVER_FITS = ("never fits: its prompt and output need more pages than the pool (or more tokens "
+              "than max_model_len) allows")
+HEAD_DROPPED = ("did not fit the pool with nothing else running (its prefix-cache hit pinned "
+                "pages it needed, or the pool is too small): dropped from the head of the queue")
+
 ProgressFn = Callable[[int, int, float], None]
 
 
@@ -171,7 +177,7 @@ class Simulation:
             self.scheduler.add_request(request)
         except RequestTooLarge:  # it could never run: aborted on arrival
             request.metrics.arrival_time = when
-            self._finish(spec.request_id, aborted=True)
+            self._finish(spec.request_id, aborted=True, reason=NEVER_FITS)
 
     def _sampling(self, spec: RequestSpec):
         """`spec.sampling()`. A one-sample request's depends on its output
@@ -283,7 +289,7 @@ class Simulation:
             seq_id = sched.waiting_ids()[0]
             request_id = seq_id[0] if isinstance(seq_id, tuple) else seq_id
             sched.abort(request_id)
-            self._finish(request_id, aborted=True)
+            self._finish(request_id, aborted=True, reason=HEAD_DROPPED)
             return True
         if idle_steps > 1000:
             raise SimulationError(
@@ -292,9 +298,10 @@ class Simulation:
             )
         return False
 
-    def _finish(self, request_id: Hashable, aborted: bool) -> None:
+    def _finish(self, request_id: Hashable, aborted: bool, reason: str | None = None) -> None:
         entry = self._live.pop(request_id)
-        self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now, aborted))
+        self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now,
+                                                aborted, reason))
         self._num_done += 1
         nxt = entry.index + 1
         if nxt < len(entry.session):
