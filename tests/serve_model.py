@@ -121,7 +121,7 @@ def build_agent_model_dir(path: Path, seed: int = 5) -> Path:
     token only (every layer's output projection is zero, so the hidden state
     is the token's embedding), and its head is built so that
 
-    * after any ordinary token, the tokens made only of `"`, `}`, `]` are
+    * after any ordinary token, the tokens made only of `"`, `}`, `]`, `,` are
       far more likely than the rest (a grammar then closes its JSON within a
       few tokens, where a random model keeps a string open for hundreds);
     * `<tool_call>` -> the call body -> `</tool_call>` -> end of text, and
@@ -161,9 +161,9 @@ def build_agent_model_dir(path: Path, seed: int = 5) -> Path:
     head = mx.random.normal((vocab, hidden)) * 0.1
     head = head * mx.array([0.0] * num_chain + [1.0] * (hidden - num_chain))
     closers = [t for t in range(vocab)
-               if (text := tokenizer.decode([t])) and set(text) <= set('"}]')]
-    for t in closers:
-        head = head.at[t].add(shared * 0.25)  # logit about 14 after an ordinary token
+               if (text := tokenizer.decode([t])) and set(text) <= set('"}],')]
+    for t in closers:  # logit about 14 after an ordinary token (11 for a comma: fewer items)
+        head = head.at[t].add(shared * (0.2 if "," in tokenizer.decode([t]) else 0.25))
     successors = [ids[REASONING], ids[END_THINK], ids[ANSWER], eos, ids[CALL_BODY],
                   ids[END_CALL], eos]
     for k, (token, after) in enumerate(zip(chain, successors)):
