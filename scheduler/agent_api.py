@@ -163,7 +163,7 @@ def _response_schema(response_format: object) -> dict | None:
         return None
     if kind == "json_object":
         return {"type": "object"}
-    if kind == "json_schema":
+    if kind == "json_schema" and isinstance(response_format, Mapping):
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
         if not isinstance(schema, Mapping):

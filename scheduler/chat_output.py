@@ -185,7 +185,7 @@ class ChatOutput:
             parsed = self._format.parse(text, self._tools) if self._format else None
         except Exception:  # noqa: BLE001 - a call the model got wrong stays content
             parsed = None
-        calls = parsed if isinstance(parsed, list) else [parsed]
+        calls: list[Any] = parsed if isinstance(parsed, list) else [parsed]
         if parsed is None or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                      for c in calls):
             delta.content += self._format.start + text + self._format.end \

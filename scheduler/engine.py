@@ -683,7 +683,8 @@ class Engine:
         self._step_masks.clear()
         kept = []
         for seq in seqs:
-            constraint = seq.request.sampling.constraint
+            request = _seq_request(seq)
+            constraint = request.sampling.constraint
             if constraint is None or not seq.sample:
                 kept.append(seq)
                 continue
@@ -691,7 +692,7 @@ class Engine:
                 matchers = self._matchers.setdefault(seq.request_id, {})
                 for j in range(seq.num_samples):
                     index = j if seq.sample_index is None else seq.sample_index
-                    output = seq.request.outputs[index] if seq.sample_index is not None else ()
+                    output = request.outputs[index] if seq.sample_index is not None else ()
                     matcher = matchers.get(index)
                     if matcher is None:
                         matcher = matchers[index] = constraint.new_matcher()
@@ -707,7 +708,8 @@ class Engine:
         """Speculate the eligible rows (`Speculator.eligible`, not isolated
         by a fault) in one draft-and-verify round; returns the other rows.
         A raising round counts as never run, as any failed forward."""
-        rows = [s for s in seqs if speculator.eligible(s) and s.request.sampling.constraint is None
+        rows = [s for s in seqs if speculator.eligible(s)
+                and _seq_request(s).sampling.constraint is None
                 and not self.faults.isolated(s.request_id)]
         if not rows:
             return seqs
@@ -966,6 +968,13 @@ class Engine:
             tuple(self._keys),
             tuple(self._tracked),
         )
+
+
+def _seq_request(seq: ScheduledSeq) -> Request:
+    """The request of a row the scheduler scheduled (it always sets it)."""
+    if seq.request is None:
+        raise IntegrityError(f"scheduled row {seq.seq_id!r} has no request")
+    return seq.request
 
 
 def _generation_output(request: Request, tracked: _Tracked | None) -> GenerationOutput:

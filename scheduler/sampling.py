@@ -110,10 +110,11 @@ def mask_logits(logits: mx.array, masks: Sequence[np.ndarray | None]) -> mx.arra
     bit (rows whose mask is None unchanged). O(constrained rows x V): one
     unpack and one scatter-add over those rows; `logits` itself is not
     changed (the logprobs are the model's)."""
-    rows = [r for r, m in enumerate(masks) if m is not None]
-    if not rows:
+    present = [(r, m) for r, m in enumerate(masks) if m is not None]
+    if not present:
         return logits
-    allowed = unpack_masks([masks[r] for r in rows], logits.shape[-1])
+    rows = [r for r, _ in present]
+    allowed = unpack_masks([m for _, m in present], logits.shape[-1])
     penalty = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
     return logits.astype(mx.float32).at[mx.array(rows)].add(mx.array(penalty))
 

@@ -743,7 +743,7 @@ def _plain_message(message: object, index: int) -> dict:
     return out
 
 
-def _call_for_template(call: object) -> object:
+def _call_for_template(call: Any) -> Any:
     """An assistant message's tool call with its JSON `arguments` string as
     an object, as chat templates (and mlx-lm's server) expect."""
     function = call.get("function") if isinstance(call, Mapping) else None

@@ -21,9 +21,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from blockmgr.errors import InvalidArgument  # noqa: E402
 from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.constraints import GrammarError  # noqa: E402
+from scheduler.constraints import GrammarError, Grammars  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
-from scheduler.request import SamplingParams  # noqa: E402
+from scheduler.request import RequestStatus, SamplingParams  # noqa: E402
 from scheduler.serve import load_engine  # noqa: E402
 from scheduler.server import build_app  # noqa: E402
 from tests.serve_model import (  # noqa: E402
@@ -236,6 +236,21 @@ def test_bad_agent_fields_get_400(served, client, body, message):
     wait_idle(served[1])
 
 
+def test_without_llguidance_constrained_fields_get_400(served, client, monkeypatch):
+    monkeypatch.setattr(Grammars, "available", staticmethod(lambda: False))
+    for body in ({"response_format": {"type": "json_object"}},
+                 {"tools": TOOLS, "tool_choice": "required"}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=served[2], messages=MESSAGES, max_tokens=4,
+                                           extra_body=body)
+        assert "mlx-blockmgr[structured]" in str(error.value)
+    # the other agent fields need no grammar
+    answer = client.chat.completions.create(model=served[2], messages=MESSAGES, tools=TOOLS,
+                                            max_tokens=2, temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    wait_idle(served[1])
+
+
 class _RaisingMatcher:
     def allowed(self, output):
         if len(output) >= 2:
@@ -269,9 +284,8 @@ def test_a_raising_matcher_fails_its_request_only(agent_dir):
     for out, alone in zip(outs, solo):
         assert out.tokens == alone.tokens
         jsonschema.validate(json.loads(out.text), STRICT)
-    assert outs[3].finish_reasons == [outs[3].finish_reasons[0]]
-    assert engine.scheduler.get_request(outs[3].request_id) is None
-    assert str(outs[3].finish_reasons[0].value) == "finished_aborted"
+    assert outs[3].finish_reasons == [RequestStatus.FINISHED_ABORTED]
+    assert len(outs[3].tokens) == 2  # the matcher raised when asked for the third token
     assert engine.cache.block_manager.num_sequences == 0
     engine.check_integrity()
     with pytest.raises(InvalidArgument):
