@@ -290,3 +290,27 @@ def test_a_raising_matcher_fails_its_request_only(agent_dir):
     engine.check_integrity()
     with pytest.raises(InvalidArgument):
         SamplingParams(constraint=object())
+
+
+def test_constrained_rows_are_not_speculated(agent_dir):
+    """With a draft model, a constrained request draws what it draws without
+    one (the same seed), and its text validates; a plain request beside it
+    is still speculated."""
+    model, tok = load_tiny(agent_dir)
+    draft, _ = load_tiny(agent_dir)
+    plain_engine = Engine(model, num_blocks=128, block_size=8, tokenizer=tok)
+    spec_engine = Engine(model, num_blocks=128, block_size=8, tokenizer=tok, draft_model=draft,
+                         num_speculative_tokens=3)
+    prompt = tok.encode("Hello world")
+    outs = {}
+    for engine in (plain_engine, spec_engine):
+        grammar = engine.grammars.json_schema(STRICT)
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9,
+                                 constraint=grammar),
+                  SamplingParams(max_tokens=16, temperature=0)]
+        outs[engine] = engine.generate([prompt, prompt], params)
+    assert outs[spec_engine][0].tokens == outs[plain_engine][0].tokens
+    jsonschema.validate(json.loads(outs[spec_engine][0].text), STRICT)
+    assert outs[spec_engine][1].tokens == outs[plain_engine][1].tokens
+    assert spec_engine.stats.num_draft_tokens > 0
+    spec_engine.check_integrity()
