@@ -62,6 +62,14 @@ class Constraint(Protocol):
     def new_matcher(self) -> RowMatcher: ...
 
 
+@runtime_checkable
+class FastTokenizer(Protocol):
+    """A Hugging Face fast tokenizer (mlx-lm's wrapper forwards to it):
+    llguidance reads its Rust tokenizer's JSON."""
+
+    backend_tokenizer: Any
+
+
 class _LlgMatcher:
     """An llguidance matcher that catches up on a sample's output."""
 
@@ -160,6 +168,9 @@ class Grammars:
                 raise GrammarUnavailable(
                     "constrained decoding needs llguidance: pip install "
                     "'mlx-blockmgr[structured]'") from None
+            if not isinstance(self._hf, FastTokenizer):
+                raise GrammarUnavailable(
+                    "constrained decoding needs a fast (Rust) Hugging Face tokenizer")
             backend = copy.copy(self._hf.backend_tokenizer)  # a fast (Rust) tokenizer's
             backend.no_padding()
             backend.no_truncation()
