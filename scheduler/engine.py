@@ -47,6 +47,7 @@ from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import KVFormat, LayerKind, PagedCache, layer_specs
 from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
+from scheduler.constraints import Grammars, RowMatcher
 from scheduler.faults import ForwardFaults
 from scheduler.kv_events import EventSink, open_publisher
 from scheduler.prefill_groups import prefill_groups
@@ -296,11 +297,17 @@ class Engine:
         self._keys: dict[Hashable, KeyChain] = {}
         self._ids = itertools.count()
         self.text = None if tokenizer is None else TextCodec(tokenizer)
+        #: constrained decoding for this tokenizer (`SamplingParams.constraint`)
+        self.grammars = None if self.text is None else Grammars(
+            tokenizer, self.vocab_size, self.text.eos_token_ids)
         self._tracked: dict[Hashable, _Tracked] = {}
         self.speculator = None if draft_model is None else self._speculator(
             draft_model, num_speculative_tokens, num_blocks, block_size, num_slots,
             enable_prefix_cache, config.max_model_len)
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
+        # constrained decoding: each sample's grammar matcher, this step's masks
+        self._matchers: dict[Hashable, dict[int, RowMatcher]] = {}
+        self._step_masks: dict[tuple[Hashable, int], Any] = {}
         self.kv_events = None if kv_events is None else open_publisher(self.cache.store, kv_events)
 
     def _speculator(self, draft_model, k, num_blocks, block_size, num_slots,
@@ -453,6 +460,7 @@ class Engine:
         self._callbacks.pop(request_id, None)
         self._keys.pop(request_id, None)
         self._tracked.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -630,7 +638,7 @@ class Engine:
         weights and the LM head once for every sampled row, instead of once
         more per prefill (on a model whose weights dominate, that forward
         costs about as much as the whole decode batch)."""
-        seqs = out.seqs
+        seqs = self._constrain(out.seqs, run)
         if self.speculator is not None:  # the rows it does not take
             seqs = self._run_speculative(self.speculator, seqs, run)
         decode = [s for s in seqs if s.num_tokens == 1]
@@ -688,12 +696,42 @@ class Engine:
         for seq in alone:
             self._prefill_one(seq, run)
 
+    def _constrain(self, seqs: list[ScheduledSeq], run: _StepRun) -> list[ScheduledSeq]:
+        """The grammar mask of every sampling row whose request has a
+        constraint (into `_step_masks`), computed before the forward; a row
+        whose matcher raises is left out of the step and its request
+        aborted with the error (`run.aborts`). Returns the rows that run.
+        Costs nothing when no row is constrained."""
+        self._step_masks.clear()
+        kept = []
+        for seq in seqs:
+            request = _seq_request(seq)
+            constraint = request.sampling.constraint
+            if constraint is None or not seq.sample:
+                kept.append(seq)
+                continue
+            try:
+                matchers = self._matchers.setdefault(seq.request_id, {})
+                for j in range(seq.num_samples):
+                    index = j if seq.sample_index is None else seq.sample_index
+                    output = request.outputs[index] if seq.sample_index is not None else ()
+                    matcher = matchers.get(index)
+                    if matcher is None:
+                        matcher = matchers[index] = constraint.new_matcher()
+                    self._step_masks[(seq.request_id, index)] = matcher.allowed(output)
+            except Exception as error:  # noqa: BLE001 - the grammar's fault is its request's
+                run.aborts.append((seq.request_id, error))
+                continue
+            kept.append(seq)
+        return kept
+
     def _run_speculative(self, speculator: Speculator, seqs: list[ScheduledSeq],
                          run: _StepRun) -> list[ScheduledSeq]:
         """Speculate the eligible rows (`Speculator.eligible`, not isolated
         by a fault) in one draft-and-verify round; returns the other rows.
         A raising round counts as never run, as any failed forward."""
         rows = [s for s in seqs if speculator.eligible(s)
+                and _seq_request(s).sampling.constraint is None
                 and not self.faults.isolated(s.request_id)]
         if not rows:
             return seqs
@@ -785,7 +823,7 @@ class Engine:
     def _sample(self, group, picks, lengths, logits) -> list[int]:
         """Sample every picked row's last position (evaluated); the rows'
         logprobs, when asked for, go to `_step_logprobs`."""
-        row_index, params, keys, histories, samples = [], [], [], [], []
+        row_index, params, keys, histories, samples, masks = [], [], [], [], [], []
         for b in picks:
             s = group[b]
             request = s.request
@@ -797,8 +835,10 @@ class Engine:
                 samples.append((s.request_id, index))
                 output = request.outputs[index] if s.sample_index is not None else ()
                 histories.append((request.prompt_tokens, output))
+                masks.append(self._step_masks.get((s.request_id, index)))
         last = logits[mx.array(row_index), mx.array([lengths[b] - 1 for b in row_index])]
-        tokens = sample_rows(last, params, keys, histories)
+        tokens = sample_rows(last, params, keys, histories,
+                             masks if self._step_masks else None)
         num_top = [p.logprobs for p in params]
         if any(k is not None for k in num_top):
             for sample, entry in zip(samples, token_logprobs(last, tokens, num_top)):
@@ -950,6 +990,13 @@ class Engine:
             tuple(self._keys),
             tuple(self._tracked),
         )
+
+
+def _seq_request(seq: ScheduledSeq) -> Request:
+    """The request of a row the scheduler scheduled (it always sets it)."""
+    if seq.request is None:
+        raise IntegrityError(f"scheduled row {seq.seq_id!r} has no request")
+    return seq.request
 
 
 def _generation_output(request: Request, tracked: _Tracked | None) -> GenerationOutput:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_hashable, check_int, check_number, prompt_list, token_list
+from scheduler.constraints import Constraint
 
 #: Seeds are 64-bit (`mlx.core.random.key`).
 MAX_SEED = 2**64 - 1
@@ -87,6 +88,10 @@ class SamplingParams:
         aborts the request after its retries).
     seed: per-request random seed in [0, 2**64) (reproducible sampling),
         None for the engine's global generator.
+    constraint: a `scheduler.constraints.Constraint` (a compiled grammar:
+        JSON Schema, a tool call): each sample draws only tokens its
+        grammar allows (applied after bias and penalties). Such a request
+        is never speculated. A grammar that fails is its request's fault.
 
     Bad values raise `InvalidArgument` (a `ValueError`; `WrongArgumentType`,
     also a `TypeError`, for the wrong kind), naming the value.
@@ -109,6 +114,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logits_processors: tuple = ()
     min_tokens: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -138,6 +144,10 @@ class SamplingParams:
             raise WrongArgumentType(f"ignore_eos must be a bool, got {self.ignore_eos!r:.80}")
         self.logits_processors = _check_processors(self.logits_processors)
         self.min_tokens = check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise WrongArgumentType(
+                f"constraint must be a scheduler.constraints.Constraint, got "
+                f"{self.constraint!r:.80}")
 
     @property
     def greedy(self) -> bool:

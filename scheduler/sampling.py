@@ -5,7 +5,9 @@ One `sample_rows` call per step samples every row of the step:
 1. user logits processors (mlx-lm's signature, one row at a time: they are
    arbitrary code), then logit bias, then penalties (`adjust_logits`): only
    the (row, token) entries that have a bias or occur in the row's history
-   are touched, with one gather and one scatter for all rows;
+   are touched, with one gather and one scatter for all rows; then the
+   grammar masks of constrained rows (`mask_logits`: one scatter over those
+   rows only, nothing when no row has one);
 2. greedy rows (temperature 0, or below `GREEDY_BELOW`, where 1 / T would
    overflow float32) take the argmax (as mlx-lm's `greedy_sampler`);
 3. the others: log-softmax, then mlx-lm's `apply_top_p`, `apply_min_p`,
@@ -31,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from scheduler.constraints import unpack_masks
 from scheduler.request import SamplingParams, TokenLogprob
 
 #: (prompt tokens, output tokens so far) of a row; needed for penalties.
@@ -55,11 +58,13 @@ def sample_rows(
     params: Sequence[SamplingParams],
     keys: Sequence[KeyChain | None],
     histories: Sequence[History | None] | None = None,
+    masks: Sequence[np.ndarray | None] | None = None,
 ) -> mx.array:
     """One token per row of `logits` ``[R, V]`` (lazy int32 ``[R]``).
 
-    `params[r]`, `keys[r]` (None: the global generator) and `histories[r]`
-    (needed when the row has penalties) belong to row r.
+    `params[r]`, `keys[r]` (None: the global generator), `histories[r]`
+    (needed when the row has penalties) and `masks[r]` (the int32 bitmask of
+    the tokens row r's grammar allows, None: every token) belong to row r.
     Cost: one gather/scatter over the biased and penalized entries, one
     argmax for all greedy rows, one log-softmax (+ sorts for the filters)
     and one categorical draw per group of rows with equal parameters.
@@ -68,6 +73,8 @@ def sample_rows(
     if rows != logits.shape[0] or rows != len(keys):
         raise ValueError(f"{logits.shape[0]} logit rows for {rows} params / {len(keys)} keys")
     logits = adjust_logits(logits, params, histories)
+    if masks is not None:
+        logits = mask_logits(logits, masks)
     if all(p.greedy for p in params):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     groups: dict[tuple, list[int]] = {}
@@ -96,6 +103,20 @@ def sample_rows(
             inverse[r] = pos
         tokens = tokens[mx.array(inverse)]
     return tokens
+
+
+def mask_logits(logits: mx.array, masks: Sequence[np.ndarray | None]) -> mx.array:
+    """`logits` ``[R, V]`` with -inf where row r's bitmask `masks[r]` has no
+    bit (rows whose mask is None unchanged). O(constrained rows x V): one
+    unpack and one scatter-add over those rows; `logits` itself is not
+    changed (the logprobs are the model's)."""
+    present = [(r, m) for r, m in enumerate(masks) if m is not None]
+    if not present:
+        return logits
+    rows = [r for r, _ in present]
+    allowed = unpack_masks([m for _, m in present], logits.shape[-1])
+    penalty = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+    return logits.astype(mx.float32).at[mx.array(rows)].add(mx.array(penalty))
 
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -42,9 +43,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from blockmgr.errors import IntegrityError, InvalidArgument
+from scheduler.agent_api import AgentOptions
 from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
+from scheduler.chat_output import ChatOutput
 from scheduler.request import RequestStatus, SamplingParams, TokenLogprob
 from scheduler.scheduler import RequestOutput
+from scheduler.text import ChatPrompt
 
 #: OpenAI's default max_tokens for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
@@ -83,7 +87,6 @@ def _off(*values: object) -> Callable[[object], bool]:
 #: and that this server does not implement, with the values that ask for
 #: nothing (accepted): any other value is refused with a 400 naming them.
 _UNSUPPORTED_COMMON: dict[str, Callable[[object], bool]] = {
-    "response_format": _off({"type": "text"}),
     "best_of": _off(1),
     "use_beam_search": _off(False),
     "length_penalty": _off(1, 1.0),
@@ -102,8 +105,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[object], bool]] = {
 }
 _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
-    "tools": _off([]),
-    "tool_choice": _off("none", "auto"),
     "functions": _off([]),
     "function_call": _off("none", "auto"),
     "audio": _off(),
@@ -113,7 +114,6 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": _off(),
     "echo": _off(False),
     "chat_template": _off(),
-    "chat_template_kwargs": _off({}),
     "add_generation_prompt": _off(True),
     "continue_final_message": _off(False),
     "documents": _off(),
@@ -255,6 +255,12 @@ class OpenAIServer:
                 _chat_request if chat else _completion_request)(body)
             namespace = _cache_salt(body)
             options = _Options.of(body, chat)
+            agent = await asyncio.to_thread(AgentOptions.of, body, chat,
+                                            self.engine.engine.grammars)
+            if agent.constraint is not None:
+                sampling = replace(sampling, constraint=agent.constraint)
+            if chat and (agent.tools or agent.template_kwargs):
+                prompts = [ChatPrompt(p, agent.tools, agent.template_kwargs) for p in prompts]
             encoded = [await self.engine.encode(prompt) for prompt in prompts]  # off-thread
             params = [self._fit_context(len(tokens), sampling, max_tokens_given, chat)
                       for tokens in encoded]
@@ -277,7 +283,9 @@ class OpenAIServer:
             if not isinstance(error, EngineStopped):
                 logger.exception("blockmgr serve: a request failed before it was queued")
             return HttpError.of_fault(error).response()
-        reply = _Reply(self, streams, params[0], options, chat)
+        outputs = [agent.chat_output(self.tokenizer, tokens) for tokens in encoded] if chat \
+            else None
+        reply = _Reply(self, streams, params[0], options, chat, outputs)
         if options.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         return await self._whole(request, reply)
@@ -360,9 +368,13 @@ class _Reply:
     """Turns the outputs of one body's requests (one per prompt) into
     OpenAI's JSON or SSE chunks: choice `k * n + i` is prompt k's sample i."""
 
-    def __init__(self, server: OpenAIServer, streams, sampling: SamplingParams, options, chat):
+    def __init__(self, server: OpenAIServer, streams, sampling: SamplingParams, options, chat,
+                 outputs: list[ChatOutput] | None = None):
         self.server, self.streams, self.sampling, self.options, self.chat = (
             server, streams, sampling, options, chat)
+        # chat: each choice's parser (reasoning, content, tool calls), one per prompt given
+        self.parsers = [copy.deepcopy(o) for o in outputs for _ in range(sampling.n)] \
+            if outputs else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         n = sampling.n * len(streams)
@@ -432,18 +444,63 @@ class _Reply:
             self._absorb(first, out)
         choices = []
         for i in range(len(self.texts)):
-            choice: dict[str, Any] = {"index": i, "finish_reason": self.reasons[i]}
+            body: dict[str, Any] = {"message": self._message(i)} if self.chat \
+                else {"text": self.texts[i]}  # (the message may make the reason "tool_calls")
             logprobs = self._logprobs(i, self.logprobs[i]) if self.sampling.logprobs is not None \
                 else None
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": self.texts[i]}
-            else:
-                choice["text"] = self.texts[i]
-            choice["logprobs"] = logprobs
+            choice: dict[str, Any] = {"index": i, "finish_reason": self.reasons[i], **body,
+                                      "logprobs": logprobs}
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.model_name, "choices": choices,
                 "usage": self.usage()}
+
+    def _message(self, i: int) -> dict:
+        """Choice i's whole message (its parser splits reasoning and calls)."""
+        if self.parsers is None:
+            return {"role": "assistant", "content": self.texts[i]}
+        parser = self.parsers[i]
+        delta = parser.feed(self.texts[i])
+        end = parser.finish()
+        self._tool_reason(i)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": (delta.content + end.content) or None}
+        calls = _merge_calls(delta.tool_calls + end.tool_calls)
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
+                                     for c in calls]
+        elif message["content"] is None:
+            message["content"] = ""
+        reasoning = delta.reasoning + end.reasoning
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return message
+
+    def _tool_reason(self, i: int) -> None:
+        """A sample that stopped after calling tools finishes with "tool_calls"."""
+        if self.parsers and self.parsers[i].num_tool_calls and self.reasons[i] == "stop":
+            self.reasons[i] = "tool_calls"
+
+    def _chat_delta(self, i: int, text: str, finished: bool) -> dict:
+        """Choice i's streamed delta for `text`."""
+        if self.parsers is None:
+            return {"content": text}
+        parser = self.parsers[i]
+        delta = parser.feed(text)
+        if finished:
+            end = parser.finish()
+            delta.reasoning += end.reasoning
+            delta.content += end.content
+            delta.tool_calls += end.tool_calls
+            self._tool_reason(i)
+        out: dict[str, Any] = {}
+        if delta.reasoning:
+            out["reasoning_content"] = delta.reasoning
+        if delta.content or not (delta.reasoning or delta.tool_calls):
+            out["content"] = delta.content
+        if delta.tool_calls:
+            out["tool_calls"] = delta.tool_calls
+        return out
 
     async def events(self) -> AsyncIterator[str]:
         """SSE: a chunk per output and sample, the usage chunk if asked,
@@ -464,11 +521,12 @@ class _Reply:
             self._absorb(first, out)
             for i in sorted(set(out.new_tokens) | set(out.new_text or {})):
                 text = (out.new_text or {}).get(i, "")
-                reason = self.reasons[first + i] if out.finish_reasons[i] is not None else None
+                finished = out.finish_reasons[i] is not None
+                delta = self._chat_delta(first + i, text, finished) if self.chat else text
+                reason = self.reasons[first + i] if finished else None
                 logprobs = None
                 if self.sampling.logprobs is not None:
                     logprobs = self._logprobs(first + i, self.logprobs[first + i][before[i]:])
-                delta = {"content": text} if self.chat else text
                 yield _sse(self._chunk(first + i, delta, reason, logprobs))
         if self.options.include_usage:
             yield _sse({"id": self.id, "object": self._chunk_object(), "created": self.created,
@@ -508,6 +566,19 @@ class _Reply:
 
 
 # ----------------------------------------------------------------- parsing
+
+
+def _merge_calls(pieces: list[dict]) -> list[dict]:
+    """Whole tool calls from streamed pieces (a NAMED call comes in
+    argument pieces of one index)."""
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        call = calls.get(piece["index"])
+        if call is None:
+            calls[piece["index"]] = {**piece, "function": dict(piece["function"])}
+        else:
+            call["function"]["arguments"] += piece["function"]["arguments"]
+    return [calls[k] for k in sorted(calls)]
 
 
 def _failed(error: BaseException) -> HttpError:
@@ -672,7 +743,23 @@ def _plain_message(message: object, index: int) -> dict:
                                 param="messages")
             parts.append(str(part.get("text", "")))
         content = "".join(parts)
-    return {**message, "content": content}
+    out = {**message, "content": content}
+    if isinstance(message.get("tool_calls"), list):  # templates read arguments as objects
+        out["tool_calls"] = [_call_for_template(c) for c in message["tool_calls"]]
+    return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """An assistant message's tool call with its JSON `arguments` string as
+    an object, as chat templates (and mlx-lm's server) expect."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _bool(body: Mapping, name: str, default: bool) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from dataclasses import dataclass, field
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,9 +41,25 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list, **kwargs: Any) -> list[int]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat with what its template renders besides the messages: `tools`
+    (OpenAI's tool objects, given to the template as `tools`) and
+    `template_kwargs` (e.g. {"enable_thinking": False}, given as keywords)."""
+
+    messages: Messages
+    tools: Sequence[Mapping[str, Any]] | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: Template keywords the engine sets itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "tokenize",
+                                       "add_generation_prompt", "return_dict"})
+
+
 def is_text_prompt(prompt: object) -> bool:
     """Is `prompt` text or chat messages (rather than token ids)?"""
-    if isinstance(prompt, str):
+    if isinstance(prompt, (str, ChatPrompt)):
         return True
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
 
@@ -68,17 +85,28 @@ class TextCodec:
                 raise InvalidArgument("prompt is an empty string")
             check_unicode(prompt, "prompt")
             return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, ChatPrompt):
+            return self.encode_chat(prompt.messages, prompt.tools, prompt.template_kwargs)
         return self.encode_chat(prompt)
 
-    def encode_chat(self, messages: Messages) -> list[int]:
+    def encode_chat(self, messages: Messages, tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The chat template's tokens for `messages` with the generation
+        prompt; `tools` and `template_kwargs` as `ChatPrompt` has them."""
         check_messages(messages)
         if not self.tokenizer.has_chat_template:
             raise InvalidArgument("this model's tokenizer has no chat template")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise InvalidArgument(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        if tools:
+            kwargs["tools"] = [dict(t) for t in tools]
         from jinja2 import TemplateError
 
         try:
             tokens = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, **kwargs
             )
         except TemplateError as error:  # the template refused the chat (roles, order)
             raise InvalidArgument(f"the chat template refused these messages: {error}") from None

@@ -484,9 +484,9 @@ def test_row8_a_big_prompt_is_tokenized_and_refused_off_the_engine_thread(served
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "reasoning_effort", "low"),
+    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
+    ("/v1/chat/completions", "function_call", "required"),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "the end"),
     ("/v1/completions", "echo", True),
