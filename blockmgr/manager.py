@@ -316,6 +316,13 @@ class BlockManager:
         O(sum of the paths' lengths)."""
         return [] if self._trie is None else self._trie.cached_paths()
 
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]:
+        """`cached_paths()`, each with the token positions where its tiers
+        begin (`(start, Tier)` runs, the device's first; without colder
+        tiers one device run). For KV events naming each block's medium.
+        Pure; O(sum of the paths' lengths)."""
+        return [] if self._trie is None else self._trie.cached_tier_paths()
+
     def find_prefix(
         self,
         tokens: Iterable[int],

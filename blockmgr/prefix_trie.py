@@ -414,6 +414,27 @@ class PrefixTrie:
                     paths.append((namespace, tokens))
         return paths
 
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]:
+        """`cached_paths()` with, for each path, where its tiers begin: a
+        list of `(start, tier)` runs, warmest first (the device's at 0; a
+        tier's run lasts until the next start). Pure; O(sum of the paths'
+        lengths)."""
+        paths = []
+        for namespace, root in self._roots.items():
+            stack: list[tuple[TrieNode, list[int], list[tuple[int, int]]]] = [
+                (child, [], []) for child in root.children.values()
+            ]
+            while stack:
+                node, above, runs = stack.pop()
+                tokens = above + node.tokens
+                if not runs or runs[-1][1] != node.tier:
+                    runs = [*runs, (node.start, int(node.tier))]
+                if node.children:
+                    stack.extend((child, tokens, runs) for child in node.children.values())
+                else:
+                    paths.append((namespace, tokens, runs))
+        return paths
+
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
         root = self._roots.get(namespace)

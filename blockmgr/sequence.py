@@ -158,6 +158,9 @@ class Allocation:
         window: the window's pages missing). End a prefill chunk at this
         position and `cache_prefix` it, and the next prompt sharing the
         prefix hits it. None when there is nothing to gain.
+    cached_tokens_by_tier: the hit's tokens by the tier (`Tier`: device,
+        host, disk) they were in before this allocation loaded them; None
+        when the store has no colder tiers.
     """
 
     seq_id: Hashable
@@ -166,3 +169,4 @@ class Allocation:
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int
     branch_point: int | None = None
+    cached_tokens_by_tier: tuple[int, int, int] | None = None

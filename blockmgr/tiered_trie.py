@@ -418,7 +418,10 @@ class TieredTrie(PrefixTrie):
 
     def _move(self, node: TrieNode, tier: Tier) -> None:
         """Copy the node's pages and slot into fresh ids of `tier` (room is
-        known), drop the old ones, and keep the tier counts and LRU lists."""
+        known), drop the old ones, and keep the tier counts and LRU lists.
+        The hit is unchanged but its tier is not: `version` grows (KV
+        events name each block's tier)."""
+        self.version += 1
         source = Tier(node.tier)
         self._unindex(node)
         for group, record in enumerate(self._tier_groups[tier]):

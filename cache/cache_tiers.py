@@ -106,6 +106,22 @@ class TierCounters:
     num_disk_misses: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    """One tier of the prefix cache as `/metrics` shows it (`CacheTiers.report`):
+    the bytes its cached pages and snapshots take (in the page format's own
+    bytes), its trie nodes (entries), prompt tokens hit in it, records (pages
+    and snapshots) loaded from it to the device and seconds spent reading
+    them (host rows or disk reads; 0 for the device)."""
+
+    tier: Tier
+    num_bytes: int
+    num_entries: int
+    num_hit_tokens: int
+    num_loaded_records: int
+    load_seconds: float
+
+
 class CacheTiers:
     """Host and disk storage of the prefix cache; see the module doc."""
 
@@ -302,6 +318,22 @@ class CacheTiers:
         self._staged.clear()
         disk.failure = disk.failure or reason
         disk.close()
+
+    def report(self, store: TieredStore) -> tuple[TierReport, ...]:
+        """Each tier's bytes, entries, hits, loads and load time, device
+        first, then the colder tiers the store has. O(trie nodes)."""
+        slot_nbytes = self._device[SLOTS].nbytes if self._device.get(SLOTS) else 0
+        reports = []
+        for usage in store.tier_usage():
+            num_bytes = usage.num_used_slots * slot_nbytes
+            for group, num_pages in enumerate(usage.num_used_pages):
+                device = self._device.get(page_kind(group))
+                num_bytes += num_pages * (device.nbytes if device is not None else 0)
+            tier, counters = usage.tier, self.counters
+            reports.append(TierReport(
+                tier, num_bytes, usage.num_nodes, counters.hit_tokens[tier],
+                counters.loaded_records[tier], counters.load_seconds[tier]))
+        return tuple(reports)
 
     @property
     def host_nbytes(self) -> int:

@@ -465,6 +465,7 @@ class PagedCache:
             hits = self._tiers.hit_tiers(match)
             alloc = self.store.allocate(seq_id, tokens, namespace, match=match)
             self._tiers.count_hit(hits)
+            alloc.cached_tokens_by_tier = (hits[0], hits[1], hits[2])
         self._queue(alloc.ops)
         num_tokens = self.store.num_tokens(seq_id)
         self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)

@@ -301,7 +301,9 @@ class Engine:
             draft_model, num_speculative_tokens, num_blocks, block_size, num_slots,
             enable_prefix_cache, config.max_model_len)
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
-        self.kv_events = None if kv_events is None else open_publisher(self.cache.store, kv_events)
+        self.kv_events = None if kv_events is None else open_publisher(
+            self.cache.store, kv_events,
+            tiered=self.cache.store if self.cache.tiers is not None else None)
 
     def _speculator(self, draft_model, k, num_blocks, block_size, num_slots,
                     enable_prefix_cache, max_model_len) -> Speculator:

@@ -228,6 +228,8 @@ class RequestMetrics:
     finish_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
+    # that hit by tier (device, host, disk; `blockmgr.Tier`), None without colder tiers
+    cached_tokens_by_tier: tuple[int, int, int] | None = None
     num_computed_tokens: int = 0  # tokens run through the model (recompute included)
     num_generated_tokens: int = 0  # over all samples
     num_samples: int = 1

@@ -794,6 +794,7 @@ class Scheduler:
         metrics = seq.request.metrics
         if metrics.num_cached_tokens is None:
             metrics.num_cached_tokens = alloc.num_cached_tokens
+            metrics.cached_tokens_by_tier = alloc.cached_tokens_by_tier
         stats.num_prefix_hit_tokens += alloc.num_cached_tokens
         stats.num_admitted += 1
         return True

@@ -19,7 +19,8 @@ A stream that fails after its first chunk ends with an error event and
 `[DONE]`. A completions body with several prompts queues one request per
 prompt, all or none. `cache_salt` is the request's prefix-cache namespace.
 `usage` reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit
-of the request. A client that disconnects (mid-stream or while waiting for a
+of the request, and with host or disk cache tiers `cached_tokens_by_tier`
+(`{"device": n, "host": n, "disk": n}`: where the hit's tokens were). A client that disconnects (mid-stream or while waiting for a
 whole answer) has its request aborted, which frees its pages.
 """
 
@@ -43,7 +44,7 @@ from starlette.routing import Route
 
 from blockmgr.errors import IntegrityError, InvalidArgument
 from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
-from scheduler.request import RequestStatus, SamplingParams, TokenLogprob
+from scheduler.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
 from scheduler.scheduler import RequestOutput
 
 #: OpenAI's default max_tokens for /v1/completions.
@@ -386,10 +387,13 @@ class _Reply:
         metrics = [stream.request.metrics for stream in self.streams]
         prompt = sum(m.num_prompt_tokens for m in metrics)
         completion = sum(self.num_tokens)
+        details: dict[str, Any] = {
+            "cached_tokens": sum(m.num_cached_tokens or 0 for m in metrics)}
+        by_tier = cached_tokens_by_tier(metrics)
+        if by_tier is not None:
+            details["cached_tokens_by_tier"] = by_tier
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {
-                    "cached_tokens": sum(m.num_cached_tokens or 0 for m in metrics)}}
+                "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(first choice index, output) of every request as they come;
@@ -688,3 +692,15 @@ async def _disconnected(request: HttpRequest) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+TIER_NAMES = ("device", "host", "disk")
+
+
+def cached_tokens_by_tier(metrics: list[RequestMetrics]) -> dict[str, int] | None:
+    """The requests' prefix-cache hits by tier (None: no request's cache has
+    colder tiers, so the breakdown is left out of `usage`)."""
+    known = [m.cached_tokens_by_tier for m in metrics if m.cached_tokens_by_tier is not None]
+    if not known:
+        return None
+    return {name: sum(t[i] for t in known) for i, name in enumerate(TIER_NAMES)}
