@@ -501,6 +501,35 @@ class Engine:
         if self.kv_events is not None:
             self.kv_events.publish()
 
+    def export_prefix(self, prompt: Any, path: str | os.PathLike[str],
+                      namespace: Hashable = None) -> int:
+        """Write the cached prefix of `prompt` (token ids, text or chat
+        messages with a tokenizer) to the file `path`: one conversation's
+        cache for another machine or a later start (`PagedCache.
+        export_prefix`; call between steps). Returns its tokens."""
+        return self.cache.export_prefix(self.encode_prompt(prompt), path, namespace)
+
+    def import_prefix(self, path: str | os.PathLike[str]) -> int:
+        """Cache the prefix `export_prefix` wrote to `path` with this model
+        (`PagedCache.import_prefix`: another model's file raises
+        `ForeignPrefixFile`; call between steps). Returns its tokens. A
+        fresh engine first runs one one-token forward, so that its pools
+        exist to take the records."""
+        if not self.cache.pools_ready:
+            self._allocate_pools()
+        return self.cache.import_prefix(path)
+
+    def _allocate_pools(self) -> None:
+        """One one-token forward on a sequence that is then dropped
+        uncached: the cache's pools take their shapes."""
+        cache, seq_id = self.cache, object()
+        cache.allocate(seq_id, [0])
+        try:
+            with cache.step([seq_id], num_new=[1]) as views:
+                mx.eval(self.model(mx.array([[0]], dtype=mx.int32), cache=views))
+        finally:
+            cache.free(seq_id, 0)
+
     def close(self) -> None:
         """Release what lives outside the engine: the KV-event socket, and
         the prefix cache's disk tier (what is cached goes to disk for the

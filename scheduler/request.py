@@ -84,6 +84,13 @@ class SamplingParams:
         aborts the request after its retries).
     seed: per-request random seed in [0, 2**64) (reproducible sampling),
         None for the engine's global generator.
+    retention_priority: an int (default 0): the prefixes this request hits
+        and caches take it, and under memory pressure a cached prefix of
+        lower priority is evicted or demoted before any of higher priority
+        (least recently used first within one priority; a prefix's priority
+        is its last user's). An agent's long context, for instance, outlives
+        one-off chat prompts. Not a sampling option, but per request like
+        them.
 
     Bad values raise `InvalidArgument` (a `ValueError`; `WrongArgumentType`,
     also a `TypeError`, for the wrong kind), naming the value.
@@ -105,6 +112,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logits_processors: tuple = ()
+    retention_priority: int = 0
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -133,6 +141,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise WrongArgumentType(f"ignore_eos must be a bool, got {self.ignore_eos!r:.80}")
         self.logits_processors = _check_processors(self.logits_processors)
+        self.retention_priority = check_int("retention_priority", self.retention_priority, None)
 
     @property
     def greedy(self) -> bool:

@@ -488,6 +488,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -784,7 +785,8 @@ class Scheduler:
         # The prompt itself when that is all: `allocate` checks and copies what it keeps.
         tokens = prompt if num_tokens == len(prompt) else seq.tokens(0, num_tokens)
         try:  # refused (nothing changed) exactly when `can_allocate` says no: one trie match
-            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace)
+            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace,
+                                retention=seq.request.sampling.retention_priority)
         except (OutOfBlocks, OutOfSlots):
             return False
         _extend(ops, alloc.ops)

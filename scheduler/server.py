@@ -17,7 +17,9 @@ waiting queue, 500 for a fault in the request's own path (its tokenizer, a
 forward that keeps failing for it), 503 for a stopped or stopping engine.
 A stream that fails after its first chunk ends with an error event and
 `[DONE]`. A completions body with several prompts queues one request per
-prompt, all or none. `cache_salt` is the request's prefix-cache namespace.
+prompt, all or none. `cache_salt` is the request's prefix-cache namespace,
+`retention_priority` (an int, default 0) its prefixes' retention priority
+(`SamplingParams.retention_priority`: lower priorities are evicted first).
 `usage` reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit
 of the request, and with host or disk cache tiers `cached_tokens_by_tier`
 (`{"device": n, "host": n, "disk": n}`: where the hit's tokens were). A client that disconnects (mid-stream or while waiting for a
@@ -133,7 +135,8 @@ _FINISH = {
 }
 #: Body fields mapped one to one onto `SamplingParams` (OpenAI's, then vLLM's extensions).
 _PASSTHROUGH = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
-                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+                "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+                "retention_priority")
 
 
 class HttpError(Exception):
