@@ -1083,6 +1083,17 @@ class PagedCache:
         self._queue(plan)
         return plan
 
+    def prefetch(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
+        """Start reading the disk records an `allocate(tokens, namespace)`
+        would load, on a background thread (a waiting request's: the read
+        overlaps other requests' forwards; the allocation then takes them).
+        Changes nothing in the cache; returns the records queued (0 without
+        a disk tier or a disk hit). O(matched tokens)."""
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return 0
+        return tiers.prefetch(self.store, _token_list(tokens), namespace)
+
     def unpin(self, pin_id: Hashable) -> None:
         """Let the prefix `pin(pin_id, ...)` kept be evicted again."""
         self.store.unpin(pin_id)
@@ -1237,6 +1248,7 @@ class PagedCache:
             return
         for pin_id in list(self.store.pinned()):
             self.store.unpin(pin_id)
+        tiers.stop_reader()
         self._queue(self.store.flush_to_disk())
         self.flush()
         disk = tiers.disk

@@ -301,6 +301,9 @@ class Engine:
             draft_model, num_speculative_tokens, num_blocks, block_size, num_slots,
             enable_prefix_cache, config.max_model_len)
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
+        #: Waiting requests whose disk-cached prefixes are read ahead each
+        #: step (admission prefetch; 0: read when allocated).
+        self.num_prefetch_ahead = 4
         self.kv_events = None if kv_events is None else open_publisher(
             self.cache.store, kv_events,
             tiered=self.cache.store if self.cache.tiers is not None else None)
@@ -473,6 +476,8 @@ class Engine:
         t0 = self.clock()
         self._step_logprobs.clear()
         out = self.scheduler.schedule()
+        if self.num_prefetch_ahead and self.cache.tiers is not None:
+            self._prefetch_waiting()
         t1 = self.clock()
         if out.is_empty:
             if (self.scheduler.has_unfinished() and not self.scheduler.num_running
@@ -495,6 +500,13 @@ class Engine:
         if self.step_listener is not None:
             self.step_listener(out, self.stats.step_times[-1])
         return results
+
+    def _prefetch_waiting(self) -> None:
+        """Start reading the disk records of the next waiting requests'
+        cached prefixes (`PagedCache.prefetch`), so the reads overlap this
+        step's forward instead of holding their admission."""
+        for tokens, namespace in self.scheduler.waiting_prompts(self.num_prefetch_ahead):
+            self.cache.prefetch(tokens, namespace)
 
     def _publish_kv_events(self) -> None:
         """Tell routers what the prefix cache can serve now (never raises)."""

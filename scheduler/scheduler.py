@@ -415,6 +415,20 @@ class _WaitQueue:
             dq.popleft()
         return dq[0][1] if dq else None
 
+    def first(self, num: int) -> list[_Seq]:
+        """The next `num` sequences in pop order (at most), none removed.
+        O(num log n) for "priority", O(num + stale entries) for "fcfs"."""
+        if self._priority:
+            live = (entry for entry in self._heap if entry[1] == entry[2].queue_tag)
+            return [entry[2] for entry in heapq.nsmallest(num, live, key=lambda e: e[:2])]
+        out = []
+        for tag, seq in self._deque:
+            if len(out) == num:
+                break
+            if tag == seq.queue_tag:
+                out.append(seq)
+        return out
+
     def pop(self) -> _Seq:
         seq = self.peek()
         if seq is None:
@@ -488,6 +502,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_prompts(self, num: int) -> list[tuple[list[int], Hashable]]:
+        """The tokens and namespace of the next `num` waiting sequences to
+        be allocated (swapped-out ones left out: they come back by swap),
+        in admission order; for reading their cached prefixes ahead."""
+        out = []
+        for seq in self._waiting.first(num):
+            if not seq.swapped:
+                prompt = seq.request.prompt_tokens
+                tokens = prompt if seq.num_tokens == len(prompt) else seq.tokens(0, seq.num_tokens)
+                out.append((tokens, seq.request.namespace))
+        return out
 
     @property
     def num_running(self) -> int:
