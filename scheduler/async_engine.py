@@ -30,7 +30,7 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,14 @@ class _Add:
     request_id: Hashable
     namespace: Hashable
     stream: _Stream
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(slots=True)
+class _Call:
+    """A function of the engine to run on its thread between steps."""
+
+    fn: Callable[[Engine], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -162,6 +170,15 @@ class AsyncEngine:
         await asyncio.wrap_future(command.future)
         return stream
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """`fn(engine)` run on the engine's thread between two steps (the
+        engine and its cache are not thread-safe); its result, or what it
+        raised. Raises `EngineStopped` when the engine is not running."""
+        self._check_open()
+        command = _Call(fn)
+        self._send(command)
+        return await asyncio.wrap_future(command.future)
+
     async def encode(self, prompt: Any) -> list[int]:
         """The checked token ids of `prompt` (`Engine.encode_prompt`),
         computed on a worker thread: the tokenizer releases the GIL while it
@@ -245,7 +262,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             engine.abort(request_id)
         for command in self._commands:  # sent after the last drain
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 command.future.set_exception(EngineStopped("the engine stopped"))
 
     def _drain(self) -> None:
@@ -253,6 +270,11 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 self._admit(command)
+            elif isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as error:  # noqa: BLE001 - the caller's to handle
+                    command.future.set_exception(error)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
             else:  # abort_all

@@ -2,7 +2,9 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming by
 server-sent events, or one JSON answer), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text, `scheduler.metrics`).
+`GET /metrics` (Prometheus text, `scheduler.metrics`), and the prefix
+cache's pins: `POST /v1/cache/pins` ({"pin_id", "prompt" or "messages",
+"cache_salt"?}), `GET /v1/cache/pins`, `DELETE /v1/cache/pins/{pin_id}`.
 
 Nothing a client sends, and no fault, can hurt another request
 (`design/errors.md`, "Server"). Work is bounded before a request is admitted
@@ -44,7 +46,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from blockmgr.errors import IntegrityError, InvalidArgument
+from blockmgr.errors import BlockManagerError, IntegrityError, InvalidArgument, UnknownSequence
 from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
 from scheduler.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
 from scheduler.scheduler import RequestOutput
@@ -175,6 +177,7 @@ def build_app(engine: AsyncEngine, model_name: str, *,
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *pin_routes(api),
     ]
 
     @contextlib.asynccontextmanager
@@ -244,6 +247,59 @@ class OpenAIServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._serve(request, chat=False)
+
+    # ----------------------------------------------------------------- pins
+
+    async def pin(self, request: HttpRequest) -> Response:
+        """POST /v1/cache/pins {"pin_id", "prompt" (text or token ids) or
+        "messages", "cache_salt"?}: keep the cached prefix of the prompt on
+        the device, out of every eviction, until deleted (`PagedCache.pin`).
+        Answers {"pin_id", "cached_tokens"} (0: nothing cached, no pin)."""
+        try:
+            body = await _json_body(request, self.max_body_bytes)
+            pin_id = body.get("pin_id")
+            if not isinstance(pin_id, str) or not pin_id:
+                raise HttpError(400, "pin_id must be a non-empty string", param="pin_id")
+            prompt = body.get("messages", body.get("prompt"))
+            if prompt is None:
+                raise HttpError(400, "a pin needs a prompt or messages", param="prompt")
+            tokens = await self.engine.encode(prompt)
+            namespace = _cache_salt(body)
+
+            def pin(engine: Any) -> int:
+                engine.cache.pin(pin_id, tokens, namespace)
+                return engine.cache.pinned().get(pin_id, 0)
+
+            cached = await self.engine.call(pin)
+        except HttpError as error:
+            return error.response()
+        except BlockManagerError as error:  # a pin id in use, no room to load, a bad prompt
+            return HttpError(400, str(error), param="pin_id").response()
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"pin_id": pin_id, "cached_tokens": cached})
+
+    async def pins(self, request: HttpRequest) -> Response:
+        """GET /v1/cache/pins: {"data": [{"pin_id", "cached_tokens"}, ...]}."""
+        try:
+            pinned = await self.engine.call(lambda engine: engine.cache.pinned())
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"data": [{"pin_id": str(k), "cached_tokens": v}
+                                      for k, v in pinned.items()]})
+
+    async def unpin(self, request: HttpRequest) -> Response:
+        """DELETE /v1/cache/pins/{pin_id}: the prefix may be evicted again
+        (404 for an unknown pin)."""
+        pin_id = request.path_params["pin_id"]
+        try:
+            await self.engine.call(lambda engine: engine.cache.unpin(pin_id))
+        except UnknownSequence:
+            return HttpError(404, f"no pin {pin_id!r:.80}", "not_found_error",
+                             "pin_id").response()
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"pin_id": pin_id, "deleted": True})
 
     # ------------------------------------------------------------- requests
 
@@ -707,3 +763,10 @@ def cached_tokens_by_tier(metrics: list[RequestMetrics]) -> dict[str, int] | Non
     if not known:
         return None
     return {name: sum(t[i] for t in known) for i, name in enumerate(TIER_NAMES)}
+
+
+def pin_routes(api: OpenAIServer) -> list[Route]:
+    """The prefix-cache pin endpoints (design/tiers.md, "Pins")."""
+    return [Route("/v1/cache/pins", api.pin, methods=["POST"]),
+            Route("/v1/cache/pins", api.pins, methods=["GET"]),
+            Route("/v1/cache/pins/{pin_id}", api.unpin, methods=["DELETE"])]
