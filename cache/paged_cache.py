@@ -1105,7 +1105,7 @@ class PagedCache:
     # --- one prefix as a file (cache/prefix_file.py) ---------------------------
 
     def export_prefix(self, tokens: Iterable[int], path: str | os.PathLike[str],
-                      namespace: Hashable = None) -> int:
+                      namespace: Hashable = None, *, retention: int = 0) -> int:
         """Write the cached prefix of `tokens` (in `namespace`; wherever its
         tier: a demoted one is loaded back first) to the file `path`, in the
         disk tier's record format; returns its tokens. Raises
@@ -1113,12 +1113,15 @@ class PagedCache:
         window's prefix whose early pages were released, for a cache
         without a model fingerprint (`for_model` gives one) or pools (its
         first forward, or cache tiers, allocates them); `OutOfBlocks` when
-        the device has no room to load it. The cache is left as it was
-        (the prefix most recently used). O(prefix pages + file bytes)."""
+        the device has no room to load it. The cache is left as it was,
+        but for the export being a use: the prefix is the most recently
+        used, with retention priority `retention`. O(prefix pages + file
+        bytes)."""
         pages, slots, fingerprint = self._prefix_records()
         tokens = list(_token_list(tokens))
         seq_id = _Transfer()
-        alloc = self.allocate(seq_id, [*tokens, 0], namespace)  # a hit of at most `tokens`
+        alloc = self.allocate(seq_id, [*tokens, 0], namespace,  # a hit of at most `tokens`
+                              retention=retention)
         try:
             num_tokens = alloc.num_cached_tokens
             if not num_tokens:
@@ -1131,11 +1134,11 @@ class PagedCache:
             self.free(seq_id, 0)
         return num_tokens
 
-    def import_prefix(self, path: str | os.PathLike[str]) -> int:
+    def import_prefix(self, path: str | os.PathLike[str], *, retention: int = 0) -> int:
         """Cache the prefix an `export_prefix` of this model (same block
         size, format and layout) wrote to `path`, in its namespace; returns
-        its tokens. A later prompt starting with it hits it, with the
-        logits of a prefix never evicted. Raises `ForeignPrefixFile` for
+        its tokens, with retention priority `retention`. A later prompt
+        starting with it hits it, with the logits of a prefix never evicted. Raises `ForeignPrefixFile` for
         another model's file, `CorruptPrefixFile` for a cut or damaged one,
         `OutOfBlocks` / `OutOfSlots` without room: nothing changed then.
         O(file bytes)."""
@@ -1144,7 +1147,7 @@ class PagedCache:
         num_tokens = len(prefix.tokens)
         self._check_prefix_shape(prefix, pages, slots)
         seq_id = _Transfer()
-        alloc = self.allocate(seq_id, prefix.tokens, prefix.namespace)
+        alloc = self.allocate(seq_id, prefix.tokens, prefix.namespace, retention=retention)
         try:
             self.flush()
             first = alloc.num_cached_tokens // self.block_size  # earlier pages are the trie's
