@@ -421,7 +421,7 @@ class _WaitQueue:
         if self._priority:
             live = (entry for entry in self._heap if entry[1] == entry[2].queue_tag)
             return [entry[2] for entry in heapq.nsmallest(num, live, key=lambda e: e[:2])]
-        out = []
+        out: list[_Seq] = []
         for tag, seq in self._deque:
             if len(out) == num:
                 break
@@ -506,7 +506,7 @@ class Scheduler:
         """The tokens and namespace of the next `num` waiting sequences to
         be allocated (swapped-out ones left out: they come back by swap),
         in admission order; for reading their cached prefixes ahead."""
-        out = []
+        out: list[tuple[list[int], Hashable]] = []
         for seq in self._waiting.first(num):
             if not seq.swapped:
                 prompt = seq.request.prompt_tokens
