@@ -383,9 +383,9 @@ class BlockManager:
         tokens: Iterable[int],
         namespace: Hashable = None,
         *,
+        retention: int = 0,
         match: PrefixMatch | None = None,
         packed: bytes | None = None,
-        retention: int = 0,
     ) -> Allocation:
         """Reserve pages (and a slot) for a new sequence's prompt.
 
