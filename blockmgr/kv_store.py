@@ -133,7 +133,8 @@ class KVStore(Protocol):
     def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None) -> bool: ...
 
     def allocate(
-        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
+        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None, *,
+        retention: int = 0,
     ) -> Allocation: ...
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool: ...

@@ -316,6 +316,13 @@ class BlockManager:
         O(sum of the paths' lengths)."""
         return [] if self._trie is None else self._trie.cached_paths()
 
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]:
+        """`cached_paths()`, each with the token positions where its tiers
+        begin (`(start, Tier)` runs, the device's first; without colder
+        tiers one device run). For KV events naming each block's medium.
+        Pure; O(sum of the paths' lengths)."""
+        return [] if self._trie is None else self._trie.cached_tier_paths()
+
     def find_prefix(
         self,
         tokens: Iterable[int],
@@ -376,10 +383,19 @@ class BlockManager:
         tokens: Iterable[int],
         namespace: Hashable = None,
         *,
+        retention: int = 0,
         match: PrefixMatch | None = None,
         packed: bytes | None = None,
     ) -> Allocation:
         """Reserve pages (and a slot) for a new sequence's prompt.
+
+        `retention`: the sequence's retention priority, an int (default
+        0). The cached prefixes it hits, and those it caches (`free`,
+        `cache_prefix`), take it; under memory pressure a prefix of lower
+        priority is evicted (or demoted to a colder tier) before any of
+        higher priority, least recently used first within one priority.
+        A prefix's priority is that of the last sequence that hit or cached
+        it (pin a prefix to keep it whatever comes).
 
         Shares the longest usable cached prefix (or `match`, a `find_prefix`
         result of this manager with no call in between; `packed` as in
@@ -393,6 +409,7 @@ class BlockManager:
         """
         self._seqs.check_new_id(seq_id)
         checked, packed = self._checked_prompt(tokens, namespace, packed)
+        retention = check_int("retention", retention, None)
         if match is None:
             match = self._match(namespace, checked, packed)
         num_tokens, num_cached = len(checked), match.num_tokens
@@ -414,7 +431,7 @@ class BlockManager:
             raise
         trie = self._trie
         if match.path and trie is not None:
-            trie.touch(match.path)
+            trie.touch(match.path, retention)
         tables = []
         for group in self._groups:
             tables.append(group.new_table(match, num_tokens, ops))
@@ -431,6 +448,7 @@ class BlockManager:
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
             packed=packed,
+            retention=retention,
         )
         self._count_query(num_tokens, num_cached)
         if self._events:
@@ -777,6 +795,7 @@ class BlockManager:
             num_borrowed=seq.num_borrowed,  # the same lock holds them
             packed=seq.packed,
             recompute_from=seq.recompute_from,
+            retention=seq.retention,
         )
         return NO_OPS
 
@@ -1021,11 +1040,13 @@ class BlockManager:
         once). Returns `insert`'s (node, took_slot)."""
         if start is not None and trie.can_extend(start, num_tokens, slot):  # reads no copy
             return trie.extend(
-                start, seq.tokens, num_tokens, seq.tables, seq.packed, lock=lock
+                start, seq.tokens, num_tokens, seq.tables, seq.packed, lock=lock,
+                retention=seq.retention,
             ), False
         tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
         return trie.insert(
-            seq.namespace, tokens, seq.tables, slot, start, seq.packed, lock=lock
+            seq.namespace, tokens, seq.tables, slot, start, seq.packed, lock=lock,
+            retention=seq.retention,
         )
 
     @staticmethod

@@ -95,8 +95,9 @@ class TrieNode:
     slot: int | None = None
     lock_count: int = 0
     last_access: int = 0
-    leaf_key: tuple[int, int] | None = None  # in its tier's frontier LRU list
-    slot_key: tuple[int, int] | None = None
+    retention: int = 0  # the retention priority of the last call that used it
+    leaf_key: tuple[int, int, int] | None = None  # in its tier's frontier LRU list
+    slot_key: tuple[int, int, int] | None = None
     packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
     tier: int = 0
     num_hot_children: int = 0
@@ -414,6 +415,27 @@ class PrefixTrie:
                     paths.append((namespace, tokens))
         return paths
 
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]:
+        """`cached_paths()` with, for each path, where its tiers begin: a
+        list of `(start, tier)` runs, warmest first (the device's at 0; a
+        tier's run lasts until the next start). Pure; O(sum of the paths'
+        lengths)."""
+        paths = []
+        for namespace, root in self._roots.items():
+            stack: list[tuple[TrieNode, list[int], list[tuple[int, int]]]] = [
+                (child, [], []) for child in root.children.values()
+            ]
+            while stack:
+                node, above, runs = stack.pop()
+                tokens = above + node.tokens
+                if not runs or runs[-1][1] != node.tier:
+                    runs = [*runs, (node.start, int(node.tier))]
+                if node.children:
+                    stack.extend((child, tokens, runs) for child in node.children.values())
+                else:
+                    paths.append((namespace, tokens, runs))
+        return paths
+
     def find_snapshot(self, namespace: Hashable, tokens: list[int]) -> TrieNode | None:
         """The node ending exactly at `len(tokens)` on this path, if it holds a slot."""
         root = self._roots.get(namespace)
@@ -552,21 +574,30 @@ class PrefixTrie:
             self._try_merge(node)
             node = parent
 
-    def touch(self, path: Sequence[TrieNode]) -> None:
-        """Mark the nodes of `path` most recently used."""
+    def touch(self, path: Sequence[TrieNode], retention: int = 0) -> None:
+        """Mark the nodes of `path` most recently used, with the retention
+        priority of the call that used them (see `_lru_key`)."""
         self._clock += 1
         clock = self._clock
         for node in path:
             node.last_access = clock
+            node.retention = retention
             if node.lock_count == 0:
                 self._reindex(node)
+
+    @staticmethod
+    def _lru_key(node: TrieNode) -> tuple[int, int, int]:
+        """A node's place in the LRU lists: lowest retention priority first,
+        then least recently used (eviction and demotion take the first).
+        A node's priority is that of the last call that hit or cached it."""
+        return (node.retention, node.last_access, node.node_id)
 
     def _reindex(self, node: TrieNode) -> None:
         """Put `node` in the LRU lists it qualifies for, at its current age."""
         if node.lock_count and node.leaf_key is None and node.slot_key is None:
             return  # locked: in no list, and stays out
         unlocked = node.lock_count == 0 and node.parent is not None
-        key = (node.last_access, node.node_id)
+        key = self._lru_key(node)
         leaf_key = key if unlocked and not node.num_hot_children else None
         if leaf_key != node.leaf_key:
             frontier = self._frontiers[node.tier]
@@ -596,9 +627,11 @@ class PrefixTrie:
         packed: bytes = b"",
         *,
         lock: bool = False,
+        retention: int = 0,
     ) -> tuple[TrieNode | None, bool]:
         """Cache `tokens`, whose KV is in `tables` (per page group, one page
-        per page index).
+        per page index). `retention`: the inserter's retention priority
+        (every node of the path takes it, see `_lru_key`).
 
         The trie takes its own references to the pages it keeps (and to
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
@@ -667,7 +700,7 @@ class PrefixTrie:
         result = node if node.parent is not None else None
         if lock and result is not None:
             self.lock(result)  # first: a locked new leaf never enters the LRU list
-        self.touch(path)
+        self.touch(path, retention)
         return result, took_slot
 
     def can_extend(self, node: TrieNode, num_tokens: int, slot: int | None) -> bool:
@@ -688,6 +721,7 @@ class PrefixTrie:
     def extend(
         self, node: TrieNode, tokens: list[int], num_tokens: int,
         tables: Sequence[list[int | None]], packed: bytes = b"", *, lock: bool = False,
+        retention: int = 0,
     ) -> TrieNode:
         """`insert(node.namespace, tokens[:num_tokens], tables, start=node)`
         followed by the caller's release of its lock on `node` or the move of
@@ -730,7 +764,7 @@ class PrefixTrie:
         self._nodes[node.node_id] = node
         if lock:
             self.lock(node)
-        self.touch(self._path_to(node))
+        self.touch(self._path_to(node), retention)
         return node
 
     def _kept_pages(
@@ -823,6 +857,7 @@ class PrefixTrie:
         )
         head.lock_count = node.lock_count
         head.last_access = node.last_access
+        head.retention = node.retention
         head.tier, head.num_hot_children = node.tier, 1
         parent.children[head.tokens[0]] = head
         node.tokens = node.tokens[num_head_tokens:]
@@ -885,6 +920,7 @@ class PrefixTrie:
         child.start = node.start
         child.parent = node.parent
         child.last_access = max(child.last_access, node.last_access)
+        child.retention = max(child.retention, node.retention)
         node.parent.children[child.tokens[0]] = child
         self._detach(node)
         self._reindex(child)
@@ -900,7 +936,7 @@ class PrefixTrie:
         """
         if num_pages <= 0:
             return True
-        if self._leaf_lru and self._sole_pages(self._leaf_lru[0][1], group) >= num_pages:
+        if self._leaf_lru and self._sole_pages(self._leaf_lru[0][-1], group) >= num_pages:
             return True  # the common case: the LRU leaf alone is enough
         pool = self._groups[group].pool
         num_freed = 0
@@ -915,7 +951,7 @@ class PrefixTrie:
                 key = next(leaves, None)
                 if key is None:
                     return False
-                node = self._nodes[key[1]]
+                node = self._nodes[key[-1]]
             num_freed += pool.tally_release(self._group_pages(node, group), pending)
             parent = _parent_of(node)
             if parent.parent is None or parent.lock_count:
@@ -942,7 +978,7 @@ class PrefixTrie:
         pool of page group `group` has `num_free_wanted` free."""
         pages = self._groups[group].pool
         while pages.num_free < num_free_wanted and self._leaf_lru:
-            self._evict(self._nodes[self._leaf_lru[0][1]])
+            self._evict(self._nodes[self._leaf_lru[0][-1]])
 
     def can_free_slots(self, num_slots: int) -> bool:
         """Could dropping unlocked snapshots free `num_slots` slots? Pure.
@@ -954,7 +990,7 @@ class PrefixTrie:
             return True
         num_freed = 0
         refcount = self._slot_pool.refcount
-        for _, node_id in self._slot_lru:
+        for *_, node_id in self._slot_lru:
             if refcount(_slot_of(self._nodes[node_id])) == 1:
                 num_freed += 1
                 if num_freed >= num_slots:
@@ -970,7 +1006,7 @@ class PrefixTrie:
         """
         slots = self._slot_pool
         while slots.num_free < num_free_wanted and self._slot_lru:
-            node = self._nodes[self._slot_lru[0][1]]
+            node = self._nodes[self._slot_lru[0][-1]]
             if node.num_hot_children:
                 self._drop_snapshot(node)
             else:
@@ -979,7 +1015,7 @@ class PrefixTrie:
     def reset(self) -> None:
         """Evict every unlocked entry."""
         while self._leaf_lru:
-            self._evict(self._nodes[self._leaf_lru[0][1]])
+            self._evict(self._nodes[self._leaf_lru[0][-1]])
 
     def _drop_snapshot(self, node: TrieNode) -> None:
         self.version += 1
@@ -1145,6 +1181,7 @@ class PrefixTrie:
                 node.slot,
                 node.lock_count,
                 node.last_access,
+                node.retention,
                 node.leaf_key,
                 node.slot_key,
                 tuple(sorted(child.node_id for child in node.children.values())),
@@ -1272,7 +1309,7 @@ class PrefixTrie:
             if child.lock_count == node.lock_count and child.tier == node.tier:
                 raise IntegrityError(f"{_node_where(node)} should have been merged into its child")
         _check_children(node)
-        key = (node.last_access, node.node_id)
+        key = self._lru_key(node)
         unlocked = node.lock_count == 0
         want_leaf = key if unlocked and not node.num_hot_children else None
         want_slot = key if unlocked and node.slot is not None and not node.tier else None

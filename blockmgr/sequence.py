@@ -58,6 +58,8 @@ class Sequence:
     `packed` is `tokens[:len(packed) // 8]` packed as the trie stores them
     (the prompt's, from `allocate`), so caching them packs nothing again.
     `speculation` is the open speculation transaction, if any.
+    `retention` is its retention priority: the cached prefixes it hits and
+    caches take it (a lower one is evicted first, see `PrefixTrie`).
     `recompute_from` is set after a commit restored a recurrent checkpoint:
     the tokens from that position on are computed again, so the sliding
     windows keep the pages that position attends to (see `append`).
@@ -76,6 +78,7 @@ class Sequence:
     packed: bytes = b""
     speculation: Speculation | None = None
     recompute_from: int | None = None
+    retention: int = 0
 
     def first_owned(self, index: int) -> int:
         """Index of the first page of group `index` the sequence holds a
@@ -158,6 +161,9 @@ class Allocation:
         window: the window's pages missing). End a prefill chunk at this
         position and `cache_prefix` it, and the next prompt sharing the
         prefix hits it. None when there is nothing to gain.
+    cached_tokens_by_tier: the hit's tokens by the tier (`Tier`: device,
+        host, disk) they were in before this allocation loaded them; None
+        when the store has no colder tiers.
     """
 
     seq_id: Hashable
@@ -166,3 +172,4 @@ class Allocation:
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int
     branch_point: int | None = None
+    cached_tokens_by_tier: tuple[int, int, int] | None = None

@@ -325,7 +325,7 @@ class TieredTrie(PrefixTrie):
         for tier in (Tier.HOST, Tier.DEVICE):
             frontier = self._frontiers[tier]
             while frontier:
-                node = self._nodes[frontier[0][1]]
+                node = self._nodes[frontier[0][-1]]
                 if self._demote(node, Tier.DISK) is False:
                     self._drop_subtree(node)
 
@@ -394,7 +394,7 @@ class TieredTrie(PrefixTrie):
         while not self._fits(tier, needs, num_slots):
             if not frontier:
                 return False
-            self._evict(self._nodes[frontier[0][1]])
+            self._evict(self._nodes[frontier[0][-1]])
         return True
 
     def _drop_subtree(self, node: TrieNode) -> None:
@@ -412,13 +412,16 @@ class TieredTrie(PrefixTrie):
         for tier in reversed(range(len(self._frontiers))):
             frontier = self._frontiers[tier]
             while frontier:
-                self._drop_subtree(self._nodes[frontier[0][1]])
+                self._drop_subtree(self._nodes[frontier[0][-1]])
 
     # --------------------------------------------------------------- moving
 
     def _move(self, node: TrieNode, tier: Tier) -> None:
         """Copy the node's pages and slot into fresh ids of `tier` (room is
-        known), drop the old ones, and keep the tier counts and LRU lists."""
+        known), drop the old ones, and keep the tier counts and LRU lists.
+        The hit is unchanged but its tier is not: `version` grows (KV
+        events name each block's tier)."""
+        self.version += 1
         source = Tier(node.tier)
         self._unindex(node)
         for group, record in enumerate(self._tier_groups[tier]):
@@ -454,12 +457,14 @@ class TieredTrie(PrefixTrie):
         packed: bytes = b"",
         *,
         lock: bool = False,
+        retention: int = 0,
     ) -> tuple[TrieNode | None, bool]:
         """`PrefixTrie.insert`; the demoted nodes it covers take the
         inserter's device pages (`_refresh`), and the tombstones above them
         merge once the insert is done."""
         self._refreshed = []
-        result = super().insert(namespace, tokens, tables, slot, start, packed, lock=lock)
+        result = super().insert(namespace, tokens, tables, slot, start, packed, lock=lock,
+                                retention=retention)
         for node in self._refreshed:
             self._try_merge(node.parent)
         self._refreshed = []

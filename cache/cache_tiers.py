@@ -17,7 +17,9 @@ slot record (`SlotRecords`, e.g. `recurrent.RecurrentPools`):
 Loads from disk are read and verified before the allocation that needs
 them (`verified_match`: `disk_loads` of the match, unreadable records
 forgotten and the prefix found again), kept in memory and written to the
-device pages when the op is applied. A disk that fails (a full disk, an
+device pages when the op is applied. A waiting request's records can be
+read ahead on a background thread (`prefetch`), overlapping other
+requests' forwards; its allocation then takes them. A disk that fails (a full disk, an
 I/O error) is turned off (`disable_tier`) with one log line; requests go
 on with the device and host tiers. Costs: O(bytes moved) per op run, one
 device evaluation per wave of reads.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +45,8 @@ from cache.disk_tier import DiskTier
 log = logging.getLogger("blockmgr.disk_cache")
 
 SLOTS = "slots"
+#: Bytes of disk records `CacheTiers.prefetch` holds read ahead at most.
+DEFAULT_PREFETCH_NBYTES = 512 * 2**20
 
 
 def page_kind(group: int) -> str:
@@ -106,6 +111,22 @@ class TierCounters:
     num_disk_misses: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class TierReport:
+    """One tier of the prefix cache as `/metrics` shows it (`CacheTiers.report`):
+    the bytes its cached pages and snapshots take (in the page format's own
+    bytes), its trie nodes (entries), prompt tokens hit in it, records (pages
+    and snapshots) loaded from it to the device and seconds spent reading
+    them (host rows or disk reads; 0 for the device)."""
+
+    tier: Tier
+    num_bytes: int
+    num_entries: int
+    num_hit_tokens: int
+    num_loaded_records: int
+    load_seconds: float
+
+
 class CacheTiers:
     """Host and disk storage of the prefix cache; see the module doc."""
 
@@ -131,6 +152,11 @@ class CacheTiers:
         self.disk = disk
         self._staged: dict[tuple[str, int], np.ndarray] = {}
         self.counters = TierCounters()
+        #: Disk reads started ahead of an allocation (`prefetch`), by record.
+        self._reads: dict[tuple[str, int], Future[np.ndarray | None]] = {}
+        self._reader: ThreadPoolExecutor | None = None
+        self.max_prefetch_nbytes = DEFAULT_PREFETCH_NBYTES
+        self.num_prefetched = 0  # records read ahead and then used by an allocation
 
     # ---------------------------------------------------------------- moves
 
@@ -195,6 +221,7 @@ class CacheTiers:
             else:
                 for i, record in zip(rows, ids):
                     self._staged.pop((kind, record), None)
+                    self._reads.pop((kind, record), None)  # read ahead before this write
                     if self.disk is not None:
                         self.disk.write(kind, record, sources[i].copy())
             self.counters.stored_records[tier] += len(rows) if tier else 0
@@ -238,7 +265,12 @@ class CacheTiers:
         for kind, record, bad in wanted:
             if self._device.get(kind) is None or (kind, record) in self._staged:
                 continue
-            data = disk.read(kind, record)
+            ahead = self._reads.pop((kind, record), None)
+            if ahead is not None:
+                data = ahead.result()  # an OSError of the read raises here, as inline
+                self.num_prefetched += 1
+            else:
+                data = disk.read(kind, record)
             if data is None:
                 bad.append(record)
             else:
@@ -259,6 +291,47 @@ class CacheTiers:
                         if held:
                             store.forget_disk_pages(group, held)
                             break
+
+    def prefetch(self, store: TieredStore, tokens: Sequence[int], namespace: Hashable) -> int:
+        """Start reading, on a background thread, the disk records that
+        allocating `tokens` now would load (a waiting request's), so the
+        read overlaps other requests' forwards; the allocation takes them
+        (`verified_match`) instead of reading them itself. A record
+        rewritten meanwhile is read again. At most `max_prefetch_nbytes`
+        are held ahead. Returns the records queued. O(matched tokens)."""
+        disk = self.disk
+        if disk is None:
+            return 0
+        match = store.find_prefix(tokens, namespace)
+        if not match.loads:
+            return 0
+        pages, slots = store.disk_loads(match)
+        wanted = [(page_kind(g), page) for g, ps in enumerate(pages) for page in ps]
+        wanted += [(SLOTS, slot) for slot in slots]
+        held = sum(self.record_nbytes(kind) for kind, _ in self._reads)
+        if held > self.max_prefetch_nbytes // 2:  # reads for requests that never came: start over
+            self._reads.clear()
+            held = 0
+        num_queued = 0
+        for key in wanted:
+            if self._device.get(key[0]) is None or key in self._reads or key in self._staged:
+                continue
+            held += self.record_nbytes(key[0])
+            if held > self.max_prefetch_nbytes:
+                break
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-cache-reader")
+            self._reads[key] = self._reader.submit(disk.read, *key)
+            num_queued += 1
+        return num_queued
+
+    def stop_reader(self) -> None:
+        """Forget every read ahead and wait for the reader thread to stop
+        (before the disk's files close)."""
+        self._reads.clear()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
     @staticmethod
     def hit_tiers(match: PrefixMatch) -> list[int]:
@@ -300,8 +373,26 @@ class CacheTiers:
         store.disable_tier(Tier.DISK)
         self.disk = None
         self._staged.clear()
+        self.stop_reader()
         disk.failure = disk.failure or reason
         disk.close()
+
+    def report(self, store: TieredStore) -> tuple[TierReport, ...]:
+        """Each tier's bytes, entries, hits, loads and load time, device
+        first, then the colder tiers the store has. O(trie nodes)."""
+        slots = self._device.get(SLOTS)
+        slot_nbytes = slots.nbytes if slots is not None else 0
+        reports = []
+        for usage in store.tier_usage():
+            num_bytes = usage.num_used_slots * slot_nbytes
+            for group, num_pages in enumerate(usage.num_used_pages):
+                device = self._device.get(page_kind(group))
+                num_bytes += num_pages * (device.nbytes if device is not None else 0)
+            tier, counters = usage.tier, self.counters
+            reports.append(TierReport(
+                tier, num_bytes, usage.num_nodes, counters.hit_tokens[tier],
+                counters.loaded_records[tier], counters.load_seconds[tier]))
+        return tuple(reports)
 
     @property
     def host_nbytes(self) -> int:

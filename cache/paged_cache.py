@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from blockmgr import Allocation, GroupedStore, GroupedStoreConfig, PageGroupUsage, PrefixCacheStats
 from blockmgr.errors import (
@@ -37,13 +38,21 @@ from blockmgr.errors import (
 from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut, Tier
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
-from cache.cache_tiers import CacheTiers
+from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, page_kind
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, PageStore, check_model
-from cache.tier_setup import KVShape, open_tiers, tier_sizes
+from cache.prefix_file import CorruptPrefixFile, PrefixRecords, read_prefix, write_prefix
+from cache.tier_setup import (
+    KVShape,
+    open_tiers,
+    record_stores,
+    records_fingerprint,
+    tier_sizes,
+)
+from cache.tier_setup import model_fingerprint as fingerprint_of
 from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.recurrent_backend import (  # noqa: F401 - importable from here before
     RecurrentBackend,
@@ -205,6 +214,7 @@ class PagedCache:
         if kv_shapes is not None:
             self._allocate_pools(kv_shapes)
         self._tiers: CacheTiers | None = None
+        self._model_fingerprint = model_fingerprint
         self._checkpoint_interval = checkpoint_interval
         self._last_checkpoint = time.monotonic()
         self._checkpointed = 0  # the disk activity the last checkpoint saw
@@ -264,6 +274,8 @@ class PagedCache:
             kwargs = {**sizes.kwargs(), **kwargs}
         elif disk_cache_size is not None:
             raise InvalidArgument("disk_cache_size needs disk_cache (a directory)")
+        else:  # what an exported prefix's file is checked against
+            kwargs.setdefault("model_fingerprint", fingerprint_of(model))
         storage = cls(
             parts.specs, num_blocks, block_size, num_slots=num_slots,
             recurrent=parts.recurrent, num_host_slots=num_host_slots, layout=parts.layout,
@@ -451,20 +463,24 @@ class PagedCache:
         return self.store.can_allocate(tokens, namespace, match=match)
 
     def allocate(
-        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None
+        self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None, *,
+        retention: int = 0,
     ) -> Allocation:
         """Reserve pages for a prompt, reusing the longest prefix every group
         can serve. Raises like `GroupedStore.allocate`, changing nothing.
         A hit in a colder tier is loaded back by the plan (disk records
-        read and verified first: an unreadable one is a miss)."""
+        read and verified first: an unreadable one is a miss). `retention`:
+        the sequence's retention priority (`GroupedStore.allocate`)."""
         if self._tiers is None:
-            alloc = self.store.allocate(seq_id, tokens, namespace)
+            alloc = self.store.allocate(seq_id, tokens, namespace, retention=retention)
         else:
             tokens = _token_list(tokens)
             match = self._tiers.verified_match(self.store, tokens, namespace)
             hits = self._tiers.hit_tiers(match)
-            alloc = self.store.allocate(seq_id, tokens, namespace, match=match)
+            alloc = self.store.allocate(seq_id, tokens, namespace, match=match,
+                                        retention=retention)
             self._tiers.count_hit(hits)
+            alloc.cached_tokens_by_tier = (hits[0], hits[1], hits[2])
         self._queue(alloc.ops)
         num_tokens = self.store.num_tokens(seq_id)
         self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
@@ -1087,6 +1103,17 @@ class PagedCache:
         self._queue(plan)
         return plan
 
+    def prefetch(self, tokens: Iterable[int], namespace: Hashable = None) -> int:
+        """Start reading the disk records an `allocate(tokens, namespace)`
+        would load, on a background thread (a waiting request's: the read
+        overlaps other requests' forwards; the allocation then takes them).
+        Changes nothing in the cache; returns the records queued (0 without
+        a disk tier or a disk hit). O(matched tokens)."""
+        tiers = self._tiers
+        if tiers is None or tiers.disk is None:
+            return 0
+        return tiers.prefetch(self.store, _token_list(tokens), namespace)
+
     def unpin(self, pin_id: Hashable) -> None:
         """Let the prefix `pin(pin_id, ...)` kept be evicted again."""
         self.store.unpin(pin_id)
@@ -1094,6 +1121,116 @@ class PagedCache:
     def pinned(self) -> dict[Hashable, int]:
         """Each pin's id and the tokens it keeps cached."""
         return self.store.pinned()
+
+    # --- one prefix as a file (cache/prefix_file.py) ---------------------------
+
+    def export_prefix(self, tokens: Iterable[int], path: str | os.PathLike[str],
+                      namespace: Hashable = None, *, retention: int = 0) -> int:
+        """Write the cached prefix of `tokens` (in `namespace`; wherever its
+        tier: a demoted one is loaded back first) to the file `path`, in the
+        disk tier's record format; returns its tokens. Raises
+        `InvalidArgument` when nothing of `tokens` is cached, for a sliding
+        window's prefix whose early pages were released, for a cache
+        without a model fingerprint (`for_model` gives one) or pools (its
+        first forward, or cache tiers, allocates them); `OutOfBlocks` when
+        the device has no room to load it. The cache is left as it was,
+        but for the export being a use: the prefix is the most recently
+        used, with retention priority `retention`. O(prefix pages + file
+        bytes)."""
+        pages, slots, fingerprint = self._prefix_records()
+        tokens = list(_token_list(tokens))
+        seq_id = _Transfer()
+        alloc = self.allocate(seq_id, [*tokens, 0], namespace,  # a hit of at most `tokens`
+                              retention=retention)
+        try:
+            num_tokens = alloc.num_cached_tokens
+            if not num_tokens:
+                raise InvalidArgument("nothing of these tokens is cached: nothing to export")
+            self.flush()  # the hit's loads and the partial page's copy
+            records = self._read_prefix_records(seq_id, num_tokens, pages, slots)
+            write_prefix(path, fingerprint, PrefixRecords(namespace, tokens[:num_tokens],
+                                                           records))
+        finally:
+            self.free(seq_id, 0)
+        return num_tokens
+
+    def import_prefix(self, path: str | os.PathLike[str], *, retention: int = 0) -> int:
+        """Cache the prefix an `export_prefix` of this model (same block
+        size, format and layout) wrote to `path`, in its namespace; returns
+        its tokens, with retention priority `retention`. A later prompt
+        starting with it hits it, with the logits of a prefix never evicted. Raises `ForeignPrefixFile` for
+        another model's file, `CorruptPrefixFile` for a cut or damaged one,
+        `OutOfBlocks` / `OutOfSlots` without room: nothing changed then.
+        O(file bytes)."""
+        pages, slots, fingerprint = self._prefix_records()
+        prefix = read_prefix(path, fingerprint)
+        num_tokens = len(prefix.tokens)
+        self._check_prefix_shape(prefix, pages, slots)
+        seq_id = _Transfer()
+        alloc = self.allocate(seq_id, prefix.tokens, prefix.namespace, retention=retention)
+        try:
+            self.flush()
+            first = alloc.num_cached_tokens // self.block_size  # earlier pages are the trie's
+            for group, store in enumerate(pages):
+                if store is not None:
+                    table = self.store.block_table(seq_id, group)
+                    store.write([_present(p) for p in table[first:]],
+                                prefix.records[page_kind(group)][first:])
+            if slots is not None:
+                slots.write([_present(self.store.slot(seq_id))], prefix.records[SLOTS])
+            self._seqs[seq_id].computed = num_tokens  # written as a forward would
+        except BaseException:
+            self.free(seq_id, 0)
+            raise
+        self.free(seq_id)
+        self.flush()
+        return num_tokens
+
+    @property
+    def pools_ready(self) -> bool:
+        """Is every attention position's pool allocated (by a first forward,
+        or up front for cache tiers)? Prefix files need them."""
+        return not any(g.layers and not g.pools for g in self._groups)
+
+    def _prefix_records(self) -> tuple[list[RecordStore | None], RecordStore | None, str]:
+        """The device records and their fingerprint, for a prefix file."""
+        if not self._model_fingerprint:
+            raise InvalidArgument("prefix files need the model's fingerprint: build the cache "
+                                  "with PagedCache.for_model")
+        if not self.pools_ready:
+            raise InvalidArgument("prefix files need the pools allocated: run a forward first "
+                                  "or build the cache with cache tiers")
+        pages, slots = record_stores([g.pools for g in self._groups], self._recurrent,
+                                     self.store.is_hybrid)
+        fingerprint = records_fingerprint(self._model_fingerprint, self.block_size,
+                                          self.kv_format, pages, slots)
+        return pages, slots, fingerprint
+
+    def _read_prefix_records(self, seq_id: Hashable, num_tokens: int,
+                             pages: list[RecordStore | None],
+                             slots: RecordStore | None) -> dict[str, np.ndarray]:
+        num_pages = -(-num_tokens // self.block_size)
+        records = {}
+        for group, store in enumerate(pages):
+            if store is None:
+                continue
+            table = self.store.block_table(seq_id, group)[:num_pages]
+            if None in table:
+                raise InvalidArgument("this prefix's early pages were released by a sliding "
+                                      "window: it cannot be exported whole")
+            records[page_kind(group)] = store.read([_present(p) for p in table])
+        if slots is not None:
+            records[SLOTS] = slots.read([_present(self.store.slot(seq_id))])
+        return records
+
+    def _check_prefix_shape(self, prefix: PrefixRecords, pages: list[RecordStore | None],
+                            slots: RecordStore | None) -> None:
+        num_pages = -(-len(prefix.tokens) // self.block_size)
+        want = {page_kind(g): num_pages for g, store in enumerate(pages) if store is not None}
+        if slots is not None:
+            want[SLOTS] = 1
+        if {kind: len(rows) for kind, rows in prefix.records.items()} != want:
+            raise CorruptPrefixFile("the prefix file's records do not match its tokens")
 
     def _after_tier_moves(self) -> None:
         """After a flush: forget records read ahead for nothing, turn the
@@ -1134,6 +1271,7 @@ class PagedCache:
             return
         for pin_id in list(self.store.pinned()):
             self.store.unpin(pin_id)
+        tiers.stop_reader()
         self._queue(self.store.flush_to_disk())
         self.flush()
         disk = tiers.disk
@@ -1238,3 +1376,17 @@ def _token_width(spec: LayerSpec) -> int:
     if spec.window is None:
         raise IntegrityError(f"token-context layer {spec!r:.80} has no window")
     return spec.window
+
+
+class _Transfer:
+    """The id of the short-lived sequence a prefix export or import runs
+    (equal to no other id)."""
+
+    __slots__ = ()
+
+
+def _present(page: int | None) -> int:
+    """A page or slot the sequence holds (never None where it is read)."""
+    if page is None:
+        raise IntegrityError("a prefix transfer met a released page")
+    return page

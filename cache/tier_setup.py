@@ -211,6 +211,29 @@ class _SlotRecords:
         self._backend.write_slot_records(ids, records)
 
 
+def records_fingerprint(model_fingerprint: str, block_size: int, kv_format: KVFormat,
+                        pages: Sequence[RecordStore | None], slots: RecordStore | None) -> str:
+    """What a record written by one cache must agree on to be read by
+    another: the model, block size, page format and every record layout
+    (the disk tier's files and exported prefixes carry it). Pure."""
+    layout = [f"{page_kind(g)}={p.describe() if isinstance(p, PageRecords) else ''}"
+              for g, p in enumerate(pages)]
+    if slots is not None:
+        layout.append(f"{SLOTS}={slots.nbytes}")
+    return hashlib.sha256("|".join(
+        [f"v{VERSION}", model_fingerprint, f"block_size={block_size}",
+         f"format={kv_format.name}:{kv_format.group_size}", *layout]).encode()).hexdigest()
+
+
+def record_stores(pools: Sequence[Mapping[int, PageStore]], recurrent: RecurrentBackend | None,
+                  hybrid: bool) -> tuple[list[RecordStore | None], RecordStore | None]:
+    """Device pages of each group (None: a group no layer stores) and slots
+    (None without recurrent state) as records. The pools must exist."""
+    pages: list[RecordStore | None] = [PageRecords(p) if p else None for p in pools]
+    slots = _SlotRecords(recurrent) if recurrent is not None and hybrid else None
+    return pages, slots
+
+
 def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
                recurrent: RecurrentBackend | None, block_size: int, kv_format: KVFormat,
                disk_cache: str | os.PathLike[str] | None,
@@ -221,20 +244,13 @@ def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
     `InvalidArgument` for a disk tier without a directory or fingerprint,
     `DiskCacheLocked` for a directory in use."""
     config = store.config
-    pages: list[RecordStore | None] = [PageRecords(p) if p else None for p in pools]
-    slots = _SlotRecords(recurrent) if recurrent is not None and store.is_hybrid else None
+    pages, slots = record_stores(pools, recurrent, store.is_hybrid)
     disk = None
     if config.num_disk_blocks:
         if disk_cache is None or not model_fingerprint:
             raise InvalidArgument(
                 "a disk tier needs disk_cache (a directory) and model_fingerprint")
-        layout = [f"{page_kind(g)}={p.describe() if isinstance(p, PageRecords) else ''}"
-                  for g, p in enumerate(pages)]
-        if slots is not None:
-            layout.append(f"{SLOTS}={slots.nbytes}")
-        fingerprint = hashlib.sha256("|".join(
-            [f"v{VERSION}", model_fingerprint, f"block_size={block_size}",
-             f"format={kv_format.name}:{kv_format.group_size}", *layout]).encode()).hexdigest()
+        fingerprint = records_fingerprint(model_fingerprint, block_size, kv_format, pages, slots)
         kinds = [RecordKind(page_kind(g), p.nbytes, config.num_disk_blocks)
                  for g, p in enumerate(pages) if p is not None]
         if slots is not None:

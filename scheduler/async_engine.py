@@ -73,6 +73,14 @@ class _Add:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
+@dataclass(slots=True)
+class _Call:
+    """A function of the engine to run on its thread between steps."""
+
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 class AsyncEngine:
     """Drives `engine` from one background thread (see the module doc).
 
@@ -171,6 +179,15 @@ class AsyncEngine:
         await asyncio.wrap_future(command.future)
         return stream
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """`fn(engine)` run on the engine's thread between two steps (the
+        engine and its cache are not thread-safe); its result, or what it
+        raised. Raises `EngineStopped` when the engine is not running."""
+        self._check_open()
+        command = _Call(fn)
+        self._send(command)
+        return await asyncio.wrap_future(command.future)
+
     async def encode(self, prompt: Any) -> list[int]:
         """The checked token ids of `prompt` (`Engine.encode_prompt`),
         computed on a worker thread: the tokenizer releases the GIL while it
@@ -266,7 +283,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             engine.abort(request_id)
         for command in self._commands:  # sent after the last drain
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Call)):
                 command.future.set_exception(EngineStopped("the engine stopped"))
             elif command[0] == "reset":
                 command[1].set_exception(EngineStopped("the engine stopped"))
@@ -288,6 +305,11 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 self._admit(command)
+            elif isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as error:  # noqa: BLE001 - the caller's to handle
+                    command.future.set_exception(error)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
             elif command[0] == "reset":

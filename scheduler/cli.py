@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true", help="a small grid (about a minute on a small model)")
     cal.add_argument("--repeats", type=_positive_int, help="measure the grid this many times (default 2)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cal.add_argument("--disk-cache", metavar="DIR",
+                     help="time the disk tier's reads and writes on this directory's disk "
+                          "(the one `serve --disk-cache` will use; default the system's temp "
+                          "directory); a temporary folder inside it is removed after")
 
     cmp_ = sub.add_parser(
         "compare",
@@ -849,7 +853,7 @@ def cmd_calibrate(args) -> int:
         bar = tqdm(total=grid.num_points, unit="point", desc="calibrating", file=sys.stderr)
     try:
         profile = calibrate(model, description, grid, progress=_bar_progress(bar),
-                            clock=args.clock)
+                            clock=args.clock, disk_cache=args.disk_cache)
     finally:
         if bar is not None:
             bar.close()
@@ -867,8 +871,22 @@ def cmd_calibrate(args) -> int:
     if not blas["optimized"]:
         print("blockmgr calibrate: warning: MLX runs on the reference BLAS; preload an optimized "
               "one (LD_PRELOAD=.../libopenblas.so.0) for realistic figures", file=sys.stderr)
+    _print_tier_moves(profile.grid["tier_moves"])
     print(f"profile: {args.out}")
     return 0
+
+
+def _print_tier_moves(moves: dict) -> None:
+    """One line: the tier moves `blockmgr calibrate` timed (per page) and
+    the bandwidths they imply."""
+    mib = 2**20
+    print(f"blockmgr calibrate: tier moves per page of {moves['record_nbytes']} bytes: host "
+          f"{moves['host_move_per_page'] * 1e6:.1f} us ({moves['host_copy_bytes_per_s'] / mib:.0f}"
+          f" MiB/s), disk store {moves['disk_store_per_page'] * 1e6:.1f} us, disk load "
+          f"{moves['disk_load_per_page'] * 1e6:.1f} us; disk write "
+          f"{moves['disk_write_bytes_per_s'] / mib:.0f} MiB/s, read "
+          f"{moves['disk_read_bytes_per_s'] / mib:.0f} MiB/s"
+          f"{'' if moves['cold_reads'] else ' (reads may come from the OS cache)'}")
 
 
 def cmd_compare(args) -> int:

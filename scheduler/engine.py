@@ -308,7 +308,12 @@ class Engine:
         # constrained decoding: each sample's grammar matcher, this step's masks
         self._matchers: dict[Hashable, dict[int, RowMatcher]] = {}
         self._step_masks: dict[tuple[Hashable, int], Any] = {}
-        self.kv_events = None if kv_events is None else open_publisher(self.cache.store, kv_events)
+        #: Waiting requests whose disk-cached prefixes are read ahead each
+        #: step (admission prefetch; 0: read when allocated).
+        self.num_prefetch_ahead = 4
+        self.kv_events = None if kv_events is None else open_publisher(
+            self.cache.store, kv_events,
+            tiered=self.cache.store if self.cache.tiers is not None else None)
 
     def _speculator(self, draft_model, k, num_blocks, block_size, num_slots,
                     enable_prefix_cache, max_model_len) -> Speculator:
@@ -501,6 +506,8 @@ class Engine:
         t0 = self.clock()
         self._step_logprobs.clear()
         out = self.scheduler.schedule()
+        if self.num_prefetch_ahead and self.cache.tiers is not None:
+            self._prefetch_waiting()
         t1 = self.clock()
         if out.is_empty:
             if (self.scheduler.has_unfinished() and not self.scheduler.num_running
@@ -524,10 +531,46 @@ class Engine:
             self.step_listener(out, self.stats.step_times[-1])
         return results
 
+    def _prefetch_waiting(self) -> None:
+        """Start reading the disk records of the next waiting requests'
+        cached prefixes (`PagedCache.prefetch`), so the reads overlap this
+        step's forward instead of holding their admission."""
+        for tokens, namespace in self.scheduler.waiting_prompts(self.num_prefetch_ahead):
+            self.cache.prefetch(tokens, namespace)
+
     def _publish_kv_events(self) -> None:
         """Tell routers what the prefix cache can serve now (never raises)."""
         if self.kv_events is not None:
             self.kv_events.publish()
+
+    def export_prefix(self, prompt: Any, path: str | os.PathLike[str],
+                      namespace: Hashable = None) -> int:
+        """Write the cached prefix of `prompt` (token ids, text or chat
+        messages with a tokenizer) to the file `path`: one conversation's
+        cache for another machine or a later start (`PagedCache.
+        export_prefix`; call between steps). Returns its tokens."""
+        return self.cache.export_prefix(self.encode_prompt(prompt), path, namespace)
+
+    def import_prefix(self, path: str | os.PathLike[str]) -> int:
+        """Cache the prefix `export_prefix` wrote to `path` with this model
+        (`PagedCache.import_prefix`: another model's file raises
+        `ForeignPrefixFile`; call between steps). Returns its tokens. A
+        fresh engine first runs one one-token forward, so that its pools
+        exist to take the records."""
+        if not self.cache.pools_ready:
+            self._allocate_pools()
+        return self.cache.import_prefix(path)
+
+    def _allocate_pools(self) -> None:
+        """One one-token forward on a sequence that is then dropped
+        uncached: the cache's pools take their shapes."""
+        cache, seq_id = self.cache, object()
+        cache.allocate(seq_id, [0])
+        try:
+            with cache.step([seq_id], num_new=[1]) as views:
+                mx.eval(self.model(mx.array([[0]], dtype=mx.int32), cache=views))
+        finally:
+            cache.free(seq_id, 0)
 
     def close(self) -> None:
         """Release what lives outside the engine: the KV-event socket, and

@@ -229,6 +229,18 @@ class ServableStore(Protocol):
     def cached_prefix_length(self, tokens: Sequence[int], namespace: Hashable = None) -> int: ...
 
 
+class TieredServableStore(ServableStore, Protocol):
+    """A store whose prefix cache has host and disk tiers: each cached path
+    says where its tiers begin (`BlockManager.cached_tier_paths`)."""
+
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]: ...
+
+
+#: vLLM's `medium` of a block, by `blockmgr.Tier` (device, host, disk): the
+#: offloading connector's "GPU" and "CPU" names, "DISK" for the disk tier.
+TIER_MEDIA = ("GPU", "CPU", "DISK")
+
+
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
     """One advertised block: its parent's hash (None: the first of a prompt),
@@ -296,6 +308,51 @@ def _path_blocks(namespace: Hashable, tokens: list[int], num_blocks: int, block_
         entries.append((digest, CachedBlock(parent, run, namespace, index)))
         parent = digest
     return entries
+
+
+def servable_media(store: TieredServableStore, memo: dict[tuple[Hashable, bytes], PathBlocks]
+                   ) -> dict[int, str]:
+    """The medium (`TIER_MEDIA`) of every servable block, by hash: the tier
+    of the block's last token (a block a node boundary splits is as cold
+    as its colder part: a hit on it loads). `memo` is what `servable_blocks`
+    just filled for the same store state. O(sum of the paths' lengths)."""
+    block_size = store.block_size
+    media: dict[int, str] = {}
+    for namespace, tokens, runs in store.cached_tier_paths():
+        num_blocks = store.cached_prefix_length(tokens + [0], namespace) // block_size
+        key = (namespace, array("Q", tokens[:num_blocks * block_size]).tobytes())
+        run = 0
+        for index, (digest, _) in enumerate(memo.get(key, ())):
+            last = (index + 1) * block_size - 1
+            while run + 1 < len(runs) and runs[run + 1][0] <= last:
+                run += 1
+            media[digest] = TIER_MEDIA[runs[run][1]]
+    return media
+
+
+def tiered_diff_events(before: dict[int, CachedBlock], before_media: dict[int, str],
+                       after: dict[int, CachedBlock], after_media: dict[int, str],
+                       block_size: int) -> list[KVEvent]:
+    """`diff_events` with each block's medium: a block that changed tier is
+    removed from its old medium and stored in its new one; removals come
+    first (deepest first, per medium), then stores, warmest medium first
+    (a block's parent is never colder than it: parents come first).
+    O(blocks + changed log changed)."""
+    if before and not after:
+        return [AllBlocksCleared()]
+    events: list[KVEvent] = []
+    moved = {d for d in after if d in before and before_media.get(d) != after_media.get(d)}
+    removed = [d for d in before if d not in after or d in moved]
+    for medium in TIER_MEDIA:
+        gone = sorted((d for d in removed if before_media.get(d) == medium),
+                      key=lambda d: -before[d].index)
+        if gone:
+            events.append(BlockRemoved(tuple(gone), medium))
+    added = [d for d in after if d not in before or d in moved]
+    for medium in TIER_MEDIA:
+        events += stored_events([d for d in added if after_media.get(d) == medium], after,
+                                block_size, medium)
+    return events
 
 
 def stored_events(added: Sequence[int], blocks: dict[int, CachedBlock], block_size: int,
@@ -503,9 +560,17 @@ class KVEventPublisher:
 
     def __init__(self, store: ServableStore, sink: EventSink, *, medium: str | None = None,
                  data_parallel_rank: int | None = 0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 tiered: TieredServableStore | None = None) -> None:
+        """`tiered`: the same store, when its prefix cache has host and disk
+        tiers: every event then names its blocks' medium by tier
+        (`TIER_MEDIA`: "GPU", "CPU", "DISK"; `medium` is not used), and a
+        block that moves between tiers is removed from one medium and
+        stored in the other."""
         _optional("msgpack")  # fail here, not at the first event
         self.store = store
+        self.tiered = tiered
+        self.advertised_media: dict[int, str] = {}
         self.sink = sink
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
@@ -530,7 +595,14 @@ class KVEventPublisher:
             after = servable_blocks(self.store, self._memo)
             block_size = self.store.block_size
             events: list[KVEvent]
-            if self._resync:
+            media: dict[int, str] = {}
+            if self.tiered is not None:
+                media = servable_media(self.tiered, self._memo)
+                events = tiered_diff_events({} if self._resync else self.advertised,
+                                            self.advertised_media, after, media, block_size)
+                if self._resync:
+                    events = [AllBlocksCleared(), *events]
+            elif self._resync:
                 events = [AllBlocksCleared(), *stored_events(list(after), after, block_size,
                                                               self.medium)]
             else:
@@ -549,6 +621,7 @@ class KVEventPublisher:
             self._resync = True
             return None
         self.advertised = after
+        self.advertised_media = media
         self._version = version
         self._resync = False
         self.num_batches += 1
@@ -560,12 +633,14 @@ class KVEventPublisher:
 
 
 def open_publisher(store: ServableStore, kv_events: str | EventSink, *,
-                   topic: str = "", replay_endpoint: str | None = None) -> KVEventPublisher:
+                   topic: str = "", replay_endpoint: str | None = None,
+                   tiered: TieredServableStore | None = None) -> KVEventPublisher:
     """A publisher on `store`: `kv_events` is a ZMQ endpoint (vLLM's rule:
     "tcp://*:5557" binds on every interface, "tcp://host:5557" connects; a
-    `ZmqSink(..., bind=True)` binds loopback or one interface) or a sink."""
+    `ZmqSink(..., bind=True)` binds loopback or one interface) or a sink.
+    `tiered`: the store again when it has cache tiers (media by tier)."""
     if isinstance(kv_events, str):
         sink: EventSink = ZmqSink(kv_events, topic=topic, replay_endpoint=replay_endpoint)
     else:
         sink = kv_events
-    return KVEventPublisher(store, sink)
+    return KVEventPublisher(store, sink, tiered=tiered)

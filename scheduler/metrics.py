@@ -8,7 +8,9 @@ counters (requests by finish reason, prompt / generated / cached tokens,
 preemptions, forward errors, rejected requests), histograms of time to
 first token and time per output token, and `cache_config_info` (value 1,
 the KV page format, page size and page count in its labels, as vLLM's
-`cache_config_info`). Metric names start with `blockmgr_`.
+`cache_config_info`); with host or disk cache tiers, per tier
+(`tier_families`): bytes, entries, hit tokens, loads and load time.
+Metric names start with `blockmgr_`.
 
 Beside them (`operator_families`): end-to-end and queue-time histograms,
 requests refused by HTTP status (`count_refused`), and vLLM's names for the
@@ -152,6 +154,7 @@ class ServingMetrics:
                 self.ttft.lines("time_to_first_token_seconds"))
         _family(lines, "time_per_output_token_seconds", "histogram", "Time per output token.",
                 self.tpot.lines("time_per_output_token_seconds"))
+        tier_families(lines, cache)
         lines.extend(self.operator_families(engine))
         if self.model_name is not None:
             lines = [_labelled(line, "model_name", self.model_name) for line in lines]
@@ -199,3 +202,34 @@ def _labelled(line: str, label: str, value: str) -> str:
         return f'{name}{{{label}="{escaped}",{rest}'
     name, rest = line.split(" ", 1)
     return f'{name}{{{label}="{escaped}"}} {rest}'
+
+
+#: (name, kind, help, the value of a `TierReport`): the prefix cache's tiers.
+TIER_FAMILIES = (
+    ("cache_tier_bytes", "gauge", "Bytes of cached pages and snapshots in each tier.",
+     lambda r: r.num_bytes),
+    ("cache_tier_entries", "gauge", "Cached prefix entries (trie nodes) in each tier.",
+     lambda r: r.num_entries),
+    ("cache_tier_hit_tokens_total", "counter",
+     "Prompt tokens hit in the prefix cache, by the tier they were in.",
+     lambda r: r.num_hit_tokens),
+    ("cache_tier_loads_total", "counter",
+     "Records (pages and snapshots) loaded from each tier to the device.",
+     lambda r: r.num_loaded_records),
+    ("cache_tier_load_seconds_total", "counter",
+     "Seconds spent reading records loaded from each tier.", lambda r: r.load_seconds),
+)
+
+
+def tier_families(lines: list[str], cache: Any) -> None:
+    """The prefix cache's tiers (design/tiers.md), one sample per tier
+    (`tier="device"`, `"host"`, `"disk"`): nothing without colder tiers.
+    O(trie nodes)."""
+    tiers = cache.tiers
+    if tiers is None:
+        return
+    reports = tiers.report(cache.store)
+    for name, kind, help_text, value in TIER_FAMILIES:
+        _family(lines, name, kind, help_text, [
+            f'{name}{{tier="{r.tier.name.lower()}"}} {value(r)!r}' for r in reports])
+

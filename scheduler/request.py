@@ -92,6 +92,13 @@ class SamplingParams:
         JSON Schema, a tool call): each sample draws only tokens its
         grammar allows (applied after bias and penalties). Such a request
         is never speculated. A grammar that fails is its request's fault.
+    retention_priority: an int (default 0): the prefixes this request hits
+        and caches take it, and under memory pressure a cached prefix of
+        lower priority is evicted or demoted before any of higher priority
+        (least recently used first within one priority; a prefix's priority
+        is its last user's). An agent's long context, for instance, outlives
+        one-off chat prompts. Not a sampling option, but per request like
+        them.
 
     Bad values raise `InvalidArgument` (a `ValueError`; `WrongArgumentType`,
     also a `TypeError`, for the wrong kind), naming the value.
@@ -115,6 +122,7 @@ class SamplingParams:
     logits_processors: tuple = ()
     min_tokens: int = 0
     constraint: Constraint | None = None
+    retention_priority: int = 0
 
     def __post_init__(self) -> None:
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
@@ -148,6 +156,7 @@ class SamplingParams:
             raise WrongArgumentType(
                 f"constraint must be a scheduler.constraints.Constraint, got "
                 f"{self.constraint!r:.80}")
+        self.retention_priority = check_int("retention_priority", self.retention_priority, None)
 
     @property
     def greedy(self) -> bool:
@@ -243,6 +252,8 @@ class RequestMetrics:
     finish_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
+    # that hit by tier (device, host, disk; `blockmgr.Tier`), None without colder tiers
+    cached_tokens_by_tier: tuple[int, int, int] | None = None
     num_computed_tokens: int = 0  # tokens run through the model (recompute included)
     num_generated_tokens: int = 0  # over all samples
     num_samples: int = 1

@@ -415,6 +415,20 @@ class _WaitQueue:
             dq.popleft()
         return dq[0][1] if dq else None
 
+    def first(self, num: int) -> list[_Seq]:
+        """The next `num` sequences in pop order (at most), none removed.
+        O(num log n) for "priority", O(num + stale entries) for "fcfs"."""
+        if self._priority:
+            live = (entry for entry in self._heap if entry[1] == entry[2].queue_tag)
+            return [entry[2] for entry in heapq.nsmallest(num, live, key=lambda e: e[:2])]
+        out: list[_Seq] = []
+        for tag, seq in self._deque:
+            if len(out) == num:
+                break
+            if tag == seq.queue_tag:
+                out.append(seq)
+        return out
+
     def pop(self) -> _Seq:
         seq = self.peek()
         if seq is None:
@@ -487,6 +501,18 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_prompts(self, num: int) -> list[tuple[list[int], Hashable]]:
+        """The tokens and namespace of the next `num` waiting sequences to
+        be allocated (swapped-out ones left out: they come back by swap),
+        in admission order; for reading their cached prefixes ahead."""
+        out: list[tuple[list[int], Hashable]] = []
+        for seq in self._waiting.first(num):
+            if not seq.swapped:
+                prompt = seq.request.prompt_tokens
+                tokens = prompt if seq.num_tokens == len(prompt) else seq.tokens(0, seq.num_tokens)
+                out.append((tokens, seq.request.namespace))
+        return out
 
     @property
     def num_running(self) -> int:
@@ -784,7 +810,8 @@ class Scheduler:
         # The prompt itself when that is all: `allocate` checks and copies what it keeps.
         tokens = prompt if num_tokens == len(prompt) else seq.tokens(0, num_tokens)
         try:  # refused (nothing changed) exactly when `can_allocate` says no: one trie match
-            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace)
+            alloc = kv.allocate(seq.seq_id, tokens, seq.request.namespace,
+                                retention=seq.request.sampling.retention_priority)
         except (OutOfBlocks, OutOfSlots):
             return False
         _extend(ops, alloc.ops)
@@ -794,6 +821,7 @@ class Scheduler:
         metrics = seq.request.metrics
         if metrics.num_cached_tokens is None:
             metrics.num_cached_tokens = alloc.num_cached_tokens
+            metrics.cached_tokens_by_tier = alloc.cached_tokens_by_tier
         stats.num_prefix_hit_tokens += alloc.num_cached_tokens
         stats.num_admitted += 1
         return True

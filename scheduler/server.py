@@ -2,7 +2,9 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming by
 server-sent events, or one JSON answer), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text, `scheduler.metrics`).
+`GET /metrics` (Prometheus text, `scheduler.metrics`), and the prefix
+cache's pins: `POST /v1/cache/pins` ({"pin_id", "prompt" or "messages",
+"cache_salt"?}), `GET /v1/cache/pins`, `DELETE /v1/cache/pins/{pin_id}`.
 
 Nothing a client sends, and no fault, can hurt another request
 (`design/errors.md`, "Server"). Work is bounded before a request is admitted
@@ -17,9 +19,12 @@ waiting queue, 500 for a fault in the request's own path (its tokenizer, a
 forward that keeps failing for it), 503 for a stopped or stopping engine.
 A stream that fails after its first chunk ends with an error event and
 `[DONE]`. A completions body with several prompts queues one request per
-prompt, all or none. `cache_salt` is the request's prefix-cache namespace.
+prompt, all or none. `cache_salt` is the request's prefix-cache namespace,
+`retention_priority` (an int, default 0) its prefixes' retention priority
+(`SamplingParams.retention_priority`: lower priorities are evicted first).
 `usage` reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit
-of the request. A client that disconnects (mid-stream or while waiting for a
+of the request, and with host or disk cache tiers `cached_tokens_by_tier`
+(`{"device": n, "host": n, "disk": n}`: where the hit's tokens were). A client that disconnects (mid-stream or while waiting for a
 whole answer) has its request aborted, which frees its pages.
 """
 
@@ -42,11 +47,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from blockmgr.errors import IntegrityError, InvalidArgument
+from blockmgr.errors import BlockManagerError, IntegrityError, InvalidArgument, UnknownSequence
 from scheduler.agent_api import AgentOptions
 from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
 from scheduler.chat_output import ChatOutput
-from scheduler.request import RequestStatus, SamplingParams, TokenLogprob
+from scheduler.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
 from scheduler.scheduler import RequestOutput
 from scheduler.text import ChatPrompt
 
@@ -132,7 +137,7 @@ _FINISH = {
 #: Body fields mapped one to one onto `SamplingParams` (OpenAI's, then vLLM's extensions).
 _PASSTHROUGH = ("temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
                 "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                "min_tokens")
+                "min_tokens", "retention_priority")
 
 
 class HttpError(Exception):
@@ -173,6 +178,7 @@ def build_app(engine: AsyncEngine, model_name: str, *,
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         *routes,
+        *pin_routes(api),
     ]
 
     @contextlib.asynccontextmanager
@@ -242,6 +248,59 @@ class OpenAIServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._serve(request, chat=False)
+
+    # ----------------------------------------------------------------- pins
+
+    async def pin(self, request: HttpRequest) -> Response:
+        """POST /v1/cache/pins {"pin_id", "prompt" (text or token ids) or
+        "messages", "cache_salt"?}: keep the cached prefix of the prompt on
+        the device, out of every eviction, until deleted (`PagedCache.pin`).
+        Answers {"pin_id", "cached_tokens"} (0: nothing cached, no pin)."""
+        try:
+            body = await _json_body(request, self.max_body_bytes)
+            pin_id = body.get("pin_id")
+            if not isinstance(pin_id, str) or not pin_id:
+                raise HttpError(400, "pin_id must be a non-empty string", param="pin_id")
+            prompt = body.get("messages", body.get("prompt"))
+            if prompt is None:
+                raise HttpError(400, "a pin needs a prompt or messages", param="prompt")
+            tokens = await self.engine.encode(prompt)
+            namespace = _cache_salt(body)
+
+            def pin(engine: Any) -> int:
+                engine.cache.pin(pin_id, tokens, namespace)
+                return engine.cache.pinned().get(pin_id, 0)
+
+            cached = await self.engine.call(pin)
+        except HttpError as error:
+            return error.response()
+        except BlockManagerError as error:  # a pin id in use, no room to load, a bad prompt
+            return HttpError(400, str(error), param="pin_id").response()
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"pin_id": pin_id, "cached_tokens": cached})
+
+    async def pins(self, request: HttpRequest) -> Response:
+        """GET /v1/cache/pins: {"data": [{"pin_id", "cached_tokens"}, ...]}."""
+        try:
+            pinned = await self.engine.call(lambda engine: engine.cache.pinned())
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"data": [{"pin_id": str(k), "cached_tokens": v}
+                                      for k, v in pinned.items()]})
+
+    async def unpin(self, request: HttpRequest) -> Response:
+        """DELETE /v1/cache/pins/{pin_id}: the prefix may be evicted again
+        (404 for an unknown pin)."""
+        pin_id = request.path_params["pin_id"]
+        try:
+            await self.engine.call(lambda engine: engine.cache.unpin(pin_id))
+        except UnknownSequence:
+            return HttpError(404, f"no pin {pin_id!r:.80}", "not_found_error",
+                             "pin_id").response()
+        except EngineStopped as error:
+            return HttpError.of_fault(error).response()
+        return JSONResponse({"pin_id": pin_id, "deleted": True})
 
     # ------------------------------------------------------------- requests
 
@@ -400,10 +459,13 @@ class _Reply:
         metrics = [stream.request.metrics for stream in self.streams]
         prompt = sum(m.num_prompt_tokens for m in metrics)
         completion = sum(self.num_tokens)
+        details: dict[str, Any] = {
+            "cached_tokens": sum(m.num_cached_tokens or 0 for m in metrics)}
+        by_tier = cached_tokens_by_tier(metrics)
+        if by_tier is not None:
+            details["cached_tokens_by_tier"] = by_tier
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {
-                    "cached_tokens": sum(m.num_cached_tokens or 0 for m in metrics)}}
+                "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(first choice index, output) of every request as they come;
@@ -781,3 +843,22 @@ async def _disconnected(request: HttpRequest) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+TIER_NAMES = ("device", "host", "disk")
+
+
+def cached_tokens_by_tier(metrics: list[RequestMetrics]) -> dict[str, int] | None:
+    """The requests' prefix-cache hits by tier (None: no request's cache has
+    colder tiers, so the breakdown is left out of `usage`)."""
+    known = [m.cached_tokens_by_tier for m in metrics if m.cached_tokens_by_tier is not None]
+    if not known:
+        return None
+    return {name: sum(t[i] for t in known) for i, name in enumerate(TIER_NAMES)}
+
+
+def pin_routes(api: OpenAIServer) -> list[Route]:
+    """The prefix-cache pin endpoints (design/tiers.md, "Pins")."""
+    return [Route("/v1/cache/pins", api.pin, methods=["POST"]),
+            Route("/v1/cache/pins", api.pins, methods=["GET"]),
+            Route("/v1/cache/pins/{pin_id}", api.unpin, methods=["DELETE"])]

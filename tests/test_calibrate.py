@@ -476,8 +476,9 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     shape = ",".join(f"{k}={v}" for k, v in TINY_SHAPE.items())
     model = ["--preset", "qwen3-0.6b", "--layers", "1", "--shape", shape]
     profile = tmp_path / "profile.json"
+    (tmp_path / "disk").mkdir()
     assert main(["calibrate", *model, "--quick", "--no-progress", "--clock", "cpu",
-                 "--out", str(profile)]) == 0
+                 "--disk-cache", str(tmp_path / "disk"), "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "per-step error median" in printed
     worst = max(json.loads(profile.read_text())["fit"]["points"], key=lambda p: abs(p["rel_error"]))
@@ -490,6 +491,13 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
             "mixed B=1 C=64 L=32", "mixed B=4 C=64 L=32", "mixed unsampled B=1 C=128 L<=63"} <= labels
     assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
     assert data["cost"]["copy_per_page"] > 0
+    moves = data["grid"]["tier_moves"]  # timed on the --disk-cache directory's disk
+    for term in ("host_move_per_page", "disk_store_per_page", "disk_load_per_page"):
+        assert data["cost"][term] == moves[term] > 0
+    assert moves["disk_read_bytes_per_s"] == pytest.approx(
+        moves["record_nbytes"] / moves["disk_load_per_page"])
+    assert f"tier moves per page of {moves['record_nbytes']} bytes" in printed
+    assert list((tmp_path / "disk").iterdir()) == []  # its temporary folder removed
     assert data["grid"]["clock"] == "cpu"
     assert len(data["steps"]) == data["fit"]["num_steps"]
     assert all(len(terms) == len(data["step_fields"]) for _, _, terms in data["steps"])
@@ -506,6 +514,9 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     assert main(["simulate", "--config", str(real / "report.json"), "--profile", str(profile),
                  "--out", str(sim), "--no-plots", "--no-progress"]) == 0
     capsys.readouterr()
+    simulated_cost = json.loads((sim / "report.json").read_text())["config"]["cost"]
+    for term in ("host_move_per_page", "disk_store_per_page", "disk_load_per_page"):
+        assert simulated_cost[term] == data["cost"][term]  # simulate prices tier moves with them
     assert main(["compare", str(sim), str(real), "--json"]) == 0
     rows = {r["metric"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["prefix hit rate"]["second"] == report["summary"]["prefix_cache"]["hit_rate"]
@@ -533,3 +544,29 @@ def test_a_fit_priced_by_forward_overheads_alone_is_a_cost_model():
     assert fitted.step_overhead + fitted.prefill_per_token + fitted.decode_per_token == 0.0
     with pytest.raises(ValueError):  # a model that prices no step at all
         CostModel(step_overhead=0.0, prefill_per_token=0.0, decode_per_token=0.0)
+
+
+def test_tier_moves_are_timed_on_the_models_page_records_in_the_given_directory(tmp_path):
+    """`measure_tier_moves` moves pages of the model's own size (a page of
+    every layer, measured here on a one-page cache) through the real host
+    and disk tiers, in a temporary folder of the directory it is given."""
+    import mlx.core as mx
+
+    from cache import PagedCache
+    from scheduler.simulator.tier_bandwidth import measure_tier_moves
+    from tests.tiny_models import built
+
+    model = built("llama")
+    probe = PagedCache.for_model(model, num_blocks=1, block_size=8)
+    probe.allocate("p", [0])
+    with probe.step(["p"]) as views:
+        mx.eval(model(mx.array([[0]]), cache=views))
+    moves = measure_tier_moves(model, 8, num_pages=16, directory=tmp_path, repeats=2)
+    assert moves.record_nbytes == probe.nbytes and moves.num_pages == 16
+    terms = moves.cost_terms()
+    assert set(terms) == {"host_move_per_page", "disk_store_per_page", "disk_load_per_page"}
+    assert all(value > 0 for value in terms.values())
+    assert moves.disk_write_bytes_per_s > 0 and moves.disk_read_bytes_per_s > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="num_pages"):
+        measure_tier_moves(model, 8, num_pages=0, directory=tmp_path)

@@ -34,7 +34,7 @@ from blockmgr import (
     OutOfSlots,
     SpeculationInFlight,
 )
-from blockmgr.ops import CopyBlock, MovePage, SwapIn, SwapOut
+from blockmgr.ops import CopyBlock, MovePage, SwapIn, SwapOut, Tier
 from tests.shadow import ShadowStorage
 
 PAGE_OPS = (CopyBlock, SwapIn, SwapOut, MovePage)  # the ops that name their layer group
@@ -47,6 +47,7 @@ prompts = st.builds(
     st.lists(st.integers(0, 6), min_size=1, max_size=9),
 )
 namespaces = st.sampled_from([None, "tenant-b"])
+retentions = st.sampled_from([0, 0, 1, 2])  # retention priorities: most requests the default
 # Token lists every call must refuse (typed error, nothing changed).
 BAD_TOKENS = [
     [1, None], [1, 2.0], [True], [3, -1], [[1]], [1, {}], "ab", None, 5,
@@ -101,22 +102,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(tokens=prompts, namespace=namespaces)
-    def allocate(self, tokens, namespace) -> None:
+    @rule(tokens=prompts, namespace=namespaces, retention=retentions)
+    def allocate(self, tokens, namespace, retention=0) -> None:
         seq_id = self.new_id()
         self.seen.append(list(tokens))
         expect_ok = self.bm.can_allocate(tokens, namespace)
         expect_cached = self.bm.cached_prefix_length(tokens, namespace)
         if self.refused(
-            lambda: self.bm.allocate(seq_id, tokens, namespace), OutOfBlocks, OutOfSlots
+            lambda: self.bm.allocate(seq_id, tokens, namespace, retention=retention),
+            OutOfBlocks, OutOfSlots,
         ):
             assert not expect_ok, "can_allocate said yes but allocate refused"
             return
         assert expect_ok, "can_allocate said no but allocate succeeded"
         alloc = self.result
         assert alloc.num_cached_tokens < len(tokens)
+        if alloc.num_cached_tokens != expect_cached:
+            # A hit on demoted nodes whose loads do not fit beside the
+            # allocation is served from its device part alone, loading nothing
+            # (`cached_prefix_length` does not ask for the room).
+            assert self.config.has_cache_tiers and alloc.num_cached_tokens < expect_cached
+            assert not any(isinstance(op, MovePage) and op.dst_tier == Tier.DEVICE
+                           for op in alloc.ops)
         # Eviction to make room never touches the matched (locked) prefix.
-        assert alloc.num_cached_tokens == expect_cached
+        assert alloc.num_cached_tokens <= expect_cached
         assert alloc.block_table == self.bm.block_table(seq_id)
         self.shadow.apply(alloc.ops)
         self.shadow.computed[seq_id] = alloc.num_cached_tokens
@@ -132,7 +141,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A prompt sharing a prefix with an earlier one, maybe prefilled."""
         base = data.draw(st.sampled_from(self.seen))
         seq_id = f"s{self.next_id + 1}"
-        self.allocate(base[: data.draw(st.integers(1, len(base)))] + tail, namespace)
+        self.allocate(base[: data.draw(st.integers(1, len(base)))] + tail, namespace,
+                      data.draw(retentions))
         if seq_id in self.shadow.computed and data.draw(st.booleans()):
             self.shadow.compute(seq_id)
 
@@ -356,6 +366,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         calls = [
             lambda: bm.allocate("bad-new", tokens),
             lambda: bm.allocate("bad-new", []),
+            lambda: bm.allocate("bad-new", [1], retention=data.draw(
+                st.sampled_from([1.5, True, "1", None]))),
             lambda: bm.can_allocate(tokens),
             lambda: bm.cached_prefix_length(tokens),
             lambda: bm.append(target, tokens),

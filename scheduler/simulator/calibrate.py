@@ -24,7 +24,11 @@ with its `StepShape`. The grid:
   kind's bias;
 * page copies and swaps: a batched copy of pages of this model's layout
   between two MLX pools (the storage's copy-on-write and host swap are such
-  copies on a CPU), timed per page.
+  copies on a CPU), timed per page;
+* tier moves: pages moved device <-> host and to and from a disk tier by
+  the real storage (`tier_bandwidth`): `host_move_per_page`,
+  `disk_store_per_page`, `disk_load_per_page`, and the disk's read and
+  write bandwidth in the profile's grid (`tier_moves`).
 
 Then `profile.fit_cost_model` fits all terms (non-negative, relative
 error) and the profile records the fit error per grid point, the machine,
@@ -44,6 +48,7 @@ from typing import Any
 
 from scheduler.simulator.cost_model import step_shape
 from scheduler.simulator.profile import CostProfile, StepSample, fit_cost_model
+from scheduler.simulator.tier_bandwidth import measure_tier_moves
 from scheduler.simulator.tokens import TokenSource
 
 Progress = Callable[[str], None]
@@ -87,10 +92,11 @@ class CalibrationGrid:
 
     @property
     def num_points(self) -> int:
-        """Progress units: prefill engines, decode points, mixed points, copies."""
+        """Progress units: prefill engines, decode points, mixed points, copies,
+        tier moves."""
         decode = len(self.decode_batches) * (len(self.decode_contexts) * 2 + 1)
         mixed = len(self.mixed_batches) * len(self.mixed_contexts) * len(self.mixed_chunks)
-        return self.repeats * (len(self.prefill_chunks) + decode + mixed) + 1
+        return self.repeats * (len(self.prefill_chunks) + decode + mixed) + 2
 
     @property
     def max_batch(self) -> int:
@@ -126,10 +132,14 @@ class _Recorder:
 
 
 def calibrate(model: Any, description: dict, grid: CalibrationGrid,
-              progress: Progress | None = None, clock: str = "wall") -> CostProfile:
+              progress: Progress | None = None, clock: str = "wall",
+              disk_cache: str | os.PathLike[str] | None = None) -> CostProfile:
     """Measure `model` over `grid` with `clock` (see `CLOCKS`) and fit a
-    profile for the model's layout (`engine_models.model_layout`). Minutes
-    of CPU time."""
+    profile for the model's layout (`engine_models.model_layout`); the
+    tier moves (`tier_bandwidth.measure_tier_moves`) are timed with the
+    disk tier's files in `disk_cache` (default: the system's temporary
+    directory), always by the wall clock (a disk wait takes no CPU time).
+    Minutes of CPU time."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
     tick = progress or (lambda label: None)
@@ -145,7 +155,10 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
         _measure_decode(model, grid, source, recorder, repeat, tick)
     copy_seconds = measure_page_copy(model, description, grid, CLOCKS[clock])
     tick("page copies")
-    fixed = {"copy_per_page": copy_seconds, "swap_per_page": copy_seconds}
+    tiers = measure_tier_moves(model, grid.block_size, grid.copy_pages, disk_cache)
+    tick("tier moves")
+    fixed = {"copy_per_page": copy_seconds, "swap_per_page": copy_seconds,
+             **tiers.cost_terms()}
     cost, fit = fit_cost_model(recorder.samples, fixed)
     return CostProfile(
         cost=cost,
@@ -154,7 +167,7 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
         model=description,
         layout=layout,
         grid={**grid.to_dict(), "clock": clock, "copy_per_page_measured_s": copy_seconds,
-              "not_measured": ["copy_per_slot"]},
+              "tier_moves": tiers.to_dict(), "not_measured": ["copy_per_slot"]},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         samples=tuple(recorder.samples),
     )
