@@ -39,7 +39,9 @@ def build_dir(path: Path, layers: int):
     m = model(layers)
     tokenizer = build_word_tokenizer(path, vocab_size=m.args.vocab_size)
     save_model(path, m)
-    config = {k: v for k, v in vars(m.args).items() if not k.startswith("_")}
+    # transformers' config validation refuses the unset (None) fields
+    config = {k: v for k, v in vars(m.args).items() if v is not None and not k.startswith("_")}
+    config["max_position_embeddings"] = 16384
     save_config(config, path / "config.json")
     return m, tokenizer
 
