@@ -131,6 +131,9 @@ def print_rows(args, num_blocks, rows) -> None:
 def restart(args, m, common, folder) -> None:
     """A resumed session of `resume_tokens` after a restart, against cold."""
     context = tokens(7, args.resume_tokens)
+    # a pool that holds the resumed session (the workload's may be smaller)
+    pages = max(common["num_blocks"], (args.resume_tokens + 64) // BLOCK + 8)
+    common = {**common, "num_blocks": pages}
     with PagedCache.for_model(m, disk_cache=folder, disk_cache_size="8GiB", **common) as pc:
         serve(pc, m, "w", context)  # the session's earlier turn, cached then flushed at close
     pc = PagedCache.for_model(m, disk_cache=folder, disk_cache_size="8GiB", **common)
