@@ -489,11 +489,13 @@ class BlockManager:
     def _device_part(
         self, namespace: Hashable, tokens: list[int], packed: bytes, match: PrefixMatch
     ) -> PrefixMatch:
-        """The part of a hit before its first demoted node: what to use
-        when loading the whole hit and the new pages do not fit together
-        (a demoted node is loaded whole, however little of it the hit uses;
-        a miss must not fail where no hit would succeed)."""
-        return self._match(namespace, tokens, packed, match.loads[0].start)
+        """A miss: what to use when loading the whole hit and the new pages
+        do not fit together (a demoted node is loaded whole, however little
+        of it the hit uses; a request must not wait for room it would not
+        need as a miss). A miss, not the hit's device part: a part ending
+        inside a node beside its demoted descendants is not a state the
+        trie's invariants cover."""
+        return self._match(namespace, tokens, packed, 0)
 
     def _can_load_hit(self, match: PrefixMatch, needs: list[int]) -> bool:
         """Would `_load_hit` find the room? Pure (the path locked meanwhile)."""

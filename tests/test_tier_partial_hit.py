@@ -1,6 +1,6 @@
 """A hit that reaches into a demoted node loads that node whole: when that
 and the new pages do not fit on the device together, the allocation uses
-the hit's device part instead of failing where a miss would succeed."""
+a miss instead of failing where a miss would succeed."""
 
 from __future__ import annotations
 
