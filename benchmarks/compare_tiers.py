@@ -91,20 +91,31 @@ def run(name: str, pc: PagedCache, m, turns) -> dict:
             "p90": q[8], "tok_s": total / seconds, "seconds": seconds, "hits": hits}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The agent workload's options (`workload` reads them)."""
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system", type=int, default=1024)
     parser.add_argument("--turn-tokens", type=int, default=256)
+
+
+def device_pages(args: argparse.Namespace, turns: list) -> int:
+    """The device pool: the shared system prompt once plus about four
+    sessions' longest histories (the runs compared with it use the same)."""
+    longest = max(len(p) for _, p in turns)
+    return (args.system + 4 * (longest - args.system)) // BLOCK + 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--resume-tokens", type=int, default=4096)
     args = parser.parse_args()
     m = model(args.layers)
     turns = workload(args)
-    longest = max(len(p) for _, p in turns)
     # the device holds about four sessions' contexts (their shared prompt once)
-    num_blocks = (args.system + 4 * (longest - args.system)) // BLOCK + 8
+    num_blocks = device_pages(args, turns)
     common = dict(num_blocks=num_blocks, block_size=BLOCK)
     rows = []
     rows.append(run("device only", PagedCache.for_model(m, **common), m, turns))

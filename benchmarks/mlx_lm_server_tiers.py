@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_serve import build_word_tokenizer, free_port  # noqa: E402
-from compare_tiers import BLOCK, model, workload  # noqa: E402
+from compare_tiers import BLOCK, add_workload_args, device_pages, model, workload  # noqa: E402
 
 
 def build_dir(path: Path, layers: int):
@@ -63,15 +63,11 @@ def post(url: str, body: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system", type=int, default=1024)
-    parser.add_argument("--turn-tokens", type=int, default=256)
+    add_workload_args(parser)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
     turns = workload(args)
-    longest = max(len(p) for _, p in turns)
-    num_blocks = (args.system + 4 * (longest - args.system)) // BLOCK + 8  # as compare_tiers
+    num_blocks = device_pages(args, turns)
     with tempfile.TemporaryDirectory() as folder:
         m, tokenizer = build_dir(Path(folder), args.layers)
         a = m.args

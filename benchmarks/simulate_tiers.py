@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_tiers import BLOCK, CHUNK, workload  # noqa: E402
+from compare_tiers import BLOCK, CHUNK, add_workload_args, device_pages, workload  # noqa: E402
 
 
 def write_trace(path: Path, turns) -> None:
@@ -48,17 +48,13 @@ def simulate(trace: Path, out: Path, num_blocks: int, cost: str, tiers: list[str
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system", type=int, default=1024)
-    parser.add_argument("--turn-tokens", type=int, default=256)
+    add_workload_args(parser)
     parser.add_argument("--host-pages", type=int, default=32768)  # 4 GiB of 128 KiB pages
     parser.add_argument("--disk-pages", type=int, default=65536)  # 8 GiB
     parser.add_argument("--cost", default="step_overhead=0")
     args = parser.parse_args()
     turns = workload(args)
-    longest = max(len(p) for _, p in turns)
-    num_blocks = (args.system + 4 * (longest - args.system)) // BLOCK + 8  # as compare_tiers
+    num_blocks = device_pages(args, turns)
     runs = {"device only": [], "+ host": ["--num-host-cache-blocks", str(args.host_pages)],
             "+ disk": ["--num-disk-blocks", str(args.disk_pages)]}
     with tempfile.TemporaryDirectory() as folder:
