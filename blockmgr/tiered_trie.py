@@ -460,13 +460,20 @@ class TieredTrie(PrefixTrie):
         retention: int = 0,
     ) -> tuple[TrieNode | None, bool]:
         """`PrefixTrie.insert`; the demoted nodes it covers take the
-        inserter's device pages (`_refresh`), and the tombstones above them
-        merge once the insert is done."""
+        inserter's device pages (`_refresh`), and once the insert is done
+        each of them but the insert's end, now a device tombstone, merges
+        into its only child, and the tombstone above it into it (deepest
+        first: a merge below can leave the node above with one child of its
+        tier). The end node survives: its children are colder."""
         self._refreshed = []
         result = super().insert(namespace, tokens, tables, slot, start, packed, lock=lock,
                                 retention=retention)
-        for node in self._refreshed:
-            self._try_merge(node.parent)
+        end = result[0]  # the caller may lock it: a merge keeps it (it is the child)
+        for node in reversed(self._refreshed):
+            parent = node.parent
+            if node is not end:
+                self._try_merge(node)
+            self._try_merge(parent)
         self._refreshed = []
         return result
 

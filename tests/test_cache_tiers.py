@@ -360,13 +360,7 @@ def test_pin_keeps_a_prefix_on_the_device_and_loads_it_back_from_disk(models, tm
     pc.close()
 
 
-@pytest.mark.parametrize("engine_model", [
-    "llama",
-    pytest.param("lfm2", marks=pytest.mark.xfail(
-        strict=True, raises=IntegrityError,
-        reason="known defect: after the restart a hybrid model's demoted hit served as a miss "
-               "leaves a trie node unmerged (check_integrity)")),
-])
+@pytest.mark.parametrize("engine_model", ["llama", "lfm2"])
 def test_engine_restart_hits_the_disk_and_outputs_equal_mlx_lm(engine_model, tmp_path):
     from scheduler import Engine, SamplingParams
     from tests.test_engine import MAX_TOKENS, assert_no_leak, get
