@@ -4,7 +4,8 @@ Sessions share a long system prompt and grow a history turn by turn; they
 are served round-robin, so the device pool (about four sessions' contexts)
 keeps only the most recent ones. Side by side in one run, on the same
 random-weight model (a llama of realistic layer shapes, float32 on the
-CPU): the device cache only, + a host tier, + a disk tier (no host tier).
+CPU): the device cache only, + a host tier, + a disk tier (no host tier),
+and a host tier too small for the workload (it fills) over a disk tier.
 Per run: prompt tokens computed, TTFT p50 / p90 (allocate + the prompt's
 forward), prompt tokens per second. Then a restart: the disk run's cache is
 closed (everything flushed) and a new cache opened on its directory; the
@@ -111,6 +112,9 @@ def main() -> None:
     add_workload_args(parser)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--resume-tokens", type=int, default=4096)
+    parser.add_argument("--filling-host-size", default="16MiB",
+                        help="the host tier of the host + disk run: smaller than what the "
+                             "workload demotes, so it fills and spills to disk")
     args = parser.parse_args()
     m = model(args.layers)
     turns = workload(args)
@@ -124,6 +128,11 @@ def main() -> None:
         pc = PagedCache.for_model(m, disk_cache=folder, disk_cache_size="8GiB", **common)
         rows.append(run("+ disk", pc, m, turns))
         pc.close()
+        with tempfile.TemporaryDirectory() as spill:
+            pc = PagedCache.for_model(m, host_cache_size=args.filling_host_size,
+                                      disk_cache=spill, disk_cache_size="8GiB", **common)
+            rows.append(run(f"+ host {args.filling_host_size} + disk", pc, m, turns))
+            pc.close()
         print_rows(args, num_blocks, rows)
         restart(args, m, common, folder)
 
