@@ -89,7 +89,7 @@ def section_bytes() -> None:
             pool = (PagePool(shape) if not fmt.quantized
                     else QuantizedPagePool(shape, fmt.key_bits, fmt.value_bits, fmt.group_size))
             per_token = pool.nbytes / (64 * 16)
-            assert pool.page_nbytes == fmt.page_nbytes(16, H, D, D, dtype)
+            assert pool.page_nbytes == fmt.page_nbytes(16, H, D, D, dtype.size)
             full = 2 * H * D * dtype.size
             cells += [f"{per_token:.0f} B", f"{per_token / full:.3f}x"]
         print(f"| {name} | " + " | ".join(cells) + " |")
@@ -215,7 +215,7 @@ def section_engine(model, budget_mib: int, requests: int, prompt_len: int, max_t
     cases = []
     for dtype in (mx.float32, mx.float16):
         for name in ("full", "k8v8", "k4v4"):
-            page = layers * FORMATS[name].page_nbytes(16, H, D, D, dtype)
+            page = layers * FORMATS[name].page_nbytes(16, H, D, D, dtype.size)
             cases.append((name, dtype, budget // page))
     results = {c: [] for c in cases}
     for _ in range(rounds):

@@ -9,10 +9,10 @@ packed unsigned ints, one scale and one bias per `group_size` elements;
 (copy-on-write, the partial last page of a prefix hit), swaps and forks
 move the packed bytes, so nothing is ever re-quantized.
 
+`KVFormat` itself is pure arithmetic (`blockmgr.kv_format`: the simulator
+prices pages with it too); `make_pool` builds a layer's pool of a format.
 Every pool has the `PageStore` protocol, which is all `PagedCache`, the views
-and the host swap space use. `KVFormat.page_nbytes` gives a page's bytes for
-a layer shape without allocating anything (what a memory budget is divided
-by).
+and the host swap space use.
 """
 
 from __future__ import annotations
@@ -23,18 +23,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.kv_format import KVFormat
 from cache.page_pool import PagePool, PoolShape
 from cache.quantized_pool import QuantizedPagePool
 from cache.step_plan import StepPlan
-
-#: Bits per quantized element (`mx.quantize`'s affine mode; both are exact
-#: multiples of a 32-bit word for every allowed group size).
-BITS = (4, 8)
-#: Elements sharing one scale and bias (mlx-lm's `--kv-group-size` choices).
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
-
 
 class PageStore(Protocol):
     """One attention layer's K/V pages, head-major rows ``h * num_blocks + p``
@@ -61,110 +53,14 @@ class PageStore(Protocol):
                mask: Any) -> mx.array | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class KVFormat:
-    """The storage of K and V rows in pages.
-
-    `key_bits` / `value_bits`: 8 or 4 for affine quantization along the head
-    dimension in groups of `group_size` (32, 64 or 128) elements, each group
-    with its own scale and bias in the model's dtype (mlx-lm's
-    ``QuantizedKVCache`` format); None keeps that side at the model's dtype.
-    ``KVFormat()`` is today's full-precision pages; ``KVFormat(8, 4)`` is
-    8-bit keys and 4-bit values. A quantized side needs a head size that
-    `group_size` divides.
-
-    Cost per token and kv head of a side of head size D at a dtype of s
-    bytes: D * s bytes unquantized, D * bits / 8 + 2 * s * D / group_size
-    quantized (float16, D = 128, groups of 64: 256 bytes; 136 at 8 bits,
-    0.53x; 72 at 4 bits, 0.28x).
-    """
-
-    key_bits: int | None = None
-    value_bits: int | None = None
-    group_size: int = DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        for name in ("key_bits", "value_bits"):
-            bits = getattr(self, name)
-            if bits is not None and (isinstance(bits, bool) or bits not in BITS):
-                raise InvalidArgument(f"{name} must be one of {BITS} or None, got {bits!r}")
-        size = self.group_size
-        if isinstance(size, bool) or size not in GROUP_SIZES:
-            raise InvalidArgument(f"kv group size must be one of {GROUP_SIZES}, got {size!r}")
-
-    @classmethod
-    def of(cls, kv_format: KVFormat | None = None, kv_bits: int | None = None,
-           kv_group_size: int | None = None) -> KVFormat:
-        """The format of `PagedCache`'s options: `kv_format` as given, or
-        `kv_bits` (keys and values alike, mlx-lm's ``--kv-bits``) with
-        `kv_group_size` (default 64), or full precision when neither is
-        given. Raises `InvalidArgument` for both, or a group size alone."""
-        if kv_format is not None:
-            if kv_bits is not None or kv_group_size is not None:
-                raise InvalidArgument("give kv_format or kv_bits / kv_group_size, not both")
-            if not isinstance(kv_format, KVFormat):
-                raise InvalidArgument(f"kv_format must be a KVFormat, got {kv_format!r:.80}")
-            return kv_format
-        if kv_bits is None:
-            if kv_group_size is not None:
-                raise InvalidArgument("kv_group_size needs kv_bits")
-            return cls()
-        size = DEFAULT_GROUP_SIZE if kv_group_size is None else kv_group_size
-        return cls(kv_bits, kv_bits, size)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether keys or values are quantized."""
-        return self.key_bits is not None or self.value_bits is not None
-
-    @property
-    def name(self) -> str:
-        """``"k8v4-g64"``, or ``"model-dtype"`` when nothing is quantized."""
-        if not self.quantized:
-            return "model-dtype"
-        def side(bits: int | None) -> str:
-            return "full" if bits is None else str(bits)
-        return f"k{side(self.key_bits)}v{side(self.value_bits)}-g{self.group_size}"
-
-    def row_nbytes(self, bits: int | None, head_dim: int, dtype: mx.Dtype) -> int:
-        """Bytes of one token's row of one kv head on a side with `bits`."""
-        if bits is None:
-            return head_dim * dtype.size
-        return head_dim * bits // 8 + 2 * (head_dim // self.group_size) * dtype.size
-
-    def page_nbytes(self, block_size: int, n_kv_heads: int, k_head_dim: int,
-                    v_head_dim: int, dtype: mx.Dtype) -> int:
-        """Bytes of one page of one layer, K and V, every head, scales and
-        biases included; exactly what a pool of this format allocates per
-        page. Pure arithmetic: nothing is allocated."""
-        per_head = (self.row_nbytes(self.key_bits, k_head_dim, dtype)
-                    + self.row_nbytes(self.value_bits, v_head_dim, dtype))
-        return block_size * n_kv_heads * per_head
-
-    def check_head_dims(self, layer: int, k_head_dim: int, v_head_dim: int) -> None:
-        """Raise `InvalidArgument` naming `layer` when a quantized side's head
-        size is not a multiple of the group size (`mx.quantize` cannot
-        store it). A side of width 0 stores nothing and always passes."""
-        for side, bits, dim in (("key", self.key_bits, k_head_dim),
-                                ("value", self.value_bits, v_head_dim)):
-            if bits is not None and dim % self.group_size:
-                raise InvalidArgument(
-                    f"layer {layer}: {side} head size {dim} is not a multiple of the kv "
-                    f"group size {self.group_size}; quantized pages need one that divides it "
-                    f"(try a group size of {_dividing_group_size(dim)})")
-
-    def make_pool(self, shape: PoolShape, layer: int) -> PageStore:
-        """A pool of this format for `layer` (`check_head_dims` first).
-        Allocates every page (zeros) and evaluates them."""
-        if not self.quantized:
-            return PagePool(shape)
-        self.check_head_dims(layer, shape.k_head_dim, shape.v_head_dim)
-        return QuantizedPagePool(shape, self.key_bits, self.value_bits, self.group_size)
-
-
-def _dividing_group_size(dim: int) -> str:
-    fits = [str(g) for g in GROUP_SIZES if dim and dim % g == 0]
-    return " or ".join(fits) if fits else "none: keep this side unquantized (bits None)"
+def make_pool(kv_format: KVFormat, shape: PoolShape, layer: int) -> PageStore:
+    """A pool of `kv_format` for `layer` (`KVFormat.check_head_dims` first).
+    Allocates every page (zeros) and evaluates them."""
+    if not kv_format.quantized:
+        return PagePool(shape)
+    kv_format.check_head_dims(layer, shape.k_head_dim, shape.v_head_dim)
+    return QuantizedPagePool(shape, kv_format.key_bits, kv_format.value_bits,
+                             kv_format.group_size)
 
 
 def model_kv_shapes(model: Any) -> list[tuple[int, int, int, int, mx.Dtype]]:

@@ -43,7 +43,7 @@ from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
-from cache.page_format import KVFormat, PageStore, check_model
+from cache.page_format import KVFormat, PageStore, check_model, make_pool
 from cache.prefix_file import CorruptPrefixFile, PrefixRecords, read_prefix, write_prefix
 from cache.tier_setup import (
     KVShape,
@@ -1041,7 +1041,7 @@ class PagedCache:
         if pool is None and keys is not None and values is not None:
             shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
                               keys.shape[-1], values.shape[-1], keys.dtype)
-            pool = g.pools[layer] = self.kv_format.make_pool(shape, layer)
+            pool = g.pools[layer] = make_pool(self.kv_format, shape, layer)
         return pool
 
     def _plain_pool_for(self, layer: int, keys: mx.array | None,
@@ -1072,7 +1072,7 @@ class PagedCache:
             if shape is None:
                 raise InvalidArgument(f"kv_shapes has no shape for attention position {layer}")
             group = self._groups[g]
-            group.pools[layer] = self.kv_format.make_pool(PoolShape(
+            group.pools[layer] = make_pool(self.kv_format, PoolShape(
                 group.num_pages, self.block_size, shape.n_kv_heads, shape.k_head_dim,
                 shape.v_head_dim, shape.dtype), layer)
 

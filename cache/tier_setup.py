@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from mlx.utils import tree_flatten
 
 from blockmgr import GroupedStore
 from blockmgr.errors import InvalidArgument
+from blockmgr.kv_format import parse_bytes
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, page_kind
 from cache.disk_tier import VERSION, DiskTier, RecordKind
 from cache.model_storage import ModelStorageParts, model_storage_parts
@@ -43,27 +43,6 @@ DEFAULT_DISK_CACHE_SIZE = 20 * 2**30
 #: prefix keeps a snapshot at each request's end (and branch points), a
 #: turn of a conversation is some hundreds of tokens.
 PAGES_PER_SNAPSHOT = 32
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
-          "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """"4GiB", "512MB", "1e9" (or an int) -> bytes (binary units for
-    Ki/Mi/Gi and bare K/M/G). Raises `InvalidArgument` for anything else
-    or a size below 1."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise InvalidArgument(f"not a memory size: {text!r} (try 4GiB or 512MB)")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise InvalidArgument(f"memory size must be positive, got {text!r}")
-    return value
-
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
@@ -137,7 +116,7 @@ def tier_sizes(model: Any, parts: ModelStorageParts, block_size: int, kv_format:
             if spec.kind.paged and spec.window == window and layer in shapes:
                 s = shapes[layer]
                 page_nbytes += kv_format.page_nbytes(block_size, s.n_kv_heads, s.k_head_dim,
-                                                     s.v_head_dim, s.dtype)
+                                                     s.v_head_dim, s.dtype.size)
     page_nbytes = max(page_nbytes, 1)
     host = _split(parse_bytes(host_cache_size), page_nbytes, slot_nbytes, "host_cache_size") \
         if host_cache_size is not None else (0, 0)

@@ -28,13 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
+from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat, parse_bytes
 from scheduler.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
-from scheduler.simulator.kv_memory import (
-    BITS,
-    DEFAULT_GROUP_SIZE,
-    GROUP_SIZES,
-    engine_num_slots,
-)
+from scheduler.simulator.kv_memory import engine_num_slots
 from scheduler.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
@@ -618,7 +614,6 @@ def _kv_memory(args, loaded: dict | None) -> dict | None:
     with the --kv-memory, --kv-shape and format options applied. Raises
     ValueError for a format or shape without a memory, a memory without a
     shape, or values `KVMemory` refuses."""
-    from scheduler.serve import parse_bytes
     from scheduler.simulator.kv_memory import KVMemory
 
     fields = kv_format_fields(args)
@@ -965,7 +960,6 @@ def cmd_sweep(args, base) -> int:
 
 def cmd_serve(args) -> int:
     """Load the model, size the pool, serve until SIGINT/SIGTERM."""
-    from cache import KVFormat
     from scheduler import serve
 
     fields = kv_format_fields(args)  # bad options fail before the model loads
@@ -974,7 +968,7 @@ def cmd_serve(args) -> int:
     budget = None if args.num_blocks else serve.kv_budget(args.kv_memory, dirs,
                                                            args.kv_memory_fraction)
     tiers = serve.cache_tier_options(args.disk_cache, args.disk_cache_size, args.host_cache_size)
-    max_body_bytes = None if args.max_body_size is None else serve.parse_bytes(args.max_body_size)
+    max_body_bytes = None if args.max_body_size is None else parse_bytes(args.max_body_size)
     endpoint, bind = serve.kv_events_endpoint(args.kv_events, args.kv_events_bind)
     warning = serve.kv_events_warning(endpoint, args.kv_events_replay, bind)
     if warning:

@@ -23,13 +23,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from blockmgr.errors import IntegrityError, InvalidArgument
-from scheduler.simulator.kv_memory import format_bytes
-
-if TYPE_CHECKING:
-    from cache import KVFormat
+from blockmgr.kv_format import KVFormat, format_bytes, parse_bytes
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Prefill chunks per forward in the server: a closed loop's clients arrive
@@ -44,13 +41,6 @@ PREFILL_BATCH = 8
 #: 0.9 of a GPU's own memory; here the memory is shared with the system
 #: and every other process, so half of what is free).
 KV_MEMORY_FRACTION = 0.5
-
-
-def parse_bytes(text: str) -> int:
-    """"4GiB", "512MB", "1e9" -> bytes (binary units for Ki/Mi/Gi and bare K/M/G)."""
-    from cache.tier_setup import parse_bytes as parse
-
-    return parse(text)
 
 
 def cache_tier_options(disk_cache: str | None, disk_cache_size: str | None,

@@ -22,13 +22,14 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from blockmgr.errors import InvalidArgument
 from cache import KVFormat
+from cache.page_format import make_pool
+from cache.page_pool import PoolShape
 from scheduler import cli
 from scheduler.engine import Engine, default_num_slots
 from scheduler.metrics import ServingMetrics
 from scheduler.sampling import SamplingParams
 from scheduler.serve import size_pool
 from scheduler.simulator.kv_memory import (
-    KVFormatSpec,
     KVMemory,
     KVShape,
     engine_num_slots,
@@ -80,10 +81,6 @@ def shape_of(name: str, slot: int) -> dict:
     return {**shape, "slot_bytes": slot} if slot else shape
 
 
-def spec_of(fmt: KVFormat) -> KVFormatSpec:
-    return KVFormatSpec(fmt.key_bits, fmt.value_bits, fmt.group_size)
-
-
 def fits(name: str, fmt: KVFormat) -> bool:
     return not fmt.quantized or fmt.group_size <= (64 if name == "qwen3" else 32)
 
@@ -97,7 +94,7 @@ def test_engine_and_simulator_size_the_same_pool_as_the_reference_bytes(name, fm
     slot, page = reference_bytes(model, fmt)
     num_slots = default_num_slots(MAX_SEQS) if slot else 0
     memory = KVMemory.from_dict({"budget": 1, "shape": shape_of(name, slot),
-                                 "format": spec_of(fmt).to_dict()})
+                                 "format": fmt.to_dict()})
     assert memory.page_bytes(BLOCK) == page
     for pages in (1, 37):
         budget = num_slots * slot + pages * page + page // 2
@@ -144,13 +141,13 @@ def test_engine_num_slots_is_the_engines_default():
 
 @pytest.mark.parametrize("key, value, group", [(None, None, 64), (8, 8, 32), (4, 4, 128),
                                                (8, 4, 64), (None, 8, 32), (4, None, 64)])
-def test_the_simulators_format_is_the_caches(key, value, group):
-    spec, fmt = KVFormatSpec(key, value, group), KVFormat(key, value, group)
-    assert spec.name == fmt.name
+def test_the_simulators_page_is_what_a_pool_allocates(key, value, group):
+    fmt = KVFormat(key, value, group)
     for dtype, name in ((mx.float16, "float16"), (mx.bfloat16, "bfloat16"),
                         (mx.float32, "float32")):
-        memory = KVMemory(1, KVShape(3, 4, 128, 256, name), spec)
-        assert memory.page_bytes(16) == 3 * fmt.page_nbytes(16, 4, 128, 256, dtype)
+        memory = KVMemory(1, KVShape(3, 4, 128, 256, name), fmt)
+        pool = make_pool(fmt, PoolShape(2, 16, 4, 128, 256, dtype), 0)  # two pages
+        assert memory.page_bytes(16) == 3 * pool.nbytes // 2
 
 
 @pytest.mark.parametrize("kwargs", [{"key_bits": 3}, {"value_bits": 16}, {"key_bits": True},
@@ -158,8 +155,8 @@ def test_the_simulators_format_is_the_caches(key, value, group):
 def test_the_simulators_format_refuses_what_the_cache_refuses(kwargs):
     with pytest.raises(InvalidArgument):
         KVFormat(**kwargs)
-    with pytest.raises(ValueError):
-        KVFormatSpec(**kwargs)
+    with pytest.raises(InvalidArgument):
+        KVFormat.from_dict(kwargs)
 
 
 def test_simulate_report_names_the_format(tmp_path, capsys):

@@ -313,7 +313,7 @@ def test_page_bytes_count_packed_values_scales_and_biases():
         pc = PagedCache.for_model(model, 20, 8, kv_format=fmt)
         pc.allocate("a", tokens(19, 1))
         forward(pc, model, ["a"], [tokens(19, 1)])
-        page = fmt.page_nbytes(8, 2, 32, 32, mx.float32)
+        page = fmt.page_nbytes(8, 2, 32, 32, mx.float32.size)
         if per_row is not None:
             assert page == 8 * 2 * 2 * per_row
         else:
@@ -326,8 +326,8 @@ def test_page_bytes_count_packed_values_scales_and_biases():
 def test_qwen3_0_6b_page_ratios():
     """float16, head size 128, groups of 64 (the issue's figures)."""
     def ratio(fmt):
-        return fmt.page_nbytes(16, 8, 128, 128, mx.float16) / KVFormat().page_nbytes(
-            16, 8, 128, 128, mx.float16)
+        return fmt.page_nbytes(16, 8, 128, 128, mx.float16.size) / KVFormat().page_nbytes(
+            16, 8, 128, 128, mx.float16.size)
 
     assert ratio(KVFormat(8, 8)) == 136 / 256  # 0.53
     assert ratio(KVFormat(4, 4)) == 72 / 256  # 0.28

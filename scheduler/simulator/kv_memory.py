@@ -11,9 +11,8 @@ simulation has no model, so `KVShape` states what those bytes depend on and
     row  = head_dim x dtype bytes                                    model dtype
          = head_dim x bits / 8 + 2 x (head_dim / group_size) x dtype bytes   quantized
 
-`KVFormatSpec` is `cache.KVFormat` as data (the same choices, checks, names
-and bytes; tested against it and against allocated pools) without
-importing MLX, which a simulation never does.
+`KVFormat` (`blockmgr.kv_format`, pure arithmetic) prices a page exactly as
+the cache does: the same object the engine builds its pools from.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: Bits of a quantized side and elements per scale and bias (`cache.page_format`).
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
+from blockmgr.kv_format import KVFormat
+
 #: Bytes per element of the dtypes a model's K/V (and quantization scales) take.
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -34,54 +31,6 @@ def engine_num_slots(max_num_seqs: int) -> int:
     (`scheduler.engine.default_num_slots`, without a draft model): each
     running sequence's state and a prefix snapshot, plus two."""
     return 2 * max_num_seqs + 2
-
-
-@dataclass(frozen=True, slots=True)
-class KVFormatSpec:
-    """How pages store K and V rows: `key_bits` / `value_bits` 8 or 4
-    (affine-quantized along the head dimension in groups of `group_size`,
-    each group with a scale and a bias in the model's dtype) or None (the
-    model's dtype). Raises `ValueError` for other values."""
-
-    key_bits: int | None = None
-    value_bits: int | None = None
-    group_size: int = DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        for name in ("key_bits", "value_bits"):
-            bits = getattr(self, name)
-            if bits is not None and (isinstance(bits, bool) or bits not in BITS):
-                raise ValueError(f"{name} must be one of {BITS} or None, got {bits!r}")
-        size = self.group_size
-        if isinstance(size, bool) or size not in GROUP_SIZES:
-            raise ValueError(f"kv group size must be one of {GROUP_SIZES}, got {size!r}")
-
-    @property
-    def quantized(self) -> bool:
-        return self.key_bits is not None or self.value_bits is not None
-
-    @property
-    def name(self) -> str:
-        """``"k8v4-g64"``, or ``"model-dtype"`` (`cache.KVFormat.name`)."""
-        if not self.quantized:
-            return "model-dtype"
-        def side(bits: int | None) -> str:
-            return "full" if bits is None else str(bits)
-        return f"k{side(self.key_bits)}v{side(self.value_bits)}-g{self.group_size}"
-
-    def row_bytes(self, bits: int | None, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of one token's row of one kv head on a side with `bits`."""
-        if bits is None:
-            return head_dim * dtype_bytes
-        return head_dim * bits // 8 + 2 * (head_dim // self.group_size) * dtype_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"key_bits": self.key_bits, "value_bits": self.value_bits,
-                "group_size": self.group_size}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> KVFormatSpec:
-        return cls(**_known(data, "kv_memory.format", ("key_bits", "value_bits", "group_size")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +95,12 @@ class KVMemory:
 
     budget: int
     shape: KVShape
-    format: KVFormatSpec = KVFormatSpec()
+    format: KVFormat = KVFormat()
 
     def __post_init__(self) -> None:
         _int_at_least("kv memory budget", self.budget, 1)
-        if not isinstance(self.shape, KVShape) or not isinstance(self.format, KVFormatSpec):
-            raise ValueError("kv memory needs a KVShape and a KVFormatSpec")
+        if not isinstance(self.shape, KVShape) or not isinstance(self.format, KVFormat):
+            raise ValueError("kv memory needs a KVShape and a KVFormat")
         fmt = self.format
         for side, bits, dim in (("key", fmt.key_bits, self.shape.head_dim),
                                 ("value", fmt.value_bits, self.shape.value_head_dim)):
@@ -161,12 +110,11 @@ class KVMemory:
 
     def page_bytes(self, block_size: int) -> int:
         """One page of every attention layer, K and V, scales and biases
-        included: `cache.KVFormat.page_nbytes` summed over the layers."""
-        shape, fmt = self.shape, self.format
-        size = DTYPE_BYTES[shape.dtype]
-        row = (fmt.row_bytes(fmt.key_bits, shape.head_dim, size)
-               + fmt.row_bytes(fmt.value_bits, shape.value_head_dim, size))
-        return block_size * shape.num_layers * shape.num_kv_heads * row
+        included: `KVFormat.page_nbytes` summed over the layers."""
+        shape = self.shape
+        return shape.num_layers * self.format.page_nbytes(
+            block_size, shape.num_kv_heads, shape.head_dim, shape.value_head_dim,
+            DTYPE_BYTES[shape.dtype])
 
     def num_blocks(self, block_size: int, num_slots: int) -> int:
         """Pages the budget holds after `num_slots` recurrent slots, as
@@ -194,15 +142,7 @@ class KVMemory:
         if "budget" not in given or "shape" not in given:
             raise ValueError("kv_memory needs a budget and a shape")
         return cls(budget=given["budget"], shape=KVShape.from_dict(given["shape"]),
-                   format=KVFormatSpec.from_dict(given.get("format", {})))
-
-
-def format_bytes(num_bytes: int) -> str:
-    """1536 -> "1.50 KiB" (binary units, as `parse_bytes` reads them)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes} bytes"
+                   format=KVFormat.from_dict(given.get("format", {})))
 
 
 def _known(data: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 from blockmgr.errors import IntegrityError
+from blockmgr.kv_format import KVFormat
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
@@ -41,13 +42,11 @@ from scheduler.simulator.tokens import TokenSource
 from scheduler.simulator.workloads import RequestSpec, head_arrival
 
 
-def _kv_format(config: SimulationConfig) -> Any:
-    """The `cache.KVFormat` of the config's `kv_memory` (None: the model's
-    dtype), so a replayed pool stores pages as the simulated one counts them."""
-    from cache import KVFormat
-
+def _kv_format(config: SimulationConfig) -> KVFormat | None:
+    """The `KVFormat` of the config's `kv_memory` (None: the model's dtype),
+    so a replayed pool stores pages as the simulated one counts them."""
     memory = config.kv_memory
-    return None if memory is None else KVFormat(**memory.format.to_dict())
+    return None if memory is None else memory.format
 
 
 class ReplayError(ValueError):

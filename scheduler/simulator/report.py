@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.simulator.kv_memory import KVMemory, format_bytes
+from blockmgr.kv_format import format_bytes
+from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.group_usage import group_rows
 from scheduler.simulator.layout import ModelLayout, describe_layout
 from scheduler.simulator.metrics import MEMORY_FIELDS, STEP_FIELDS

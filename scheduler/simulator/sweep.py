@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from blockmgr.kv_format import parse_bytes
 from scheduler.simulator.config import SimulationConfig, apply_kv_memory
 from scheduler.simulator.plots import PlottingUnavailable, plot_sweep
 from scheduler.simulator.runner import run_simulation
@@ -133,8 +134,6 @@ def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
         raise ValueError("sweep num_blocks or the KV memory, not both (the memory sizes the pool)")
     memory = data["kv_memory"]
     if key == "budget":
-        from scheduler.serve import parse_bytes
-
         memory["budget"] = value if isinstance(value, int) else parse_bytes(str(value))
         return
     fmt = memory.setdefault("format", {})
