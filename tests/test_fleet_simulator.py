@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -31,8 +32,8 @@ SHARED = ("requests", "throughput", "latency", "prefix_cache", "preemptions", "e
 
 
 def config(num_blocks: int = 512, check_every: int | None = 16, **workload) -> SimulationConfig:
-    wl = dict(mix=dict.fromkeys(WORKLOAD_KINDS, 1.0), num_requests=150, rate=2.0, seed=3,
-              max_context=2048)
+    wl: dict[str, Any] = dict(mix=dict.fromkeys(WORKLOAD_KINDS, 1.0), num_requests=150,
+                              rate=2.0, seed=3, max_context=2048)
     wl.update(workload)
     return SimulationConfig(
         workload=WorkloadConfig(**wl),
