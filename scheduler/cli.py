@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray", metavar="ADDRESS",
                    help="run the sweep on a Ray cluster (an address, or 'local' to start one here; "
                         "needs the ray extra)")
+    r.add_argument("--replicas", type=_positive_int, metavar="N",
+                   help="simulate a fleet of N such servers behind --router (sweep: replicas=...)")
+    r.add_argument("--router", metavar="POLICY", help="the fleet's router: round_robin (default), "
+                   "least_load, cache_aware, precise (sweep: router=...)")
 
     rep = sub.add_parser(
         "replay",
@@ -751,8 +755,26 @@ def cmd_simulate(args) -> int:
                         {"vocab_size": config.vocab_size, "workload": config.workload.to_dict()})
         except OSError as exc:
             raise ValueError(f"cannot write trace {args.write_trace}: {exc.strerror}") from None
+    fleet = fleet_of(args)
+    if fleet is not None:
+        from scheduler.simulator.fleet import run_fleet
+        from scheduler.simulator.fleet_report import fleet_rows, write_fleet_report
+
+        result = _run_with_progress(args, config,
+                                    lambda update: run_fleet(config, fleet, progress=update))
+        return _write_and_print(args, result, "blockmgr simulate (fleet)",
+                                write=write_fleet_report, rows=fleet_rows)
     result = _run_with_progress(args, config, lambda update: run_simulation(config, progress=update))
     return _write_and_print(args, result, "blockmgr simulate")
+
+
+def fleet_of(args):
+    """The fleet `--replicas` and `--router` ask for (None: one server)."""
+    if args.replicas is None and args.router is None:
+        return None
+    from scheduler.simulator.fleet import FleetSpec
+
+    return FleetSpec(args.replicas or 1, args.router or "round_robin")
 
 
 def cmd_replay(args) -> int:
@@ -941,7 +963,7 @@ def cmd_sweep(args, base) -> int:
         except ImportError:
             bar = None
     rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None,
-                     ray_address=args.ray)
+                     ray_address=args.ray, fleet=fleet_of(args))
     if bar is not None:
         bar.close()
     names = list(grid)

@@ -97,7 +97,7 @@ def test_missing_matplotlib_degrades_with_a_message(tmp_path, capsys, monkeypatc
     def unavailable():
         raise plots.PlottingUnavailable("plots skipped: matplotlib is not installed")
 
-    monkeypatch.setattr(plots, "_pyplot", unavailable)
+    monkeypatch.setattr(plots, "pyplot", unavailable)
     code, _, err = run(TINY + ["--out", str(tmp_path)], capsys)
     assert code == 0
     assert "matplotlib is not installed" in err

@@ -72,7 +72,7 @@ def test_aborted_requests_are_counted_with_their_reason(tmp_path):
 def test_the_page_plot_stays_on_its_axis(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     drawn = []
-    save = plots._save
+    save = plots.save_figure
 
     def keep(fig, path):
         if path.name == "page_usage.png":
@@ -80,7 +80,7 @@ def test_the_page_plot_stays_on_its_axis(tmp_path, monkeypatch):
             drawn.append((ax.get_ylim(), [line.get_ydata() for line in ax.get_lines()]))
         return save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     _simulate(tmp_path, "-n", "150", "--layout", "gemma3", "--sliding-window", "128",
               "--num-blocks", "512")
     ((low, high), series), = drawn

@@ -215,12 +215,12 @@ class MetricsRecorder:
         end = float(steps["time"][-1]) if len(steps["time"]) else 0.0
         makespan = max(end - start, 0.0)
         computed = float(steps["prefill_tokens"].sum() + steps["decode_tokens"].sum())
-        requests, throughput = self._counts(req, makespan, "simulated_seconds")
+        requests, throughput, latency = self.request_sections(makespan, "simulated_seconds")
         throughput["computed_tokens_per_s"] = _rate(computed, makespan)
         return {
             "requests": requests,
             "throughput": throughput,
-            "latency": {**_latency(req), "queue_s": _dist(req["queue"])},
+            "latency": latency,
             "prefix_cache": _prefix(bm_stats, req),
             "memory": {**self._memory(steps, mem, num_blocks, block_size),
                        "groups": self.groups.summary(steps["step_time"])},
@@ -253,6 +253,27 @@ class MetricsRecorder:
             },
             "bookkeeping": _bookkeeping(steps["bookkeeping"], num_done, wall_seconds),
         }
+
+    def request_sections(self, seconds: float, seconds_key: str) -> tuple[dict, dict, dict]:
+        """The `requests`, `throughput` and `latency` sections of `summary()`
+        over `seconds` of run time. O(requests)."""
+        req = self.request_arrays()
+        requests, throughput = self._counts(req, seconds, seconds_key)
+        return requests, throughput, {**_latency(req), "queue_s": _dist(req["queue"])}
+
+    @classmethod
+    def merged(cls, recorders: "list[MetricsRecorder]") -> "MetricsRecorder":
+        """One recorder holding the finished and aborted requests of all of
+        `recorders`, in their order (no steps, no memory snapshots): a
+        fleet's requests. O(requests)."""
+        out = cls()
+        for rec in recorders:
+            for name, series in rec.requests.items():
+                out.requests[name].extend(series)
+            out.workloads.extend(rec.workloads)
+            out.num_aborted += rec.num_aborted
+            out.abort_reasons.update(rec.abort_reasons)
+        return out
 
     def request_summary(self, seconds: float) -> dict:
         """The request-side sections of `summary()` (requests, throughput,

@@ -18,7 +18,7 @@ class PlottingUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -31,7 +31,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> str:
+def save_figure(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
@@ -56,7 +56,7 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
     """Write the run's PNGs into `out_dir`; returns their file names.
     `groups`: the windows and use series of a store's page groups
     (`GroupUsage`; empty for one group), each drawn on the page plot."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir = Path(out_dir)
     t = steps["time"]
     names = []
@@ -68,7 +68,7 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
     ax.plot(t, steps["waiting"], label="waiting (incl. preempted)", lw=1)
     ax.set(xlabel="simulated time (s)", ylabel="sequences", title="Queue lengths")
     ax.legend(fontsize=8)
-    names.append(_save(fig, out_dir / "queues.png"))
+    names.append(save_figure(fig, out_dir / "queues.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     window = max(1, len(t) // 100)
@@ -80,14 +80,14 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
     ax.set(xlabel="simulated time (s)", ylabel="% of prompt tokens",
            title="Prefix hit rate (token-weighted)", ylim=(0, 100))
     ax.legend(fontsize=8)
-    names.append(_save(fig, out_dir / "prefix_hit_rate.png"))
+    names.append(save_figure(fig, out_dir / "prefix_hit_rate.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(t, steps["preempted_recompute"], label="recompute", lw=1)
     ax.plot(t, steps["preempted_swap"], label="swap", lw=1)
     ax.set(xlabel="simulated time (s)", ylabel="cumulative preemptions", title="Preemptions")
     ax.legend(fontsize=8)
-    names.append(_save(fig, out_dir / "preemptions.png"))
+    names.append(save_figure(fig, out_dir / "preemptions.png"))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     if len(memory["time"]):
@@ -96,7 +96,7 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
                 label="internal fragmentation (unused slots)", lw=1)
     ax.set(xlabel="simulated time (s)", ylabel="%", title="Sharing and fragmentation (live sequences)")
     ax.legend(fontsize=8)
-    names.append(_save(fig, out_dir / "memory.png"))
+    names.append(save_figure(fig, out_dir / "memory.png"))
 
     names.append(plot_latency(requests, out_dir))
     return names
@@ -123,12 +123,12 @@ def plot_page_usage(plt, t, steps: dict, memory: dict, num_blocks: int, groups: 
     ylabel = "% of pool" if len(windows) < 2 else "% of pages (trie: of all groups)"
     ax.set(xlabel="simulated time (s)", ylabel=ylabel, title="Page usage", ylim=(0, 105))
     ax.legend(loc="lower right", fontsize=8)
-    return _save(fig, out_dir / "page_usage.png")
+    return save_figure(fig, out_dir / "page_usage.png")
 
 
 def plot_latency(requests: dict, out_dir: Path) -> str:
     """latency.png: CDFs of TTFT, TPOT and end-to-end time; returns its name."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     for ax, key, title in zip(axes, ("ttft", "tpot", "e2e"),
                               ("time to first token", "time per output token", "end to end")):
@@ -139,12 +139,12 @@ def plot_latency(requests: dict, out_dir: Path) -> str:
             for q in (50, 99):
                 ax.axvline(np.percentile(values, q), ls=":", lw=1, color="gray")
         ax.set(xlabel="seconds", ylabel="fraction of requests", title=title)
-    return _save(fig, Path(out_dir) / "latency.png")
+    return save_figure(fig, Path(out_dir) / "latency.png")
 
 
 def plot_sweep(rows: list[dict], params: list[str], out_path: Path) -> str:
     """Bar charts of throughput, TTFT p99, hit rate and preemptions per point."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = [", ".join(f"{p}={row['params'][p]}" for p in params) for row in rows]
     series = (
         ("output_tokens_per_s", "output tokens / s"),
@@ -159,4 +159,4 @@ def plot_sweep(rows: list[dict], params: list[str], out_path: Path) -> str:
         ax.set_title(title, fontsize=9)
         ax.set_xticks(x, labels if ax is axes[-1] else [""] * len(rows), rotation=30, ha="right",
                       fontsize=7)
-    return _save(fig, Path(out_path))
+    return save_figure(fig, Path(out_path))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,25 +65,34 @@ def write_report(result, out_dir: str | Path, plots: bool = True) -> tuple[Path,
 
     Returns (folder, plot file names, a note if plots were skipped).
     """
+    def plot(out: Path) -> list[str]:
+        metrics = result.metrics
+        return plot_run(metrics.step_arrays(), metrics.memory_arrays(), metrics.request_arrays(),
+                        result.config.block_manager.num_blocks, out,
+                        groups=(metrics.groups.windows, metrics.groups.arrays()))
+
+    return write_folder(out_dir, plot if plots else None,
+                        lambda names: build_report(result, names), render_markdown)
+
+
+def write_folder(out_dir: str | Path, plot: Callable[[Path], list[str]] | None,
+                 build: Callable[[list[str]], dict],
+                 render: Callable[[dict, str | None], str]) -> tuple[Path, list[str], str | None]:
+    """A report folder: `plot(folder)` draws the PNGs (None: no plots),
+    `build(plot names)` is report.json, `render(report, note)` report.md.
+    Returns (folder, plot file names, a note if plots were skipped)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names: list[str] = []
     note = None
-    if plots:
+    if plot is not None:
         try:
-            names = plot_run(
-                result.metrics.step_arrays(),
-                result.metrics.memory_arrays(),
-                result.metrics.request_arrays(),
-                result.config.block_manager.num_blocks,
-                out,
-                groups=(result.metrics.groups.windows, result.metrics.groups.arrays()),
-            )
+            names = plot(out)
         except PlottingUnavailable as exc:
             note = str(exc)
-    report = build_report(result, names)
+    report = build(names)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-    (out / "report.md").write_text(render_markdown(report, note))
+    (out / "report.md").write_text(render(report, note))
     return out, names, note
 
 
@@ -98,16 +108,12 @@ def _json_default(value):
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """(metric, value) rows of the headline numbers, for tables."""
-    req, thr, lat = summary["requests"], summary["throughput"], summary["latency"]
+    req = summary["requests"]
     pc, mem, pre = summary["prefix_cache"], summary["memory"], summary["preemptions"]
     book = summary["bookkeeping"]
     rows = [
         ("requests finished / aborted", f"{req['finished']} / {req['aborted']}"),
-        ("simulated time", f"{thr['simulated_seconds']:.1f} s"),
-        ("throughput", f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} out tok/s"),
-        ("TTFT p50 / p99", format_pair(lat["ttft_s"], "s")),
-        ("time per output token p50 / p99", format_pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
-        ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
+        *time_rows(summary),
         ("prefix hit rate (token-weighted)", f"{pc['hit_rate'] * 100:.1f} %"),
         *_bound_rows(pc),
         ("page usage peak / mean", f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
@@ -129,6 +135,18 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         checks = summary["checks"]
         rows.append(("integrity checks / leak check", f"{checks['integrity_checks']} / {checks['leaks']}"))
     return rows
+
+
+def time_rows(summary: dict) -> list[tuple[str, str]]:
+    """The rows of simulated time, throughput and latency."""
+    thr, lat = summary["throughput"], summary["latency"]
+    return [
+        ("simulated time", f"{thr['simulated_seconds']:.1f} s"),
+        ("throughput", f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} out tok/s"),
+        ("TTFT p50 / p99", format_pair(lat["ttft_s"], "s")),
+        ("time per output token p50 / p99", format_pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
+        ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
+    ]
 
 
 def abort_rows(requests: dict) -> list[tuple[str, str]]:

@@ -20,16 +20,16 @@ with nothing else running) is aborted and counted, so a run always ends.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from blockmgr import BlockManager, GroupedStore
 from blockmgr.errors import BlockManagerError
 from scheduler.request import Request
 from scheduler.scheduler import RequestTooLarge, Scheduler
+from scheduler.simulator.arrivals import Arrivals
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.cost_model import step_shape
 from scheduler.simulator.layout import ModelLayout
@@ -68,6 +68,18 @@ class SimulationResult:
 
 
 @dataclass(slots=True, eq=False)
+class PendingStep:
+    """A scheduled step, not yet ended: its output, sampled tokens, simulated
+    duration and the real seconds scheduling it took."""
+
+    out: Any
+    sampled: dict
+    row_tokens: list[int]
+    dt: float
+    bookkeeping: float
+
+
+@dataclass(slots=True, eq=False)
 class _Live:
     spec: RequestSpec
     session: list[RequestSpec]
@@ -85,21 +97,28 @@ class Simulation:
         config: SimulationConfig,
         sessions: Iterable[list[RequestSpec]] | None = None,
         progress: ProgressFn | None = None,
+        *,
+        arrivals: Arrivals | None = None,
+        bound: bool = True,
     ) -> None:
+        """`arrivals`: the queue this run's requests come from (a fleet's
+        replicas share the router's; None: one of `sessions`, or of the
+        config's workload). `bound`: compute a trace's infinite-cache hit
+        rate."""
         self.config = config
         self.now = 0.0
         self.bm = GroupedStore(config.layout.store_config(config.block_manager))
         self.scheduler = Scheduler(config.scheduler, self.bm, clock=self._clock)
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
-        self._sessions = iter(sessions) if sessions is not None else sessions_of(config)
-        # The infinite-cache bound, for traces (O(distinct texts) memory).
-        self._bound = PrefixBound() if config.trace is not None else None
+        if arrivals is None:
+            sessions = iter(sessions) if sessions is not None else sessions_of(config)
+            arrivals = Arrivals(sessions, config.workload.concurrency)
+        self.arrivals = arrivals
+        # The infinite-cache bound, for traces (O(distinct texts) memory); a
+        # fleet's replica leaves it to its router (it sees every request).
+        self._bound = PrefixBound() if config.trace is not None and bound else None
         self._progress = progress
-        self._heap: list = []
-        self._order = itertools.count()
-        self._next_head: list[RequestSpec] | None = None
-        self._free_clients = config.workload.concurrency
         self._live: dict[Hashable, _Live] = {}  # by request id
         self._greedy: dict = {}  # output length -> shared one-sample SamplingParams
         self._num_added = 0
@@ -113,54 +132,15 @@ class Simulation:
 
     # ------------------------------------------------------------- arrivals
 
-    def _pull_heads(self) -> None:
-        """Move arrived open-loop heads, and closed-loop heads a client can
-        take, into the event heap."""
-        while True:
-            if self._next_head is None:
-                self._next_head = next(self._sessions, None)
-                if self._next_head is None:
-                    return
-            head = self._next_head[0]
-            if head.arrival is None:
-                if self._free_clients == 0:
-                    return
-                self._free_clients -= 1
-                self._push(self.now + head.think_time, self._next_head, 0, True)
-            else:
-                if head.arrival > self.now:
-                    return
-                self._push(head.arrival, self._next_head, 0, False)
-            self._next_head = None
-
-    def _push(self, when: float, session: list[RequestSpec], index: int, closed: bool) -> None:
-        heapq.heappush(self._heap, (when, next(self._order), session, index, closed))
-
-    def _next_event(self) -> float | None:
-        times = []
-        if self._heap:
-            times.append(self._heap[0][0])
-        if self._next_head is None:
-            self._next_head = next(self._sessions, None)
-        if self._next_head is not None:
-            head = self._next_head[0]
-            if head.arrival is not None:
-                times.append(head.arrival)
-            elif self._free_clients:
-                times.append(self.now + head.think_time)
-        return min(times) if times else None
-
     def _admit_arrived(self) -> None:
-        self._pull_heads()
-        heap = self._heap
-        while heap and heap[0][0] <= self.now:
-            when, _, session, index, closed = heapq.heappop(heap)
-            self._add(when, session, index, closed)
+        self.arrivals.admit(self.now, self._add)
 
-    def _add(self, when: float, session: list[RequestSpec], index: int, closed: bool) -> None:
+    def _add(self, when: float, session: list[RequestSpec], index: int, closed: bool,
+             prompt: list[int] | None = None) -> None:
         spec = session[index]
         text = self.tokens.text
-        prompt = list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)
+        if prompt is None:
+            prompt = self.prompt_of(spec)
         request = Request(
             spec.request_id,
             prompt,
@@ -178,6 +158,10 @@ class Simulation:
         except RequestTooLarge:  # it could never run: aborted on arrival
             request.metrics.arrival_time = when
             self._finish(spec.request_id, aborted=True, reason=NEVER_FITS)
+
+    def prompt_of(self, spec: RequestSpec) -> list[int]:
+        """The token ids of `spec`'s prompt (a fresh list). O(prompt)."""
+        return list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)
 
     def _sampling(self, spec: RequestSpec):
         """`spec.sampling()`. A one-sample request's depends on its output
@@ -198,23 +182,48 @@ class Simulation:
         wall_start = time.perf_counter()
         while self._advance():
             pass
-        return self._result(time.perf_counter() - wall_start)
+        return self.result(time.perf_counter() - wall_start)
 
     def _advance(self) -> bool:
         """Admit arrivals, then run one step, or move the clock to the next
         arrival when nothing is queued. False once everything is done."""
         self._admit_arrived()
         if self.scheduler.has_unfinished():
-            self._step()
+            step = self.begin_step()
+            if step is not None:
+                self.end_step(step)
             return True
-        upcoming = self._next_event()
+        upcoming = self.arrivals.next_time(self.now)
         if upcoming is None:
             return False
         self.now = max(self.now, upcoming)
         return True
 
-    def _step(self) -> None:
-        """One scheduler step in simulated time; bookkeeping is timed."""
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests are running or waiting: a step is due at `now`."""
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_done(self) -> int:
+        """Requests finished or aborted."""
+        return self._num_done
+
+    @property
+    def num_live(self) -> int:
+        """Requests added and not finished (a router's load)."""
+        return len(self._live)
+
+    def add(self, when: float, session: list[RequestSpec], index: int, closed: bool,
+            prompt: list[int] | None = None) -> None:
+        """Request `session[index]` arrives at `when` (<= `now`); `prompt`:
+        its token ids when the caller has them already."""
+        self._add(when, session, index, closed, prompt)
+
+    def begin_step(self) -> PendingStep | None:
+        """Schedule one step at `now` and price it; None when an empty step
+        aborted a request that can never fit (no time passes: begin again).
+        `end_step` finishes it at `now + step.dt`."""
         sched, perf = self.scheduler, time.perf_counter
         t0 = perf()
         out = sched.schedule()
@@ -222,20 +231,26 @@ class Simulation:
         if out.is_empty:
             self._idle_steps += 1
             if self._unstick(self._idle_steps):
-                return
+                return None
         else:
             self._idle_steps = 0
         sampled, row_tokens = self._sample(out)
         dt = self.config.cost.time_of(step_shape(out, self._attended))
-        self.now += dt
+        return PendingStep(out, sampled, row_tokens, dt, t1 - t0)
+
+    def end_step(self, step: PendingStep) -> None:
+        """The step's end: the clock moves by its duration, the scheduler
+        gets its sampled tokens, finished requests are recorded."""
+        self.now += step.dt
+        sched, perf = self.scheduler, time.perf_counter
         t2 = perf()
-        results = sched.update(out, sampled, deltas=False,  # only finished ones are read
-                               row_tokens=row_tokens)
+        results = sched.update(step.out, step.sampled, deltas=False,  # only finished ones are read
+                               row_tokens=step.row_tokens)
         t3 = perf()
         for result in results:
             if result.finished:
                 self._finish(result.request_id, aborted=False)
-        self._record(out, dt, (t1 - t0) + (t3 - t2))
+        self._record(step.out, step.dt, step.bookkeeping + (t3 - t2))
 
     def _record(self, out, dt: float, bookkeeping: float) -> None:
         """Per-step series; memory snapshots, integrity checks and progress
@@ -303,16 +318,13 @@ class Simulation:
         self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now,
                                                 aborted, reason))
         self._num_done += 1
-        nxt = entry.index + 1
-        if nxt < len(entry.session):
-            follow = entry.session[nxt]
-            self._push(self.now + follow.think_time, entry.session, nxt, entry.closed)
-        elif entry.closed:
-            self._free_clients += 1
+        self.arrivals.follow(entry.session, entry.index, entry.closed, self.now)
 
     # --------------------------------------------------------------- ending
 
-    def _result(self, wall: float) -> SimulationResult:
+    def result(self, wall: float) -> SimulationResult:
+        """The run's summary after its last request (with checks on: the
+        final integrity and leak checks, which drop the prefix cache)."""
         cfg = self.config
         bm = self.bm
         stats = bm.stats

@@ -1,7 +1,8 @@
 """Parameter sweeps: one base config, a grid of overrides, parallel runs.
 
 A grid spec is ``name=v1,v2;name2=v3,v4``: every combination is one point.
-Names are the `SWEEP_PARAMS` below (each maps to one config field). Points
+Names are the `SWEEP_PARAMS` below (each maps to one config field), and a
+fleet's `replicas` and `router` (each point then a `fleet.Fleet`). Points
 run in worker processes (`multiprocessing`, `jobs` at a time); each returns
 its summary. The comparison is written as sweep.json, sweep.md and
 sweep.png. Cost: one simulation per point, `jobs` in parallel.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from blockmgr.kv_format import parse_bytes
 from scheduler.simulator.config import SimulationConfig, apply_kv_memory
+from scheduler.simulator.fleet import FleetSpec, run_fleet
 from scheduler.simulator.plots import PlottingUnavailable, plot_sweep
 from scheduler.simulator.runner import run_simulation
 
@@ -51,6 +53,9 @@ SWEEP_PARAMS: dict[str, tuple[str, str]] = {
     "kv_group_size": ("kv_memory", "group_size"),
 }
 
+#: Sweepable names of a fleet (`fleet.FleetSpec`), not of a server's config.
+FLEET_PARAMS = ("replicas", "router")
+
 DEFAULT_GRID = "num_blocks=1024,2048,4096;enable_prefix_cache=true,false"
 
 
@@ -66,9 +71,9 @@ def parse_grid(spec: str) -> dict[str, list]:
         name = name.strip().replace("-", "_")
         if not eq or not values.strip():
             raise SweepSpecError(f"sweep entry {part!r} must look like name=v1,v2")
-        if name not in SWEEP_PARAMS:
+        if name not in SWEEP_PARAMS and name not in FLEET_PARAMS:
             raise SweepSpecError(
-                f"cannot sweep {name!r} (one of {', '.join(sorted(SWEEP_PARAMS))})"
+                f"cannot sweep {name!r} (one of {', '.join(sorted([*SWEEP_PARAMS, *FLEET_PARAMS]))})"
             )
         if name in grid:
             raise SweepSpecError(f"{name!r} appears twice in the sweep")
@@ -104,6 +109,8 @@ def grid_points(base: SimulationConfig, grid: dict[str, list], mix_parser) -> li
         params = dict(zip(names, values))
         data = copy.deepcopy(base.to_dict())
         for name, value in params.items():
+            if name in FLEET_PARAMS:
+                continue  # the point's fleet (`fleet_of`)
             section, key = SWEEP_PARAMS[name]
             if section == "kv_memory":
                 _set_kv_memory(data, params, key, value)
@@ -116,6 +123,7 @@ def grid_points(base: SimulationConfig, grid: dict[str, list], mix_parser) -> li
         try:
             apply_kv_memory(data)  # a KV memory's page count at the point's block size
             config = SimulationConfig.from_dict(data)
+            fleet_of(params, None)  # a bad replica count or router is refused here
         except ValueError as exc:
             raise ValueError(f"sweep point {params}: {exc}") from None
         points.append((params, config))
@@ -143,11 +151,22 @@ def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
         fmt[key] = value
 
 
+def fleet_of(params: dict, base: FleetSpec | None) -> FleetSpec | None:
+    """The fleet of a point: `base` (the sweep's --replicas/--router) with
+    the point's `replicas` and `router`; None (one server) when neither
+    gives one. Raises ValueError."""
+    if base is None and not any(name in params for name in FLEET_PARAMS):
+        return None
+    base = base or FleetSpec()
+    return FleetSpec(params.get("replicas", base.num_replicas), params.get("router", base.router))
+
+
 def _run_point(args) -> dict:
-    index, params, config_dict = args
+    index, params, config_dict, fleet_dict = args
     config = SimulationConfig.from_dict(config_dict)
-    result = run_simulation(config)
-    return {"index": index, "params": params, "config": config_dict, "summary": result.summary}
+    fleet = fleet_of(params, None if fleet_dict is None else FleetSpec.from_dict(fleet_dict))
+    summary = (run_simulation(config) if fleet is None else run_fleet(config, fleet)).summary
+    return {"index": index, "params": params, "config": config_dict, "summary": summary}
 
 
 def run_sweep(
@@ -155,11 +174,14 @@ def run_sweep(
     jobs: int = 2,
     on_done: Callable[[dict], None] | None = None,
     ray_address: str | None = None,
+    fleet: FleetSpec | None = None,
 ) -> list[dict]:
     """Run every point (on the Ray cluster at `ray_address` when given, "local"
     for a private one of `jobs` CPUs; else in `jobs` processes when > 1);
-    rows in grid order."""
-    tasks = [(i, params, cfg.to_dict()) for i, (params, cfg) in enumerate(points)]
+    rows in grid order. `fleet`: every point is a fleet of this size and
+    router, unless the point names its own (`FLEET_PARAMS`)."""
+    base = None if fleet is None else fleet.to_dict()
+    tasks = [(i, params, cfg.to_dict(), base) for i, (params, cfg) in enumerate(points)]
     rows: list[dict] = []
     if ray_address is not None:
         from scheduler.simulator.sweep_ray import run_on_ray
