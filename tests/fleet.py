@@ -92,7 +92,8 @@ class Fleet:
                  "--host", LOOPBACK, "--port", str(port), *self.serve_args],
                 f"replica-{i}.log"))
         for proc, url in zip(replicas, self.replica_urls):
-            self._wait(proc, lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200)
+            self._wait(proc, "blockmgr serve",
+                       lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200)
         binary = smg_binary()
         if binary is None:
             raise RuntimeError("the smg binary is not installed (pip install 'mlx-blockmgr[fleet]')")
@@ -102,21 +103,21 @@ class Fleet:
             [binary, "launch", "--worker-urls", *self.replica_urls, "--policy", self.policy,
              "--host", LOOPBACK, "--port", str(port), "--prometheus-host", LOOPBACK,
              "--prometheus-port", str(free_port()), *self.smg_args], "smg.log")
-        self._wait(gateway, self._all_ready)
+        self._wait(gateway, "smg", self._all_ready)
 
     def _all_ready(self) -> bool:
         workers = httpx.get(self.url + "/workers", timeout=1).json()["workers"]
         ready = [w for w in workers if w["is_healthy"] and w.get("status", "ready") == "ready"]
         return len(ready) == self.num_replicas
 
-    def _wait(self, proc: subprocess.Popen, up) -> None:
+    def _wait(self, proc: subprocess.Popen, name: str, up) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} "
+                raise RuntimeError(f"{name} exited with {proc.returncode} "
                                    f"(logs in {self.logs})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{proc.args[0]} did not come up in {self.timeout} s")
+                raise RuntimeError(f"{name} did not come up in {self.timeout} s")
             try:
                 if up():
                     return
