@@ -95,7 +95,8 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, out: Path
             "requests_per_s": thr["requests_per_s"],
             "requests_per_replica": [counter(m, "blockmgr_requests_finished_total")
                                      for m in metrics],
-            "errors": summary.get("requests", {}).get("num_failed")}
+            "finished": summary["requests"]["finished"],
+            "submitted": summary["requests"]["submitted"]}
 
 
 def main() -> None:
