@@ -16,23 +16,27 @@ is not a 404 to any of them:
 * `/model_info`, `/get_model_info`: SGLang's model description
   (`is_generation`, no image or audio input).
 * `/v1/loads`, `/loads`: SGLang's load report (SMG's `WorkerLoadResponse`):
-  one data-parallel rank with running and waiting requests, KV tokens used
-  and held (`num_used_tokens`, `max_total_num_tokens`), `token_usage`
-  (pages used / pages, the prefix cache counted as used, as
-  `vllm:kv_cache_usage_perc` counts it, design/serving.md) and the prefix
-  hit rate of finished requests. Fields the engine does not measure
-  (generation throughput, the waiting requests' uncached tokens) are left
-  out, which the gateway reads as unknown (0).
+  one data-parallel rank with running and waiting requests, the KV tokens
+  of the pool (`max_total_num_tokens`), those live sequences hold
+  (`num_used_tokens`) and their share (`token_usage`, the fullest page
+  group's), and the prefix hit rate of finished requests. Fields the
+  engine does not measure (generation throughput, the waiting requests'
+  uncached tokens) are left out, which the gateway reads as unknown (0).
 
-The server keeps answering `/version`, so SMG identifies it as a vLLM
-worker and balances on `/metrics` (`vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`); an SGLang-minded
-client gets the same numbers here. Every answer reads the engine's
-counters at request time, as `/metrics` does: O(1), no engine step.
+`token_usage` is vLLM's and SGLang's meaning: pages a live sequence holds,
+not the prefix cache's evictable pages (`/metrics`' `vllm:kv_cache_usage_perc`
+counts those as used, design/serving.md). SMG 1.13 polls `/loads` and by
+default leaves a worker at 0.8 usage or more out of routing while another
+is under it; with the cache counted a warm replica would read near 1
+and lose the sessions whose prefix it holds. It is counted on the engine
+thread between two steps (`AsyncEngine.call`): O(pages the live sequences
+hold), once per poll (every 10 s by default). The other answers read
+counters at request time, as `/metrics` does: O(1).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -41,6 +45,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from scheduler.async_engine import AsyncEngine
+from scheduler.engine import Engine
+from scheduler.server import HttpError
 
 
 class WorkerInfo:
@@ -64,7 +70,11 @@ class WorkerInfo:
         return JSONResponse(model_info(self.model_name))
 
     async def loads(self, request: HttpRequest) -> Response:
-        return JSONResponse(load_report(self.engine))
+        try:
+            live = await self.engine.call(live_pages)
+        except Exception as error:  # noqa: BLE001 - a stopped engine (503) or a fault (500)
+            return HttpError.of_fault(error).response()
+        return JSONResponse(load_report(self.engine, live))
 
 
 def server_info(engine: AsyncEngine, model_name: str, version: str) -> dict[str, Any]:
@@ -85,10 +95,32 @@ def model_info(model_name: str) -> dict[str, Any]:
             "has_image_understanding": False, "has_audio_understanding": False}
 
 
-def load_report(engine: AsyncEngine) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class LivePages:
+    """Pages live sequences hold in the fullest page group (shared pages
+    once), and that group's pool."""
+
+    num_pages: int
+    num_held: int
+
+
+def live_pages(engine: Engine) -> LivePages:
+    """The fullest page group's pages held by live sequences: what no
+    eviction can free. Run it on the engine thread. O(their pages)."""
+    store = engine.cache.store
+    ids = store.sequence_ids()
+    fullest = LivePages(store.config.num_blocks, 0)
+    for group in store.group_usage():
+        held = {page for seq_id in ids for page in store.block_table(seq_id, group.group)
+                if page is not None}
+        if len(held) * fullest.num_pages > fullest.num_held * group.num_pages:
+            fullest = LivePages(group.num_pages, len(held))
+    return fullest
+
+
+def load_report(engine: AsyncEngine, live: LivePages) -> dict[str, Any]:
     """SGLang's `/v1/loads` answer (SMG's `WorkerLoadResponse`), one rank."""
-    sched, store = engine.engine.scheduler, engine.engine.cache.store
-    config = store.config
+    sched, config = engine.engine.scheduler, engine.engine.cache.store.config
     metrics = engine.metrics
     hit = (metrics.num_cached_tokens / metrics.num_prompt_tokens
            if metrics.num_prompt_tokens else 0.0)
@@ -96,10 +128,10 @@ def load_report(engine: AsyncEngine) -> dict[str, Any]:
     snapshot = {
         "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
         "num_total_reqs": running + waiting,
-        "num_used_tokens": (config.num_blocks - store.num_free_blocks) * config.block_size,
-        "max_total_num_tokens": config.num_blocks * config.block_size,
-        "token_usage": store.usage, "cache_hit_rate": hit,
-        "max_running_requests": sched.config.max_num_seqs,
+        "num_used_tokens": live.num_held * config.block_size,
+        "max_total_num_tokens": live.num_pages * config.block_size,
+        "token_usage": live.num_held / live.num_pages if live.num_pages else 0.0,
+        "cache_hit_rate": hit, "max_running_requests": sched.config.max_num_seqs,
     }
     return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1,
             "loads": [snapshot]}

@@ -10,7 +10,8 @@ replica that served the turn before it: its reported prefix hit is longer
 than anything another replica could hold (the longest common prefix of its
 prompt with the prompt + answer of every other request sent before). The
 replicas answer every probe the gateway sends (no 404 in their access
-logs), and the gateway reads their KV capacity from their load reports.
+logs), the gateway reads their KV capacity from their load reports, and an
+idle replica reports no KV load though its prefix cache is full of pages.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def test_sessions_stick_to_one_replica_behind_smg_cache_aware(model_dir, tmp_pat
             sessions = list(pool.map(lambda s: _run_session(fleet.url, s), range(NUM_SESSIONS)))
         loads = _gateway_loads(fleet.url)
         replica_metrics = [httpx.get(u + "/metrics", timeout=5).text for u in fleet.replica_urls]
+        idle_loads = [httpx.get(u + "/v1/loads", timeout=5).json()["loads"][0]
+                      for u in fleet.replica_urls]
         logs = [fleet.replica_log(i) for i in range(NUM_REPLICAS)]
 
     # the gateway read each replica's load report: its KV tokens are the pool's
@@ -120,6 +123,13 @@ def test_sessions_stick_to_one_replica_behind_smg_cache_aware(model_dir, tmp_pat
     for log in logs:
         assert re.findall(r'"GET [^"]*" 404', log) == []
 
+    # idle, a replica's load is 0 though its prefix cache holds pages: only the pages of
+    # live sequences count (vLLM's meaning), or the gateway's overload protection (0.8 by
+    # default) would turn sessions away from the warm replica that holds their prefix
+    for load, metrics in zip(idle_loads, replica_metrics):
+        assert load["token_usage"] == 0 and load["num_used_tokens"] == 0
+        assert load["num_running_reqs"] == load["num_waiting_reqs"] == 0
+        assert _samples(metrics, "blockmgr_kv_pages_used") > 0
     # every request was served, and more than one replica served them
     finished = [_samples(m, "blockmgr_requests_finished_total") for m in replica_metrics]
     assert sum(finished) == NUM_SESSIONS * NUM_TURNS
