@@ -129,7 +129,8 @@ def test_sessions_stick_to_one_replica_behind_smg_cache_aware(model_dir, tmp_pat
     for load, metrics in zip(idle_loads, replica_metrics):
         assert load["token_usage"] == 0 and load["num_used_tokens"] == 0
         assert load["num_running_reqs"] == load["num_waiting_reqs"] == 0
-        assert _samples(metrics, "blockmgr_kv_pages_used") > 0
+        served = _samples(metrics, "blockmgr_requests_finished_total") > 0
+        assert (_samples(metrics, "blockmgr_kv_pages_used") > 0) == served
     # every request was served, and more than one replica served them
     finished = [_samples(m, "blockmgr_requests_finished_total") for m in replica_metrics]
     assert sum(finished) == NUM_SESSIONS * NUM_TURNS
