@@ -33,6 +33,7 @@ from blockmgr.validation import check_token_range, prompt_list
 from scheduler.async_engine import AsyncEngine
 from scheduler.metrics import ServingMetrics
 from scheduler.server import HttpError, build_app, default_max_body_bytes, json_body
+from scheduler.worker_info import WorkerInfo
 
 #: The routes whose refusals `count_refusals` counts.
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -174,5 +175,7 @@ def build_serving_app(engine: AsyncEngine, model_name: str, *, max_body_bytes: i
     api = OperatorApi(engine, model_name, int(time.time()), max_body_bytes=max_body_bytes,
                       allow_cache_reset=allow_cache_reset)
     engine.metrics.model_name = model_name
-    app = build_app(engine, model_name, max_body_bytes=max_body_bytes, routes=api.routes())
+    gateway = WorkerInfo(engine, model_name, package_version())  # what SMG probes
+    app = build_app(engine, model_name, max_body_bytes=max_body_bytes,
+                    routes=[*api.routes(), *gateway.routes()])
     return count_refusals(app, engine.metrics)

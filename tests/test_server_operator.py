@@ -246,3 +246,42 @@ def test_a_model_name_with_quotes_is_escaped_in_the_label(model_dir):
     build_serving_app(async_engine, 'a"b\\c')
     text = async_engine.metrics.render(engine)
     assert 'blockmgr_kv_pages_total{model_name="a\\"b\\\\c"} 32' in text.splitlines()
+
+
+# ------------------------------------------------------------ what a gateway asks
+
+
+def test_gateway_probes_answer_in_sglangs_shapes_and_loads_count_live_pages(served):
+    """/server_info, /model_info (and their get_ spellings) describe the pool;
+    /v1/loads counts the pages a running request holds (its prompt and
+    outputs so far, in pages of 8) and none once it finished, though the
+    prefix cache still holds its pages (vLLM's meaning of KV usage)."""
+    server, engine, name = served
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(server.url + path).json()
+        assert info["served_model_name"] == name and info["version"] == package_version()
+        assert info["max_total_tokens"] == 256 * 8 and info["page_size"] == 8
+        assert (info["tp_size"], info["dp_size"], info["is_embedding"]) == (1, 1, False)
+    for path in ("/model_info", "/get_model_info"):
+        assert httpx.get(server.url + path).json()["is_generation"] is True
+    prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT * 3}).json()["tokens"]
+    body = {"model": name, "prompt": prompt, "max_tokens": 300, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        (load,) = httpx.get(server.url + "/v1/loads").json()["loads"]
+        for _ in lines:  # to the end
+            pass
+    assert load["num_running_reqs"] == 1 and load["max_total_num_tokens"] == 256 * 8
+    # at least the prompt and a token, at most the prompt and every output, in whole pages
+    low, high = -(-(len(prompt) + 1) // 8) * 8, -(-(len(prompt) + 300) // 8) * 8
+    assert low <= load["num_used_tokens"] <= high
+    assert load["token_usage"] == load["num_used_tokens"] / (256 * 8)
+    wait_idle(engine)
+    (idle,) = httpx.get(server.url + "/loads").json()["loads"]
+    assert idle["num_used_tokens"] == 0 and idle["token_usage"] == 0
+    used = re.search(r"^blockmgr_kv_pages_used\S* (\S+)$", httpx.get(server.url + "/metrics").text,
+                     re.M)
+    assert used is not None and float(used.group(1)) >= low // 8  # the cache kept its pages

@@ -1,0 +1,140 @@
+"""A fleet on this machine: `blockmgr serve` replicas behind the Shepherd
+Model Gateway (`smg launch`), as processes on free loopback ports.
+
+`Fleet(model_dir, num_replicas, policy, tmp)` starts the replicas (each
+with its own log file), waits until each answers /health, then starts
+`smg launch --worker-urls ... --policy POLICY` and waits until the gateway
+lists every replica as ready. Leaving the block stops every process it
+started (SIGTERM, then SIGKILL after a bounded wait), whatever happened.
+Used by tests/test_fleet_gateway.py and benchmarks/fleet_gateway.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+try:  # the HTTP client the openai package uses (httpx before openai 3)
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def smg_binary() -> str | None:
+    """The `smg` console script of this environment (the `fleet` extra), or None."""
+    beside = Path(sys.executable).parent / "smg"
+    return str(beside) if beside.exists() else shutil.which("smg")
+
+
+class Fleet:
+    """The processes of the module doc; `url` is the gateway's, `replica_urls`
+    the replicas' own (to read their /metrics)."""
+
+    def __init__(self, model_dir: Path, num_replicas: int, policy: str, logs: Path, *,
+                 serve_args: tuple[str, ...] = (), smg_args: tuple[str, ...] = (),
+                 timeout: float = 120.0) -> None:
+        self.model_dir, self.num_replicas, self.policy = model_dir, num_replicas, policy
+        self.logs, self.serve_args, self.smg_args = logs, serve_args, smg_args
+        self.timeout = timeout
+        self.procs: list[subprocess.Popen] = []
+        self.files: list[IO[str]] = []
+        self.replica_urls: list[str] = []
+        self.url = ""
+
+    def __enter__(self) -> Fleet:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def replica_log(self, index: int) -> str:
+        return (self.logs / f"replica-{index}.log").read_text()
+
+    def gateway_log(self) -> str:
+        return (self.logs / "smg.log").read_text()
+
+    def _spawn(self, cmd: list[str], log_name: str) -> subprocess.Popen:
+        out = open(self.logs / log_name, "w")  # noqa: SIM115 - closed in stop()
+        self.files.append(out)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.procs.append(proc)
+        return proc
+
+    def _start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        replicas = []
+        for i in range(self.num_replicas):
+            port = free_port()
+            self.replica_urls.append(f"http://{LOOPBACK}:{port}")
+            replicas.append(self._spawn(
+                [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(self.model_dir),
+                 "--host", LOOPBACK, "--port", str(port), *self.serve_args],
+                f"replica-{i}.log"))
+        for proc, url in zip(replicas, self.replica_urls):
+            self._wait(proc, "blockmgr serve",
+                       lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200)
+        binary = smg_binary()
+        if binary is None:
+            raise RuntimeError("the smg binary is not installed (pip install 'mlx-blockmgr[fleet]')")
+        port = free_port()
+        self.url = f"http://{LOOPBACK}:{port}"
+        gateway = self._spawn(
+            [binary, "launch", "--worker-urls", *self.replica_urls, "--policy", self.policy,
+             "--host", LOOPBACK, "--port", str(port), "--prometheus-host", LOOPBACK,
+             "--prometheus-port", str(free_port()), *self.smg_args], "smg.log")
+        self._wait(gateway, "smg", self._all_ready)
+
+    def _all_ready(self) -> bool:
+        workers = httpx.get(self.url + "/workers", timeout=1).json()["workers"]
+        ready = [w for w in workers if w["is_healthy"] and w.get("status", "ready") == "ready"]
+        return len(ready) == self.num_replicas
+
+    def _wait(self, proc: subprocess.Popen, name: str, up) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} "
+                                   f"(logs in {self.logs})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come up in {self.timeout} s")
+            try:
+                if up():
+                    return
+            except (httpx.TransportError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # the gateway first
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for out in self.files:
+            out.close()
+        self.procs, self.files = [], []
