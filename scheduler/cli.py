@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
-from scheduler.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
+from scheduler.serving.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
 from scheduler.simulator.kv_memory import (
     BITS,
     DEFAULT_GROUP_SIZE,
     GROUP_SIZES,
     engine_num_slots,
 )
-from scheduler.status import DEFAULT_STATUS_INTERVAL
+from scheduler.serving.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -618,7 +618,7 @@ def _kv_memory(args, loaded: dict | None) -> dict | None:
     with the --kv-memory, --kv-shape and format options applied. Raises
     ValueError for a format or shape without a memory, a memory without a
     shape, or values `KVMemory` refuses."""
-    from scheduler.serve import parse_bytes
+    from scheduler.serving.serve import parse_bytes
     from scheduler.simulator.kv_memory import KVMemory
 
     fields = kv_format_fields(args)
@@ -966,7 +966,7 @@ def cmd_sweep(args, base) -> int:
 def cmd_serve(args) -> int:
     """Load the model, size the pool, serve until SIGINT/SIGTERM."""
     from cache import KVFormat
-    from scheduler import serve
+    from scheduler.serving import serve
 
     fields = kv_format_fields(args)  # bad options fail before the model loads
     kv_format = None if fields is None else KVFormat(**fields)
@@ -1016,7 +1016,7 @@ def cmd_serve(args) -> int:
 def startup_line(engine, budget) -> str:
     """The pool as allocated (its real bytes), where its size came from,
     and the process's peak resident memory."""
-    from scheduler import serve
+    from scheduler.serving import serve
 
     bm, nbytes = engine.cache.store, engine.cache.nbytes
     slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
@@ -1037,9 +1037,9 @@ def serve_speculation(args) -> dict:
 def cmd_bench(args) -> int:
     """Replay the workload against `--url` and write the report."""
     from blockmgr.errors import InvalidArgument
-    from scheduler.bench_checks import load_warnings
-    from scheduler.bench_report import bench_rows, write_bench_report
-    from scheduler.loadgen import BenchOptions, run_bench
+    from scheduler.serving.bench_checks import load_warnings
+    from scheduler.serving.bench_report import bench_rows, write_bench_report
+    from scheduler.serving.loadgen import BenchOptions, run_bench
     from scheduler.simulator.runner import sessions_of
     from scheduler.simulator.trace import TraceError
 

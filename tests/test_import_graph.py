@@ -70,7 +70,7 @@ def test_every_layer_has_modules_to_check():
 
 @pytest.mark.parametrize("source, module, expected", [
     ("import cache\n", "recurrent.pools", ["recurrent.pools:1 imports cache (above recurrent)"]),
-    ("def f():\n    from scheduler.engine import Engine\n", "cache.paged_cache",
+    ("def f():\n    from scheduler.engine.engine import Engine\n", "cache.paged_cache",
      ["cache.paged_cache:2 imports scheduler (above cache)"]),
     ("import mlx.core as mx\n", "blockmgr.pool", ["blockmgr.pool:1 imports mlx"]),
     ("from ..cache import views\n", "recurrent.sub.x", []),  # resolves to `recurrent`

@@ -58,7 +58,7 @@ from blockmgr.errors import (
 )
 from blockmgr.kv_store import KVStore
 from blockmgr.validation import check_int, token_list
-from scheduler.request import Request, RequestStatus
+from scheduler.core.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
