@@ -133,7 +133,7 @@ def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
         raise ValueError("sweep num_blocks or the KV memory, not both (the memory sizes the pool)")
     memory = data["kv_memory"]
     if key == "budget":
-        from scheduler.serving.serve import parse_bytes
+        from cache.tier_setup import parse_bytes
 
         memory["budget"] = value if isinstance(value, int) else parse_bytes(str(value))
         return
