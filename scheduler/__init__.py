@@ -21,7 +21,7 @@ from scheduler.core.scheduler import (
     StaleSchedulerOutput,
 )
 
-_LAZY = {"AutoRequestId", "Engine", "EngineConfig", "GenerationOutput"}
+_LAZY = {"AutoRequestId", "Engine", "GenerationOutput"}
 _LAZY_ASYNC = {"AsyncEngine", "QueueFull", "EngineStopped"}
 
 
@@ -42,7 +42,6 @@ __all__ = [
     "AutoRequestId",
     "DecodeRows",
     "Engine",
-    "EngineConfig",
     "EngineStopped",
     "GenerationOutput",
     "QueueFull",
