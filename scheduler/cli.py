@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
+from scheduler.core.policies import POLICIES
 from scheduler.serving.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
 from scheduler.simulator.kv_memory import (
     BITS,
@@ -307,7 +308,9 @@ def _add_pool_options(parser) -> None:
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
     s.add_argument("--max-batched-tokens", type=_positive_int)
-    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--policy", choices=tuple(POLICIES),
+                   help="waiting-queue order (default fcfs): " + "; ".join(
+                       f"{p.name}: {p.help}" for p in POLICIES.values()))
     s.add_argument("--preemption", choices=("recompute", "swap"))
     s.add_argument("--long-prefill-threshold", type=_positive_int, metavar="TOKENS")
     s.add_argument("--max-partial-prefills", type=_positive_int, metavar="N")
