@@ -17,7 +17,7 @@ import statistics
 import time
 
 from blockmgr import BlockManager, BlockManagerConfig
-from scheduler.kv_events import KVEventPublisher
+from scheduler.engine.kv_events import KVEventPublisher
 
 
 class NullSink:

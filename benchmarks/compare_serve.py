@@ -41,7 +41,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.loadgen import WORDS  # noqa: E402
+from scheduler.serving.loadgen import WORDS  # noqa: E402
 from tests.serve_model import CHAT_TEMPLATE, EOS  # noqa: E402
 
 VOCAB = 151936

@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from benchmarks.compare_grammars import train_tokenizer
-from scheduler.engine import Engine
-from scheduler.request import SamplingParams
+from scheduler.engine.engine import Engine
+from scheduler.core.request import SamplingParams
 
 
 def build(vocab: int):
@@ -64,7 +64,7 @@ def sampler_cost(batch: int, vocab: int, grammar, quote: int,
                  repeats: int = 200) -> tuple[float, float]:
     """Median seconds of one sampling call over `batch` rows: no mask, and
     one row's mask computed by its matcher (a string kept open) and applied."""
-    from scheduler.sampling import KeyChain, sample_rows
+    from scheduler.engine.sampling import KeyChain, sample_rows
 
     logits = mx.random.normal((batch, vocab))
     params = [SamplingParams(temperature=1.0)] * batch

@@ -7,7 +7,7 @@ engine beforehand). Median seconds per wave and forwards per wave.
 `--long N`: one request of the wave asks N new tokens instead; `--naive`
 also runs each `prefill_batch` with the chunks grouped in arrival order,
 `prefill_batch` at a time, padded to the longest (the grouping before
-`scheduler.prefill_groups`), side by side.
+`scheduler.core.prefill_groups`), side by side.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/prefill_wave.py --clients 32 --prefill-batch 1,8,32
@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compare_serve import qwen3_model  # noqa: E402
 
-import scheduler.engine  # noqa: E402
+import scheduler.engine.engine  # noqa: E402
 from scheduler import Engine, SamplingParams  # noqa: E402
-from scheduler.prefill_groups import prefill_groups  # noqa: E402
+from scheduler.core.prefill_groups import prefill_groups  # noqa: E402
 
 
 def naive_groups(chunks, max_rows):
@@ -77,7 +77,7 @@ def main() -> None:
         wave = [system + rng.integers(10, 150000, n).tolist() for n in lengths]
         for k, engine in engines.items():
             before = engine.stats.num_forwards
-            scheduler.engine.prefill_groups = groupings[k[1]]  # (measuring only)
+            scheduler.engine.engine.prefill_groups = groupings[k[1]]  # (measuring only)
             t0 = time.perf_counter()
             outs = engine.generate(wave, greedy)
             times[k].append(time.perf_counter() - t0)

@@ -110,7 +110,8 @@ def child(kind: str, log: str, argv: list[str]) -> None:
         sys.argv = ["mlx_lm.server", *argv]
         server.main()
     else:
-        from scheduler import cli, engine
+        from scheduler import cli
+        from scheduler.engine import engine
 
         _with_head(recorder, engine.Engine, "_forward",
                    lambda self, group: any(s.sample for s in group))

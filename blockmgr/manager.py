@@ -312,7 +312,7 @@ class BlockManager:
         leaves): each cached prefix starts one of them. What a hit can
         really use along one is `cached_prefix_length(tokens + [t])`, as
         the tokens past the last snapshot or window are not servable.
-        For a cache-aware router's view (`scheduler.kv_events`). Pure;
+        For a cache-aware router's view (`scheduler.engine.kv_events`). Pure;
         O(sum of the paths' lengths)."""
         return [] if self._trie is None else self._trie.cached_paths()
 

@@ -8,8 +8,8 @@
   `server`: the OpenAI-compatible HTTP server (design/serving.md).
 """
 
-from scheduler.request import RequestMetrics, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import (
+from scheduler.core.request import RequestMetrics, Request, RequestStatus, SamplingParams
+from scheduler.core.scheduler import (
     DecodeRows,
     RequestOutput,
     RequestTooLarge,
@@ -21,17 +21,17 @@ from scheduler.scheduler import (
     StaleSchedulerOutput,
 )
 
-_LAZY = {"AutoRequestId", "Engine", "EngineConfig", "GenerationOutput"}
+_LAZY = {"AutoRequestId", "Engine", "GenerationOutput"}
 _LAZY_ASYNC = {"AsyncEngine", "QueueFull", "EngineStopped"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from scheduler import engine
+        from scheduler.engine import engine
 
         return getattr(engine, name)
     if name in _LAZY_ASYNC:
-        from scheduler import async_engine
+        from scheduler.serving import async_engine
 
         return getattr(async_engine, name)
     raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
@@ -42,7 +42,6 @@ __all__ = [
     "AutoRequestId",
     "DecodeRows",
     "Engine",
-    "EngineConfig",
     "EngineStopped",
     "GenerationOutput",
     "QueueFull",

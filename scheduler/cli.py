@@ -29,9 +29,10 @@ from typing import Any
 
 from blockmgr.errors import IntegrityError
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat, parse_bytes
-from scheduler.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
+from scheduler.core.policies import POLICIES
+from scheduler.serving.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
+from scheduler.serving.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.kv_memory import engine_num_slots
-from scheduler.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from scheduler.simulator.lengths import LengthSpecError, parse_length
 from scheduler.simulator.runner import SimulationError
@@ -307,7 +308,9 @@ def _add_pool_options(parser) -> None:
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int)
     s.add_argument("--max-batched-tokens", type=_positive_int)
-    s.add_argument("--policy", choices=("fcfs", "priority"))
+    s.add_argument("--policy", choices=tuple(POLICIES),
+                   help="waiting-queue order (default fcfs): " + "; ".join(
+                       f"{p.name}: {p.help}" for p in POLICIES.values()))
     s.add_argument("--preemption", choices=("recompute", "swap"))
     s.add_argument("--long-prefill-threshold", type=_positive_int, metavar="TOKENS")
     s.add_argument("--max-partial-prefills", type=_positive_int, metavar="N")
@@ -982,7 +985,7 @@ def cmd_sweep(args, base) -> int:
 
 def cmd_serve(args) -> int:
     """Load the model, size the pool, serve until SIGINT/SIGTERM."""
-    from scheduler import serve
+    from scheduler.serving import serve
 
     fields = kv_format_fields(args)  # bad options fail before the model loads
     kv_format = None if fields is None else KVFormat(**fields)
@@ -1032,7 +1035,7 @@ def cmd_serve(args) -> int:
 def startup_line(engine, budget) -> str:
     """The pool as allocated (its real bytes), where its size came from,
     and the process's peak resident memory."""
-    from scheduler import serve
+    from scheduler.serving import serve
 
     bm, nbytes = engine.cache.store, engine.cache.nbytes
     slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
@@ -1053,9 +1056,9 @@ def serve_speculation(args) -> dict:
 def cmd_bench(args) -> int:
     """Replay the workload against `--url` and write the report."""
     from blockmgr.errors import InvalidArgument
-    from scheduler.bench_checks import load_warnings
-    from scheduler.bench_report import bench_rows, write_bench_report
-    from scheduler.loadgen import BenchOptions, run_bench
+    from scheduler.serving.bench_checks import load_warnings
+    from scheduler.serving.bench_report import bench_rows, write_bench_report
+    from scheduler.serving.loadgen import BenchOptions, run_bench
     from scheduler.simulator.runner import sessions_of
     from scheduler.simulator.trace import TraceError
 

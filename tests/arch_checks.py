@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PagedCache
 from scheduler import Engine, SamplingParams
-from scheduler.batch_probe import BatchSupport
+from scheduler.engine.batch_probe import BatchSupport
 from tests.arch_models import VOCAB
 
 TOL = 1e-4

@@ -8,7 +8,7 @@ Three kinds of exception to "passes every check", each with its reason:
 * `MLX_LM_LIMITS`: checks where mlx-lm's own model code computes a batch
   wrong (its own batching is equally wrong). Expected failures, strict: a
   check that starts passing fails the sweep until the entry is removed. The
-  `Engine` check still runs: `scheduler.batch_probe` detects these models
+  `Engine` check still runs: `scheduler.engine.batch_probe` detects these models
   and runs their rows one by one.
 * `PROJECT_GAPS` and `PROJECT_CHECK_GAPS`: open gaps of this project, named
   as such (whole architectures, or single checks of one, not supported

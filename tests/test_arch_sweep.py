@@ -28,7 +28,7 @@ from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 from blockmgr.errors import InvalidArgument
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler import Engine, SamplingParams
-from scheduler.batch_probe import BatchSupport, declared_support, probe_batching, probe_cache
+from scheduler.engine.batch_probe import BatchSupport, declared_support, probe_batching, probe_cache
 from tests.arch_checks import CHECKS, close, forward, reference, tokens
 from tests.arch_models import architectures, build
 from tests.arch_status import (

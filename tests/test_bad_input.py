@@ -24,7 +24,7 @@ from blockmgr import (
 )
 from blockmgr.errors import WrongArgumentType
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import RequestTooLarge, StaleSchedulerOutput
+from scheduler.core.scheduler import RequestTooLarge, StaleSchedulerOutput
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 LONG = list(range(100, 140))  # past the short-list path of the validation

@@ -24,11 +24,11 @@ import pytest
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from scheduler.async_engine import AsyncEngine  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.cli import main  # noqa: E402
-from scheduler.loadgen import BenchOptions, PromptBuilder  # noqa: E402
-from scheduler.serve import load_engine  # noqa: E402
-from scheduler.server import build_app  # noqa: E402
+from scheduler.serving.loadgen import BenchOptions, PromptBuilder  # noqa: E402
+from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.server import build_app  # noqa: E402
 from tests.serve_model import build_model_dir, greedy_reference, load_tiny  # noqa: E402
 from tests.test_server import ServerThread  # noqa: E402
 

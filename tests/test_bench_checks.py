@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.bench_checks import SATURATION_RATIO, load_section, load_warnings
-from scheduler.loadgen import Outcome
+from scheduler.serving.bench_checks import SATURATION_RATIO, load_section, load_warnings
+from scheduler.serving.loadgen import Outcome
 from scheduler.simulator.workloads import RequestSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,10 +76,10 @@ pytest.importorskip("uvicorn")
 
 
 def test_a_rerun_with_the_same_seed_warns_and_fresh_cache_does_not(tmp_path, capsys):
-    from scheduler.async_engine import AsyncEngine
+    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.cli import main
-    from scheduler.operator_api import build_serving_app
-    from scheduler.serve import load_engine
+    from scheduler.serving.operator_api import build_serving_app
+    from scheduler.serving.serve import load_engine
     from tests.serve_model import build_model_dir
     from tests.test_bench import WORKLOAD
     from tests.test_server import ServerThread
@@ -104,10 +104,10 @@ def test_a_rerun_with_the_same_seed_warns_and_fresh_cache_does_not(tmp_path, cap
 
 
 def test_an_offered_rate_far_above_the_server_is_flagged(tmp_path, capsys):
-    from scheduler.async_engine import AsyncEngine
+    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.cli import main
-    from scheduler.operator_api import build_serving_app
-    from scheduler.serve import load_engine
+    from scheduler.serving.operator_api import build_serving_app
+    from scheduler.serving.serve import load_engine
     from tests.serve_model import build_model_dir
     from tests.test_server import ServerThread
 

@@ -12,8 +12,8 @@ import pytest
 
 from blockmgr import BlockManagerConfig, CopyBlock, CopySlot
 from scheduler.cli import main
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
+from scheduler.core.request import Request, SamplingParams
+from scheduler.core.scheduler import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from scheduler.simulator import CostModel, SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.cost_model import COEFFICIENTS, KNEES, StepShape, step_shape
 from scheduler.simulator.layout import ModelLayout

@@ -9,7 +9,7 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from scheduler.chat_output import ChatOutput, ToolFormat, ToolMode
+from scheduler.serving.chat_output import ChatOutput, ToolFormat, ToolMode
 
 FORMAT = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end,
                     json_tools.parse_tool_call)

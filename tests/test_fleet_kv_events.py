@@ -29,7 +29,7 @@ proto = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2_grpc",
                             reason="needs smg-grpc-proto (the gateway's gRPC stubs)")
 
 from scheduler import Engine  # noqa: E402
-from scheduler.kv_events import ZmqSink  # noqa: E402
+from scheduler.engine.kv_events import ZmqSink  # noqa: E402
 from smg_grpc_proto.generated import common_pb2  # noqa: E402
 from tests.fleet import free_port  # noqa: E402
 from tests.test_kv_events import (  # noqa: E402

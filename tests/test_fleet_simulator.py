@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from blockmgr import BlockManagerConfig
 from scheduler.cli import main
-from scheduler.scheduler import SchedulerConfig
+from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator import SimulationConfig, WorkloadConfig, generate, run_simulation
 from scheduler.simulator.approx_tree import ApproxPrefixTree
 from scheduler.simulator.fleet import FleetSpec, run_fleet

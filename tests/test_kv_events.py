@@ -24,7 +24,7 @@ import pytest
 msgpack = pytest.importorskip("msgpack", reason="KV events need the events extra (msgpack)")
 
 from scheduler import Engine, SamplingParams  # noqa: E402
-from scheduler.kv_events import (  # noqa: E402
+from scheduler.engine.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -78,7 +78,7 @@ def test_the_decoder_reads_a_newer_vllm_payload_and_refuses_garbage():
 def test_block_hashes_follow_the_documented_formula():
     """sha256(parent as 8 big-endian bytes + token ids as little-endian
     uint64), first 63 bits; a prompt's first parent is the namespace's seed."""
-    from scheduler.kv_events import chain_hashes
+    from scheduler.engine.kv_events import chain_hashes
 
     def first63(data: bytes) -> int:
         return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") & (2**63 - 1)
@@ -365,7 +365,7 @@ def test_a_failing_sink_or_encoder_changes_no_output_and_the_view_recovers(fault
         sink = FlakySink()
     else:
         sink = RecordingSink()
-        import scheduler.kv_events as kv_events
+        import scheduler.engine.kv_events as kv_events
 
         real, calls = kv_events.encode_batch, []
 
@@ -398,7 +398,7 @@ def test_a_failing_sink_or_encoder_changes_no_output_and_the_view_recovers(fault
 
 def test_a_zmq_subscriber_and_the_replay_socket_see_every_batch():
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
-    from scheduler.kv_events import ZmqSink
+    from scheduler.engine.kv_events import ZmqSink
 
     sink = ZmqSink("tcp://127.0.0.1:*", topic="kv@pod-0@tiny",
                    replay_endpoint="tcp://127.0.0.1:*")
@@ -439,7 +439,7 @@ def wait_sent(sink, publisher, timeout: float = 10.0) -> None:
 
 def replay_all(sink, zmq) -> list[bytes]:
     """Every batch the sink sent, read back through its replay socket."""
-    from scheduler.kv_events import END_OF_REPLAY
+    from scheduler.engine.kv_events import END_OF_REPLAY
 
     replay = zmq.Context.instance().socket(zmq.DEALER)
     replay.connect(sink.replay_last_endpoint)
@@ -464,9 +464,9 @@ def test_the_server_advertises_exactly_what_it_serves(tmp_path):
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from scheduler.async_engine import AsyncEngine
-    from scheduler.serve import load_engine, open_kv_events
-    from scheduler.server import build_app
+    from scheduler.serving.async_engine import AsyncEngine
+    from scheduler.serving.serve import load_engine, open_kv_events
+    from scheduler.serving.server import build_app
     from tests.serve_model import build_model_dir
     from tests.test_server import ServerThread
 
@@ -567,8 +567,8 @@ def test_a_sink_binds_loopback_or_an_interface_and_connects_by_vllms_rule():
     """bind=True binds any host: loopback or an interface name (not every
     interface); vLLM's rule connects to a named host and binds a wildcard."""
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
-    from scheduler.kv_events import ZmqSink, exposes_beyond_machine
-    from scheduler.serve import kv_events_warning
+    from scheduler.engine.kv_events import ZmqSink, exposes_beyond_machine
+    from scheduler.serving.serve import kv_events_warning
 
     for endpoint in ("tcp://127.0.0.1:*", "tcp://lo:*"):
         sink = ZmqSink(endpoint, bind=True)
@@ -619,7 +619,7 @@ def test_a_sink_binds_loopback_or_an_interface_and_connects_by_vllms_rule():
 ])
 def test_the_kv_events_options_name_the_endpoint_and_how_to_open_it(argv, endpoint, bind):
     from scheduler.cli import build_parser
-    from scheduler.serve import kv_events_endpoint
+    from scheduler.serving.serve import kv_events_endpoint
 
     args = build_parser().parse_args(["serve", "--model", "m", *argv])
     assert kv_events_endpoint(args.kv_events, args.kv_events_bind) == (endpoint, bind)
@@ -633,7 +633,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from blockmgr import GroupedStore, GroupedStoreConfig  # noqa: E402
 from blockmgr.errors import BlockManagerError, DuplicateSequence  # noqa: E402
-from scheduler.kv_events import KVEventPublisher  # noqa: E402
+from scheduler.engine.kv_events import KVEventPublisher  # noqa: E402
 
 #: Small alphabet and lengths: prompts share prefixes often.
 PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=14)

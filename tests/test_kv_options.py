@@ -25,10 +25,10 @@ from cache import KVFormat
 from cache.page_format import make_pool
 from cache.page_pool import PoolShape
 from scheduler import cli
-from scheduler.engine import Engine, default_num_slots
-from scheduler.metrics import ServingMetrics
-from scheduler.sampling import SamplingParams
-from scheduler.serve import size_pool
+from scheduler.engine.engine import Engine, default_num_slots
+from scheduler.serving.metrics import ServingMetrics
+from scheduler.engine.sampling import SamplingParams
+from scheduler.serving.serve import size_pool
 from scheduler.simulator.kv_memory import (
     KVMemory,
     KVShape,
@@ -305,7 +305,7 @@ def test_bad_kv_sweeps_are_refused(spec, base_argv, message):
 def test_serve_states_the_simulate_options_of_its_pool(name, fmt):
     """The options `blockmgr serve` prints (read from the model's own caches)
     give `blockmgr simulate` the engine's pages and slots."""
-    from scheduler.serve import simulate_options
+    from scheduler.serving.serve import simulate_options
 
     model = built(name)
     slot, page = reference_bytes(model, fmt)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 
 from scheduler import Engine, RequestStatus, SamplingParams
-from scheduler.prefill_groups import PAD_FRACTION, PAD_TOKENS, prefill_groups
+from scheduler.core.prefill_groups import PAD_FRACTION, PAD_TOKENS, prefill_groups
 from tests.test_engine import assert_no_leak
 from tests.test_store_faults import FailingModel, greedy_reference, tokens
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
@@ -123,7 +123,7 @@ def test_the_served_engine_runs_a_wave_in_few_forwards(tmp_path):
     equal-length prompts 8 at a time: 16 prompts make two head forwards
     plus the decode forward, not 16 plus one, and the outputs equal
     mlx-lm's greedy decode."""
-    from scheduler.serve import load_engine
+    from scheduler.serving.serve import load_engine
     from tests.serve_model import build_model_dir
 
     engine, _ = load_engine(build_model_dir(tmp_path / "tiny"), num_blocks=256, block_size=8)

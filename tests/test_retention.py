@@ -74,7 +74,7 @@ def test_engine_requests_and_the_server_body_carry_the_priority():
     default-priority prompts that push the pool; the server reads the
     OpenAI-compatible extra field `retention_priority`."""
     from scheduler import Engine, SamplingParams
-    from scheduler.server import HttpError, _sampling
+    from scheduler.serving.server import HttpError, _sampling
     from tests.tiny_models import built
 
     engine = Engine(built("llama"), num_blocks=16, block_size=4, max_num_seqs=1)

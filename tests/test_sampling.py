@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from scheduler import Engine, SamplingParams
-from scheduler.sampling import (
+from scheduler.engine.sampling import (
     KeyChain,
     adjust_logits,
     filtered_logprobs,
@@ -267,7 +267,7 @@ def test_user_logits_processors_match_mlx_lm_generate_step(tiny):
 
 
 def test_a_raising_logits_processor_aborts_its_request_only(tiny):
-    from scheduler.request import RequestStatus
+    from scheduler.core.request import RequestStatus
 
     model, tok = tiny
 

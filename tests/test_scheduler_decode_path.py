@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import scheduler.scheduler as scheduler_module
+import scheduler.core.scheduler as scheduler_module
 from blockmgr import BlockManagerConfig
 from blockmgr.errors import OutOfBlocks
 from blockmgr.manager import BlockManager
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import SchedulerConfig
+from scheduler.core.request import Request, SamplingParams
+from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator import SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.layout import layout_named
 

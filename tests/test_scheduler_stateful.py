@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from blockmgr import BlockManager, BlockManagerConfig, InvalidArgument
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.scheduler import SchedulerOutput
+from scheduler.core.scheduler import SchedulerOutput
 from tests.shadow import ShadowStorage
 from tests.test_scheduler import assert_no_leak, shadow_step
 

@@ -1,4 +1,4 @@
-"""`--kv-memory` sizing (`scheduler.serve.size_pool`): a hybrid model's
+"""`--kv-memory` sizing (`scheduler.serving.serve.size_pool`): a hybrid model's
 recurrent slots come off the budget first, pages take the rest.
 
 The reference bytes are mlx-lm's own caches after a one-token forward: the
@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from blockmgr.errors import InvalidArgument
-from scheduler.engine import Engine
-from scheduler.serve import size_pool
+from scheduler.engine.engine import Engine
+from scheduler.serving.serve import size_pool
 from tests.tiny_models import built
 
 BLOCK = 8

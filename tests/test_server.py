@@ -26,9 +26,9 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serve import load_engine  # noqa: E402
-from scheduler.server import build_app  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
+from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.server import build_app  # noqa: E402
 from tests.serve_model import build_model_dir, greedy_reference, load_tiny  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -457,7 +457,7 @@ class GatedModel:
 def test_full_queue_answers_429_and_then_serves(model_dir):
     """With the engine thread held inside a step, requests beyond
     `max_waiting` get 429 at once; the queued ones finish when it goes on."""
-    from scheduler.engine import Engine
+    from scheduler.engine.engine import Engine
 
     model, tok = load_tiny(model_dir)
     gated = GatedModel(model)

@@ -20,12 +20,12 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from blockmgr.errors import InvalidArgument  # noqa: E402
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.constraints import GrammarError, Grammars  # noqa: E402
-from scheduler.engine import Engine  # noqa: E402
-from scheduler.request import RequestStatus, SamplingParams  # noqa: E402
-from scheduler.serve import load_engine  # noqa: E402
-from scheduler.server import build_app  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
+from scheduler.core.constraints import GrammarError, Grammars  # noqa: E402
+from scheduler.engine.engine import Engine  # noqa: E402
+from scheduler.core.request import RequestStatus, SamplingParams  # noqa: E402
+from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.server import build_app  # noqa: E402
 from tests.serve_model import (  # noqa: E402
     ANSWER, CALL, REASONING, THINK, build_agent_model_dir, load_tiny)
 from tests.test_server import ServerThread, wait_idle  # noqa: E402

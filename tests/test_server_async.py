@@ -10,7 +10,7 @@ import pytest
 
 from blockmgr.errors import InvalidArgument
 from scheduler import Engine, SamplingParams
-from scheduler.async_engine import AsyncEngine, EngineStopped
+from scheduler.serving.async_engine import AsyncEngine, EngineStopped
 from tests.serve_model import build_model_dir, load_tiny
 
 PROMPTS = ["Hello world", "The quick brown fox", "A prefix trie", "Streams of"]
@@ -178,7 +178,7 @@ def test_a_raising_step_ends_the_live_requests_with_its_error(tiny):
 
 
 def test_a_raising_status_sink_leaves_every_request_correct(tiny):
-    from scheduler.status import StatusLine
+    from scheduler.serving.status import StatusLine
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [o.text for o in _engine(tiny).generate(PROMPTS, params)]

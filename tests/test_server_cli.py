@@ -234,7 +234,7 @@ def test_serve_allocates_the_pool_at_start_and_logs_its_status(tmp_path):
 def test_serve_sizes_the_pool_from_the_available_memory(tmp_path):
     """Without --kv-memory: --kv-memory-fraction of MemAvailable (read here
     on its own) less the weights; a shared machine moves it a little."""
-    from scheduler.serve import kv_budget
+    from scheduler.serving.serve import kv_budget
 
     model = build_model_dir(tmp_path / "tiny")
     meminfo = Path("/proc/meminfo")

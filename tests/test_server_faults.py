@@ -33,9 +33,9 @@ except ImportError:
     import httpx  # noqa: E402
 
 from scheduler import Engine  # noqa: E402
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serve import load_engine, model_context  # noqa: E402
-from scheduler.server import MAX_STOP_LENGTH, MAX_STOP_STRINGS, build_app  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
+from scheduler.serving.serve import load_engine, model_context  # noqa: E402
+from scheduler.serving.server import MAX_STOP_LENGTH, MAX_STOP_STRINGS, build_app  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.test_server import LOOPBACK, ServerThread  # noqa: E402
 

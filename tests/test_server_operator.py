@@ -19,9 +19,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.operator_api import build_serving_app, package_version  # noqa: E402
-from scheduler.serve import load_engine  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
+from scheduler.serving.operator_api import build_serving_app, package_version  # noqa: E402
+from scheduler.serving.serve import load_engine  # noqa: E402
 from tests.test_server import ServerThread, httpx, wait_idle  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 

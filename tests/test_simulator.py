@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from blockmgr import BlockManager, BlockManagerConfig
-from scheduler.scheduler import SchedulerConfig
+from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator import (
     CostModel,
     LeakError,

@@ -17,7 +17,7 @@ from blockmgr import BlockManagerConfig
 from cache import layer_specs
 from cache.paged_cache import layer_windows
 from scheduler import cli
-from scheduler.scheduler import SchedulerConfig
+from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator import SimulationConfig, WorkloadConfig, run_simulation
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
 from tests.tiny_models import built

@@ -8,8 +8,8 @@ import pytest
 
 from blockmgr.errors import InvalidArgument
 from scheduler import Engine, SamplingParams
-from scheduler.metrics import ServingMetrics
-from scheduler.status import StatusLine
+from scheduler.serving.metrics import ServingMetrics
+from scheduler.serving.status import StatusLine
 from tests.serve_model import build_model_dir, load_tiny
 
 

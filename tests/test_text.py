@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from scheduler import Engine, SamplingParams
-from scheduler.request import RequestStatus
-from scheduler.text import SampleText
+from scheduler.core.request import RequestStatus
+from scheduler.engine.text import SampleText
 from tests.serve_model import build_model_dir, greedy_reference, load_tiny
 
 PROMPTS = ["Hello world", "The quick brown fox", "Paged attention keeps", "A prefix trie"]
@@ -109,7 +109,7 @@ def _first_showing(tok, tokens, stop):
 def test_incremental_detokenizer_equals_decode(tiny):
     import numpy as np
 
-    from scheduler.text import IncrementalDetokenizer
+    from scheduler.engine.text import IncrementalDetokenizer
 
     _, tok = tiny
     rng = np.random.default_rng(0)
@@ -237,7 +237,7 @@ def test_the_stop_automaton_holds_back_and_cuts_at_the_longest_string():
     """Long stop strings sharing their prefixes: after a long text that
     only begins them, the held-back end is the longest one that begins a
     string; the character that completes one cuts at its start."""
-    from scheduler.text import StopStrings
+    from scheduler.engine.text import StopStrings
 
     stops = [("ab" * 200)[:k] + "x" for k in range(100, 116)]  # 16 strings, 100-115 chars
     automaton = StopStrings(stops)
@@ -348,7 +348,7 @@ def test_incremental_detokenizer_keeps_the_first_space_sentencepiece_style():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from scheduler.text import IncrementalDetokenizer
+    from scheduler.engine.text import IncrementalDetokenizer
     from tests.serve_model import SENTENCES
 
     raw = Tokenizer(models.BPE())

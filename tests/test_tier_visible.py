@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from blockmgr.ops import Tier
-from scheduler.metrics import tier_families
-from scheduler.server import cached_tokens_by_tier
+from scheduler.serving.metrics import tier_families
+from scheduler.serving.server import cached_tokens_by_tier
 from tests.test_cache_tiers import A, QUERY, evict_a, make, model_of, pc_page_bytes, run
 
 msgpack = pytest.importorskip("msgpack", reason="KV events need the events extra (msgpack)")

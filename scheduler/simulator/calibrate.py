@@ -174,7 +174,7 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
 
 
 def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder):
-    from scheduler.engine import Engine
+    from scheduler.engine.engine import Engine
 
     per_page = grid.block_size
     pages = -(-(grid.max_context + max(grid.prefill_chunks) + 1) // per_page)  # the long prompt
@@ -190,7 +190,7 @@ def _engine(model: Any, grid: CalibrationGrid, budget: int, recorder: _Recorder)
 def _run(engine, recorder: _Recorder, label: str, prompts, max_tokens: int,
          drawn: bool = False) -> None:
     """Generate `prompts` greedily, or (`drawn`) at temperature 1, seeded."""
-    from scheduler.request import SamplingParams
+    from scheduler.core.request import SamplingParams
 
     recorder.label = label
     if drawn:
@@ -220,7 +220,7 @@ def _measure_unsampled(engine, recorder, source, prefix, budget, key) -> None:
     not; sampling chunks beside decode rows) it separates the per-step,
     per-chunk, per-sampled-chunk and decode-forward terms, which steps whose
     chunks all sample cannot tell apart."""
-    from scheduler.request import SamplingParams
+    from scheduler.core.request import SamplingParams
 
     recorder.label = "warmup"
     engine.add_request(prefix + [key % source.vocab_size], SamplingParams(max_tokens=2))
@@ -295,7 +295,7 @@ def _measure_mixed(engine, recorder, source, prefix, batch, chunks, own, tick) -
     prompt of `prefix` plus each chunk length of fresh tokens hits the
     prefix and computes its chunk (and samples) beside them. Only the mixed
     steps are recorded; the decodes end with the last one."""
-    from scheduler.request import SamplingParams
+    from scheduler.core.request import SamplingParams
 
     recorder.label = "warmup"
     for _ in range(batch):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from blockmgr import BlockManagerConfig
-from scheduler.scheduler import SchedulerConfig
+from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator.cost_model import CostModel
 from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.layout import ModelLayout

@@ -28,7 +28,7 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def engine_num_slots(max_num_seqs: int) -> int:
     """The recurrent slots `blockmgr serve` gives a hybrid model's engine
-    (`scheduler.engine.default_num_slots`, without a draft model): each
+    (`scheduler.engine.engine.default_num_slots`, without a draft model): each
     running sequence's state and a prefix snapshot, plus two."""
     return 2 * max_num_seqs + 2
 

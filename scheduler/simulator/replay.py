@@ -87,7 +87,7 @@ class Replay:
     def __init__(self, config: SimulationConfig, model: Any, description: dict,
                  progress: ProgressFn | None = None, clock: str = "wall",
                  step_listener: Callable[[Any, float], None] | None = None) -> None:
-        from scheduler.engine import Engine
+        from scheduler.engine.engine import Engine
         from scheduler.simulator.calibrate import CLOCKS
         from scheduler.simulator.engine_models import model_layout, vocab_size
 
@@ -161,7 +161,7 @@ class Replay:
             self._add(when, session, index)
 
     def _add(self, when: float, session: list[RequestSpec], index: int) -> None:
-        from scheduler.request import Request
+        from scheduler.core.request import Request
 
         spec = session[index]
         prompt = list(spec.tokens) if spec.tokens is not None else self.tokens.expand(spec.prompt)

@@ -27,8 +27,8 @@ from typing import Any
 
 from blockmgr import BlockManager, GroupedStore
 from blockmgr.errors import BlockManagerError
-from scheduler.request import Request
-from scheduler.scheduler import RequestTooLarge, Scheduler
+from scheduler.core.request import Request
+from scheduler.core.scheduler import RequestTooLarge, Scheduler
 from scheduler.simulator.arrivals import Arrivals
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.cost_model import step_shape

@@ -94,7 +94,7 @@ class RequestSpec:
         """The request's `SamplingParams`: greedy for one sample; n > 1
         samples draw at temperature 1 from a seed of the request, so they
         differ (on the real engine as in the workload's texts)."""
-        from scheduler.request import SamplingParams
+        from scheduler.core.request import SamplingParams
 
         if self.n == 1:
             return SamplingParams(max_tokens=self.output_len)

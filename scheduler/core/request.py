@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_hashable, check_int, check_number, prompt_list, token_list
-from scheduler.constraints import Constraint
+from scheduler.core.constraints import Constraint
 
 #: Seeds are 64-bit (`mlx.core.random.key`).
 MAX_SEED = 2**64 - 1
@@ -88,7 +88,7 @@ class SamplingParams:
         aborts the request after its retries).
     seed: per-request random seed in [0, 2**64) (reproducible sampling),
         None for the engine's global generator.
-    constraint: a `scheduler.constraints.Constraint` (a compiled grammar:
+    constraint: a `scheduler.core.constraints.Constraint` (a compiled grammar:
         JSON Schema, a tool call): each sample draws only tokens its
         grammar allows (applied after bias and penalties). Such a request
         is never speculated. A grammar that fails is its request's fault.
@@ -154,7 +154,7 @@ class SamplingParams:
         self.min_tokens = check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise WrongArgumentType(
-                f"constraint must be a scheduler.constraints.Constraint, got "
+                f"constraint must be a scheduler.core.constraints.Constraint, got "
                 f"{self.constraint!r:.80}")
         self.retention_priority = check_int("retention_priority", self.retention_priority, None)
 

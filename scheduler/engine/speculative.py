@@ -29,9 +29,9 @@ from typing import Any, cast
 import mlx.core as mx
 
 from blockmgr.errors import IntegrityError, OutOfBlocks, OutOfSlots
-from scheduler.request import Request, SamplingParams
-from scheduler.sampling import KeyChain, adjust_logits, filtered_logprobs
-from scheduler.scheduler import AcceptedTokens, ScheduledSeq
+from scheduler.core.request import Request, SamplingParams
+from scheduler.engine.sampling import KeyChain, adjust_logits, filtered_logprobs
+from scheduler.core.scheduler import AcceptedTokens, ScheduledSeq
 
 
 @dataclass(slots=True)

@@ -44,9 +44,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine import Engine
-from scheduler.server import HttpError
+from scheduler.serving.async_engine import AsyncEngine
+from scheduler.engine.engine import Engine
+from scheduler.serving.server import HttpError
 
 
 class WorkerInfo:

@@ -30,10 +30,10 @@ from starlette.routing import Route
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.validation import check_token_range, prompt_list
-from scheduler.async_engine import AsyncEngine
-from scheduler.metrics import ServingMetrics
-from scheduler.server import HttpError, build_app, default_max_body_bytes, json_body
-from scheduler.worker_info import WorkerInfo
+from scheduler.serving.async_engine import AsyncEngine
+from scheduler.serving.metrics import ServingMetrics
+from scheduler.serving.server import HttpError, build_app, default_max_body_bytes, json_body
+from scheduler.serving.worker_info import WorkerInfo
 
 #: The routes whose refusals `count_refusals` counts.
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")

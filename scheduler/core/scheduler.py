@@ -6,8 +6,8 @@ budget (`max_num_batched_tokens`) and a cap on live sequences
 
 1. running sequences first, in queue order: each gets its remaining tokens
    (a decode token, or the next prefill chunk) up to the budget. When the
-   KV store cannot grow a sequence, the lowest-ranked running sequence (the
-   last admitted under "fcfs", the lowest priority under "priority") is
+   KV store cannot grow a sequence, the last running sequence (the policy
+   keeps the running list in its order: `scheduler.core.policies`) is
    preempted, by recompute (`free` with the computed count, so the trie
    keeps what it can; recomputed later from the prompt and its outputs) or
    by swap (pages copied to host memory, brought back later);
@@ -36,12 +36,9 @@ own). No MLX here.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import operator
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,9 +55,9 @@ from blockmgr.errors import (
 )
 from blockmgr.kv_store import KVStore
 from blockmgr.validation import check_int, token_list
-from scheduler.request import Request, RequestStatus
+from scheduler.core.policies import WaitingQueue, policy_named
+from scheduler.core.request import Request, RequestStatus
 
-POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -83,8 +80,9 @@ class SchedulerConfig:
     max_num_batched_tokens: token budget of one step (prefill + decode).
     max_num_seqs: sequences running at once (a request with n samples
         counts n from admission on).
-    policy: "fcfs" (arrival order) or "priority" (lower `Request.priority`
-        first, then arrival).
+    policy: a name in `scheduler.core.policies.POLICIES`: "fcfs" (arrival
+        order), "priority" (lower `Request.priority` first, then arrival) or
+        "lpm" (longest cached prefix first).
     preemption: "recompute" or "swap" (falls back to recompute when host
         memory is short).
     long_prefill_token_threshold: cap on one sequence's prefill chunk per
@@ -109,8 +107,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _require_int("max_num_seqs", self.max_num_seqs, 1)
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        policy_named(self.policy)
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}"
@@ -368,91 +365,19 @@ class _Seq:
             return out[start - p : stop - p]
         return prompt[start:] + out[: stop - p]
 
+    def admission_prompt(self) -> tuple[list[int], Hashable]:
+        """The tokens `allocate` takes for it (the prompt itself when that is
+        all: no copy) and its namespace."""
+        prompt = self.request.prompt_tokens
+        num_tokens = self.num_tokens
+        tokens = prompt if num_tokens == len(prompt) else self.tokens(0, num_tokens)
+        return tokens, self.request.namespace
+
     @property
     def in_prefill(self) -> bool:
         return self.num_tokens - self.num_computed > 1 or self.num_computed < len(
             self.request.prompt_tokens
         )
-
-
-class _WaitQueue:
-    """Waiting sequences: FIFO with a front for "fcfs", a heap for "priority".
-
-    Removal is lazy (a tag on the sequence marks its current entry), so
-    push, pop and remove are O(1) / O(log n).
-    """
-
-    __slots__ = ("_priority", "_deque", "_heap", "_len", "_tags")
-
-    def __init__(self, priority: bool) -> None:
-        self._priority = priority
-        self._deque: deque = deque()
-        self._heap: list = []
-        self._len = 0
-        self._tags = itertools.count(1)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def push(self, seq: _Seq, front: bool = False) -> None:
-        seq.queue_tag = tag = next(self._tags)
-        if self._priority:
-            heapq.heappush(self._heap, (seq.key, tag, seq))
-        elif front:
-            self._deque.appendleft((tag, seq))
-        else:
-            self._deque.append((tag, seq))
-        self._len += 1
-
-    def peek(self) -> _Seq | None:
-        if self._priority:
-            heap = self._heap
-            while heap and heap[0][1] != heap[0][2].queue_tag:
-                heapq.heappop(heap)
-            return heap[0][2] if heap else None
-        dq = self._deque
-        while dq and dq[0][0] != dq[0][1].queue_tag:
-            dq.popleft()
-        return dq[0][1] if dq else None
-
-    def first(self, num: int) -> list[_Seq]:
-        """The next `num` sequences in pop order (at most), none removed.
-        O(num log n) for "priority", O(num + stale entries) for "fcfs"."""
-        if self._priority:
-            live = (entry for entry in self._heap if entry[1] == entry[2].queue_tag)
-            return [entry[2] for entry in heapq.nsmallest(num, live, key=lambda e: e[:2])]
-        out: list[_Seq] = []
-        for tag, seq in self._deque:
-            if len(out) == num:
-                break
-            if tag == seq.queue_tag:
-                out.append(seq)
-        return out
-
-    def pop(self) -> _Seq:
-        seq = self.peek()
-        if seq is None:
-            raise IndexError("pop from an empty waiting queue")
-        if self._priority:
-            heapq.heappop(self._heap)
-        else:
-            self._deque.popleft()
-        seq.queue_tag = 0
-        self._len -= 1
-        return seq
-
-    def remove(self, seq: _Seq) -> None:
-        """Drop `seq`'s entry (lazily). O(1)."""
-        if seq.queue_tag:
-            seq.queue_tag = 0
-            self._len -= 1
-
-    def __iter__(self):
-        entries = sorted(self._heap) if self._priority else self._deque
-        for entry in entries:
-            seq = entry[-1]
-            if seq.queue_tag == (entry[1] if self._priority else entry[0]):
-                yield seq
 
 
 # ---------------------------------------------------------------- scheduler
@@ -480,8 +405,9 @@ class Scheduler:
         self._block_size = kv.block_size
         self._hybrid = kv.is_hybrid
         self._prefix_cache = kv.enable_prefix_cache
-        self._priority = config.policy == "priority"
-        self._waiting = _WaitQueue(self._priority)
+        policy = policy_named(config.policy)
+        self._waiting: WaitingQueue[_Seq] = policy.new_queue(kv)
+        self._insert = policy.insert_running
         self._running: list[_Seq] = []
         self._requests: dict[Hashable, Request] = {}
         self._seqs_of: dict[Hashable, list[_Seq]] = {}
@@ -509,9 +435,7 @@ class Scheduler:
         out: list[tuple[list[int], Hashable]] = []
         for seq in self._waiting.first(num):
             if not seq.swapped:
-                prompt = seq.request.prompt_tokens
-                tokens = prompt if seq.num_tokens == len(prompt) else seq.tokens(0, seq.num_tokens)
-                out.append((tokens, seq.request.namespace))
+                out.append(seq.admission_prompt())
         return out
 
     @property
@@ -827,10 +751,7 @@ class Scheduler:
         return True
 
     def _insert_running(self, seq: _Seq) -> None:
-        if self._priority:
-            bisect.insort(self._running, seq, key=_seq_key)
-        else:
-            self._running.append(seq)
+        self._insert(self._running, seq)
 
     def _chunk(self, seq: _Seq, budget: int) -> int:
         """Tokens of `seq` to compute this step (>= 1 when budget >= 1)."""
@@ -1427,8 +1348,6 @@ def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: l
         seq.in_flight = True
 
 
-def _seq_key(seq: _Seq) -> tuple:
-    return seq.key
 
 
 def _extend(ops: list, plan) -> None:

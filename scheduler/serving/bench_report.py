@@ -16,7 +16,7 @@ import json
 import platform
 from pathlib import Path
 
-from scheduler.bench_checks import load_warnings
+from scheduler.serving.bench_checks import load_warnings
 from scheduler.simulator.plots import PlottingUnavailable, plot_latency
 from scheduler.simulator.report import REPORT_VERSION, format_pair
 

@@ -2,7 +2,7 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streaming by
 server-sent events, or one JSON answer), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text, `scheduler.metrics`), and the prefix
+`GET /metrics` (Prometheus text, `scheduler.serving.metrics`), and the prefix
 cache's pins: `POST /v1/cache/pins` ({"pin_id", "prompt" or "messages",
 "cache_salt"?}), `GET /v1/cache/pins`, `DELETE /v1/cache/pins/{pin_id}`.
 
@@ -48,12 +48,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from blockmgr.errors import BlockManagerError, IntegrityError, InvalidArgument, UnknownSequence
-from scheduler.agent_api import AgentOptions
-from scheduler.async_engine import AsyncEngine, EngineStopped, QueueFull
-from scheduler.chat_output import ChatOutput
-from scheduler.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
-from scheduler.scheduler import RequestOutput
-from scheduler.text import ChatPrompt
+from scheduler.serving.agent_api import AgentOptions
+from scheduler.serving.async_engine import AsyncEngine, EngineStopped, QueueFull
+from scheduler.serving.chat_output import ChatOutput
+from scheduler.core.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
+from scheduler.core.scheduler import RequestOutput
+from scheduler.engine.text import ChatPrompt
 
 #: OpenAI's default max_tokens for /v1/completions.
 DEFAULT_MAX_TOKENS = 16

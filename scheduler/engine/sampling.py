@@ -33,8 +33,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from scheduler.constraints import unpack_masks
-from scheduler.request import SamplingParams, TokenLogprob
+from scheduler.core.constraints import unpack_masks
+from scheduler.core.request import SamplingParams, TokenLogprob
 
 #: (prompt tokens, output tokens so far) of a row; needed for penalties.
 History = tuple[Sequence[int], Sequence[int]]

@@ -38,12 +38,12 @@ from typing import Any
 
 from blockmgr.errors import BlockManagerError, IntegrityError, WrongArgumentType
 from blockmgr.validation import check_int
-from scheduler.engine import Engine
-from scheduler.metrics import ServingMetrics
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import RequestOutput
-from scheduler.status import StatusLine
-from scheduler.text import is_text_prompt, stop_strings
+from scheduler.engine.engine import Engine
+from scheduler.serving.metrics import ServingMetrics
+from scheduler.core.request import Request, SamplingParams
+from scheduler.core.scheduler import RequestOutput
+from scheduler.serving.status import StatusLine
+from scheduler.engine.text import is_text_prompt, stop_strings
 
 
 class QueueFull(BlockManagerError):

@@ -26,7 +26,7 @@ A forward that raises counts as never run: its tokens are not computed
 (`PagedCache.step` rolls it back), the scheduler gives the same work again
 next step, and outputs of the forwards that did finish are kept. Rows of a
 failed batch then run alone; a row that keeps failing alone has its request
-aborted with the error (`scheduler.faults`). An `Exception` is contained
+aborted with the error (`scheduler.engine.faults`). An `Exception` is contained
 that way and counted (`EngineStats.num_forward_errors`); any other
 `BaseException` (KeyboardInterrupt) is re-raised after the rollback. The
 next `step()` continues either way.
@@ -46,28 +46,28 @@ import mlx.core as mx
 from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import KVFormat, LayerKind, PagedCache, layer_specs
-from scheduler.batch_probe import BatchSupport, probe_batching, probe_cache
-from scheduler.constraints import Grammars, RowMatcher
-from scheduler.faults import ForwardFaults
-from scheduler.kv_events import EventSink, open_publisher
-from scheduler.prefill_groups import prefill_groups
-from scheduler.request import (
+from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
+from scheduler.core.constraints import Grammars, RowMatcher
+from scheduler.engine.faults import ForwardFaults
+from scheduler.engine.kv_events import EventSink, open_publisher
+from scheduler.core.prefill_groups import prefill_groups
+from scheduler.core.request import (
     Request,
     RequestMetrics,
     RequestStatus,
     SamplingParams,
     TokenLogprob,
 )
-from scheduler.sampling import KeyChain, sample_rows, token_logprobs
-from scheduler.scheduler import (
+from scheduler.engine.sampling import KeyChain, sample_rows, token_logprobs
+from scheduler.core.scheduler import (
     RequestOutput,
     ScheduledSeq,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from scheduler.speculative import Speculator
-from scheduler.text import SampleText, TextCodec, is_text_prompt, stop_strings
+from scheduler.engine.speculative import Speculator
+from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
 
 Callback = Callable[[RequestOutput], None]
 #: Called after every non-empty step with its scheduled work and its duration
@@ -189,17 +189,17 @@ class Engine:
     forwards of at most 6 tokens on private storage); where mlx-lm's model
     code cannot batch (`self.batching`), those rows run one by one.
     `max_forward_retries`: solo failures in a row after which a request's
-    forward fault is its own and it is aborted (`scheduler.faults`).
+    forward fault is its own and it is aborted (`scheduler.engine.faults`).
 
     `tokenizer` (an mlx-lm `TokenizerWrapper`, as `mlx_lm.load` gives):
     prompts may then be text or chat messages, outputs carry text
     (`RequestOutput.new_text`, `GenerationOutput.texts`), `SamplingParams.stop`
     strings apply, and the tokenizer's end-of-sequence tokens stop a sample
-    unless `ignore_eos` (`scheduler.text`).
+    unless `ignore_eos` (`scheduler.engine.text`).
 
     `kv_events` (a ZMQ endpoint such as "tcp://*:5557", or an `EventSink`):
     after every step and abort, publish what the prefix cache can serve in
-    vLLM's KV-event format, for cache-aware routers (`scheduler.kv_events`;
+    vLLM's KV-event format, for cache-aware routers (`scheduler.engine.kv_events`;
     needs the `events` extra). `close()` closes its socket.
 
     `kv_bits` (8 or 4) and `kv_group_size` (32, 64, 128; default 64), or a
@@ -726,7 +726,7 @@ class Engine:
 
     def _run_prefill(self, prefill: list[ScheduledSeq], run: _StepRun) -> None:
         """Prefill chunks alone or in groups of up to `prefill_batch` with
-        bounded padding (`scheduler.prefill_groups`)."""
+        bounded padding (`scheduler.core.prefill_groups`)."""
         k = self.prefill_batch if self.batching.prefill else 1
         if k == 1:
             for seq in prefill:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from blockmgr.errors import IntegrityError, InvalidArgument
-from scheduler.bench_checks import load_section
+from scheduler.serving.bench_checks import load_section
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.tokens import TokenSource

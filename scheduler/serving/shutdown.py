@@ -19,7 +19,7 @@ import logging
 
 import uvicorn
 
-from scheduler.async_engine import AsyncEngine, EngineStopped
+from scheduler.serving.async_engine import AsyncEngine, EngineStopped
 
 #: Seconds the handlers get after the abort to send their last bytes.
 DRAIN_SECONDS = 5.0

@@ -9,7 +9,7 @@ read from config.json as vLLM reads it) or a smaller one asked for, never
 more than the pool holds. `run(...)` serves it with uvicorn until SIGINT or
 SIGTERM (uvicorn stops accepting, lets in-flight responses finish for
 `graceful_seconds`, then the engine ends what is left so that every
-response still ends cleanly: `scheduler.shutdown`).
+response still ends cleanly: `scheduler.serving.shutdown`).
 `blas_hint()` is the one line printed on Linux when MLX's CPU backend runs
 on the reference BLAS (the `mlx[cpu]` wheel bundles it: about 5.5 GFLOPS on
 a 1024^3 float32 matmul, against about 230 with OpenBLAS preloaded).
@@ -150,7 +150,7 @@ def touch_pool(engine: Any) -> None:
     """Allocate (and write) the engine's page pools and slots now, not at
     the first request: one two-token request of token 0, its cache then
     dropped. Cost: two one-token forwards and writing the whole pool."""
-    from scheduler.request import SamplingParams
+    from scheduler.core.request import SamplingParams
 
     engine.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
     engine.reset_prefix_cache()
@@ -188,7 +188,7 @@ def size_pool(model: Any, budget: int, block_size: int, max_num_seqs: int,
     Raises `InvalidArgument` when not even the slots and one page fit.
     Cost: two one-token forwards (three for a quantized format, whose head
     sizes are checked first)."""
-    from scheduler.engine import default_num_slots
+    from scheduler.engine.engine import default_num_slots
 
     per_slot = slot_bytes(model)
     num_slots = default_num_slots(max_num_seqs) if per_slot else 0
@@ -305,8 +305,8 @@ def load_engine(path: str | Path, *, kv_memory: str | None = None,
     (`load_draft`): the engine then speculates."""
     import mlx_lm
 
-    from scheduler.engine import Engine
-    from scheduler.scheduler import SchedulerConfig
+    from scheduler.engine.engine import Engine
+    from scheduler.core.scheduler import SchedulerConfig
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -370,7 +370,7 @@ def open_kv_events(endpoint: str | None, topic: str = "", replay_endpoint: str |
     as `ZmqSink` (None: vLLM's rule)."""
     if endpoint is None:
         return None
-    from scheduler.kv_events import ZmqSink
+    from scheduler.engine.kv_events import ZmqSink
 
     return ZmqSink(endpoint, topic=topic, replay_endpoint=replay_endpoint, bind=bind)
 
@@ -379,7 +379,7 @@ def kv_events_endpoint(option: str | None, bind: bool) -> tuple[str | None, bool
     """(endpoint, bind) of `--kv-events [ENDPOINT]` and `--kv-events-bind`:
     the option alone ("") binds `kv_events.DEFAULT_ENDPOINT` (loopback); an
     endpoint binds with `bind`, else follows vLLM's rule (None)."""
-    from scheduler.kv_events import DEFAULT_ENDPOINT
+    from scheduler.engine.kv_events import DEFAULT_ENDPOINT
 
     if option == "":
         return DEFAULT_ENDPOINT, True
@@ -390,7 +390,7 @@ def kv_events_warning(endpoint: str | None, replay_endpoint: str | None,
                       bind: bool | None) -> str | None:
     """One line when the KV events (every cached prompt's token ids, sent
     unauthenticated) would listen on every network interface."""
-    from scheduler.kv_events import exposes_beyond_machine, vllm_binds
+    from scheduler.engine.kv_events import exposes_beyond_machine, vllm_binds
 
     exposed = [e for e, binds in ((endpoint, bind), (replay_endpoint, True))
                if e is not None and (binds or (binds is None and vllm_binds(e)))
@@ -430,17 +430,17 @@ def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         max_body_bytes: int | None = None, allow_cache_reset: bool = False,
         status_interval: float | None = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `graceful_seconds`
-    to finish, then end cleanly (`scheduler.shutdown`). `max_body_bytes`:
+    to finish, then end cleanly (`scheduler.serving.shutdown`). `max_body_bytes`:
     None for the server's default (`server.default_max_body_bytes`).
     `allow_cache_reset`: serve `POST /reset_prefix_cache` (`operator_api`).
     `status_interval`: seconds between status lines in the log while busy
-    (`scheduler.status`; None: none)."""
+    (`scheduler.serving.status`; None: none)."""
     import uvicorn
 
-    from scheduler.async_engine import AsyncEngine
-    from scheduler.operator_api import build_serving_app
-    from scheduler.shutdown import GracefulServer
-    from scheduler.status import StatusLine
+    from scheduler.serving.async_engine import AsyncEngine
+    from scheduler.serving.operator_api import build_serving_app
+    from scheduler.serving.shutdown import GracefulServer
+    from scheduler.serving.status import StatusLine
 
     log = logging.getLogger("uvicorn.error")  # uvicorn's log, which it configures
 
