@@ -409,7 +409,8 @@ class BlockManager:
         """
         self._seqs.check_new_id(seq_id)
         checked, packed = self._checked_prompt(tokens, namespace, packed)
-        retention = check_int("retention", retention, None)
+        if type(retention) is not int:  # an exact int needs no check
+            retention = check_int("retention", retention, None)
         if match is None:
             match = self._match(namespace, checked, packed)
         num_tokens, num_cached = len(checked), match.num_tokens
@@ -526,8 +527,8 @@ class BlockManager:
         `num_tokens` with `num_cached` of them matched: the new pages, a copy
         of a partly matched last page, and the group's watermark."""
         block_size = self._block_size
-        num_pages = -(-num_tokens // block_size) - -(-num_cached // block_size)
-        num_pages += 1 if num_cached % block_size else 0
+        # ceil(tokens) - ceil(cached) + (a copy of a partly matched page) pages
+        num_pages = -(-num_tokens // block_size) - num_cached // block_size
         if self._watermarks is None:
             return [num_pages] * len(self._groups)
         return [num_pages + watermark for watermark in self._watermarks]
@@ -1334,11 +1335,12 @@ class BlockManager:
         it fits). Checked in the order group 0, the slots, the other groups
         (the slots are group 0's): the first that cannot. Pure."""
         trie = self._trie
-        num_groups = len(self._groups)
-        for group, need in zip(self._groups, needs):
-            if not group.can_make_room(need, trie):
-                return group.room_error(what, need, num_groups)
-            if group.index == 0:
+        for group in self._groups:
+            need = needs[group.index]
+            short = need - group.pages.num_free  # reclaimable by evicting the trie?
+            if short > 0 and (trie is None or not trie.can_free_pages(short, group.index)):
+                return group.room_error(what, need, len(self._groups))
+            if group.index == 0 and self._slots is not None:
                 error = self._slot_room_error(what, num_slots)
                 if error is not None:
                     return error
@@ -1373,13 +1375,14 @@ class BlockManager:
             raise error
         trie = self._cache  # nothing would be reclaimable without it
         slots = self._slots
-        for group, need in zip(self._groups, needs):
-            if need > group.pages.num_free:
-                trie.evict_pages(need, group.index)
-            if group.index == 0 and slots is not None and num_slots > slots.num_free:
-                trie.evict_slots(num_slots)
-        if not self._fits(needs, num_slots):
-            raise IntegrityError("eviction freed less than its plan promised")
+        for group in self._groups:
+            # Eviction only frees: a group that fits stays so as others evict.
+            need = needs[group.index]
+            if need > group.pages.num_free and not trie.evict_pages(need, group.index):
+                raise IntegrityError("eviction freed less than its plan promised")
+            if group.index == 0 and slots is not None and num_slots > slots.num_free \
+                    and not trie.evict_slots(num_slots):
+                raise IntegrityError("eviction freed fewer slots than its plan promised")
         if isinstance(trie, TieredTrie):
             return tuple(trie.take_ops())
         return NO_OPS

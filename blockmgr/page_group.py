@@ -18,7 +18,7 @@ from blockmgr.config import BlockManagerConfig
 from blockmgr.errors import IntegrityError, OutOfBlocks
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PageList, PrefixMatch, PrefixTrie
+from blockmgr.prefix_trie import PageList, PrefixMatch
 from blockmgr.sequence import Sequence, held, held_page
 
 
@@ -64,12 +64,6 @@ class PageGroup:
     def fits(self, num_pages: int) -> bool:
         """Are `num_pages` pages free now (no eviction)? O(1)."""
         return num_pages <= self.pages.num_free
-
-    def can_make_room(self, num_pages: int, trie: PrefixTrie | None) -> bool:
-        """Are `num_pages` pages free or reclaimable by evicting the prefix
-        cache's unlocked entries? Pure."""
-        short = num_pages - self.pages.num_free
-        return short <= 0 or (trie is not None and trie.can_free_pages(short, self.index))
 
     def room_error(self, what: str, num_pages: int, num_groups: int) -> OutOfBlocks:
         """The error of a call that `what` ("need", ...) `num_pages` pages

@@ -264,6 +264,7 @@ class PrefixTrie:
         self._windowed = bool(self._windowed_groups)
         #: `PrefixMatch.released` of a hit with no window anywhere (shared, never mutated).
         self._no_release = (0,) * len(self._groups)
+        self._group_indexes = range(len(self._groups))
         self._slots = slots
         self._hybrid = slots is not None
         self._listener = listener
@@ -523,7 +524,7 @@ class PrefixTrie:
             lock = path[-2] if len(path) > 1 else None
         num_locked_pages = lock.end // block_size if lock is not None else 0
         pages = []
-        for group in range(len(self._groups)):
+        for group in self._group_indexes:
             group_pages = self._pages_along(path, group)
             del group_pages[num_pages:]
             pages.append(group_pages)
@@ -576,7 +577,7 @@ class PrefixTrie:
 
     def touch(self, path: Sequence[TrieNode], retention: int = 0) -> None:
         """Mark the nodes of `path` most recently used, with the retention
-        priority of the call that used them (see `_lru_key`)."""
+        priority of the call that used them (see `_reindex`)."""
         self._clock += 1
         clock = self._clock
         for node in path:
@@ -585,19 +586,17 @@ class PrefixTrie:
             if node.lock_count == 0:
                 self._reindex(node)
 
-    @staticmethod
-    def _lru_key(node: TrieNode) -> tuple[int, int, int]:
-        """A node's place in the LRU lists: lowest retention priority first,
-        then least recently used (eviction and demotion take the first).
-        A node's priority is that of the last call that hit or cached it."""
-        return (node.retention, node.last_access, node.node_id)
-
     def _reindex(self, node: TrieNode) -> None:
-        """Put `node` in the LRU lists it qualifies for, at its current age."""
+        """Put `node` in the LRU lists it qualifies for, at its current age.
+
+        A node's place in the LRU lists (its key) is `(retention,
+        last_access, node_id)`: lowest retention priority first, then least
+        recently used (eviction and demotion take the first). A node's
+        priority is that of the last call that hit or cached it."""
         if node.lock_count and node.leaf_key is None and node.slot_key is None:
             return  # locked: in no list, and stays out
         unlocked = node.lock_count == 0 and node.parent is not None
-        key = self._lru_key(node)
+        key = (node.retention, node.last_access, node.node_id)
         leaf_key = key if unlocked and not node.num_hot_children else None
         if leaf_key != node.leaf_key:
             frontier = self._frontiers[node.tier]
@@ -631,7 +630,7 @@ class PrefixTrie:
     ) -> tuple[TrieNode | None, bool]:
         """Cache `tokens`, whose KV is in `tables` (per page group, one page
         per page index). `retention`: the inserter's retention priority
-        (every node of the path takes it, see `_lru_key`).
+        (every node of the path takes it, see `_reindex`).
 
         The trie takes its own references to the pages it keeps (and to
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
@@ -815,11 +814,13 @@ class PrefixTrie:
         num_tokens = len(tokens)
         first, end = pos // block_size, -(-num_tokens // block_size)
         pages = []
-        for group, record in enumerate(self._groups):
-            if record.window is None:
+        groups = self._groups
+        for group in self._group_indexes:
+            window = groups[group].window
+            if window is None:
                 held = tables[group][first:end]
             else:
-                held = self._kept_pages(tables[group], first, end, num_tokens, record.window)
+                held = self._kept_pages(tables[group], first, end, num_tokens, window)
             self._hold_pages(held, group)
             pages.append(held)
         child = self._new_node(
@@ -973,12 +974,13 @@ class PrefixTrie:
             return pages  # type: ignore[return-value]  # a full-attention group has no holes
         return _present(pages)
 
-    def evict_pages(self, num_free_wanted: int, group: int) -> None:
+    def evict_pages(self, num_free_wanted: int, group: int) -> bool:
         """Evict LRU unlocked leaves (every group's pages of each) until the
-        pool of page group `group` has `num_free_wanted` free."""
+        pool of page group `group` has `num_free_wanted` free; whether it has."""
         pages = self._groups[group].pool
         while pages.num_free < num_free_wanted and self._leaf_lru:
             self._evict(self._nodes[self._leaf_lru[0][-1]])
+        return pages.num_free >= num_free_wanted
 
     def can_free_slots(self, num_slots: int) -> bool:
         """Could dropping unlocked snapshots free `num_slots` slots? Pure.
@@ -997,8 +999,9 @@ class PrefixTrie:
                     return True
         return False
 
-    def evict_slots(self, num_free_wanted: int) -> None:
-        """Drop LRU unlocked snapshots until the slot pool has enough free.
+    def evict_slots(self, num_free_wanted: int) -> bool:
+        """Drop LRU unlocked snapshots until the slot pool has enough free;
+        whether it has.
 
         An interior node becomes a tombstone and keeps its pages; a leaf is
         evicted whole (no leaf is a tombstone). Each round takes one node
@@ -1011,6 +1014,7 @@ class PrefixTrie:
                 self._drop_snapshot(node)
             else:
                 self._evict(node)
+        return slots.num_free >= num_free_wanted
 
     def reset(self) -> None:
         """Evict every unlocked entry."""
@@ -1055,10 +1059,9 @@ class PrefixTrie:
         if node.tier == parent.tier:
             parent.num_hot_children -= 1
         tier = node.tier
-        for group, record in enumerate(self._tier_groups[tier]):
-            record.num_evicted_pages += self._drop_pages(
-                self._group_pages(node, group), group, tier
-            )
+        records = self._tier_groups[tier]
+        for group in self._group_indexes:
+            records[group].num_evicted_pages += self._drop_pages(node.pages[group], group, tier)
         if node.slot is not None:
             self._tier_slot_pool(tier).release(node.slot)
             node.slot = None
@@ -1153,18 +1156,22 @@ class PrefixTrie:
                 num_new += 1
         record.num_pages_held += num_new
 
-    def _drop_pages(self, pages: list[int], group: int, tier: int = 0) -> int:
+    def _drop_pages(self, pages: Sequence[int | None], group: int, tier: int = 0) -> int:
         """Drop the trie's reference to each page (of page group `group` in
-        `tier`); return how many became free."""
+        `tier`; a windowed group's holes are skipped, as `_hold_pages`
+        does); return how many became free."""
         record = self._tier_groups[tier][group]
+        held: list[int] = pages  # type: ignore[assignment]
+        if record.window is not None:
+            held = _present(pages)
         refs = record.trie_refs
         num_gone = 0
-        for page in pages:
+        for page in held:
             refs[page] -= 1
             if refs[page] == 0:
                 num_gone += 1
         record.num_pages_held -= num_gone
-        return record.pool.release_all(pages)
+        return record.pool.release_all(held)
 
     # --------------------------------------------------------------- checking
 
@@ -1309,7 +1316,7 @@ class PrefixTrie:
             if child.lock_count == node.lock_count and child.tier == node.tier:
                 raise IntegrityError(f"{_node_where(node)} should have been merged into its child")
         _check_children(node)
-        key = self._lru_key(node)
+        key = (node.retention, node.last_access, node.node_id)  # as `_reindex` keys it
         unlocked = node.lock_count == 0
         want_leaf = key if unlocked and not node.num_hot_children else None
         want_slot = key if unlocked and node.slot is not None and not node.tier else None
@@ -1337,7 +1344,7 @@ def _check_children(node: TrieNode) -> None:
                              f"in its tier, has {tiers.count(node.tier)}")
 
 
-def _present(pages: PageList) -> list[int]:
+def _present(pages: Sequence[int | None]) -> list[int]:
     """The pages of a windowed group's list that are held (not holes)."""
     return [page for page in pages if page is not None]
 
