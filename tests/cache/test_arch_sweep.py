@@ -22,7 +22,6 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
 
 from blockmgr.errors import InvalidArgument
@@ -37,6 +36,7 @@ from tests.arch_status import (
     UNBUILDABLE,
     expected_failure,
 )
+from tests.reference import greedy_reference
 
 FULL = os.environ.get("BLOCKMGR_ARCH_SWEEP") == "full"
 
@@ -129,7 +129,7 @@ def test_engine_without_probe_batches_rows_mlx_lm_computes_wrong():
     batched_decode check), which only the probe catches."""
     model = _model("gemma2")
     prompts = [tokens(14, 5), tokens(15, 11), tokens(16, 19)]
-    want = [_greedy(model, p, 2) for p in prompts]
+    want = [greedy_reference(model, p, 2) for p in prompts]
     engine = Engine(model, num_blocks=64, block_size=8, batch_probe=False)
     assert engine.batching == BatchSupport()
     outs = engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
@@ -158,12 +158,7 @@ def test_declared_unbatchable_model_is_wrong_batched_even_on_mlx_lm():
     prompts = [tokens(14, 5), tokens(15, 11), tokens(16, 19)]
     engine = Engine(model, num_blocks=64, block_size=8, prefill_batch=3, batch_probe=False)
     outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
-    assert [o.tokens for o in outs] != [_greedy(model, p, 4) for p in prompts]
-
-
-def _greedy(model, prompt, n):
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for (t, _), _ in zip(steps, range(n))]
+    assert [o.tokens for o in outs] != [greedy_reference(model, p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("keep_fetched", [True, False])

@@ -13,13 +13,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PagedCache
 from scheduler import Engine, SamplingParams
 from tests.scheduler.test_engine import assert_no_leak
 from tests.tiny_models import SLIDING_MODELS, built
+from tests.reference import greedy_reference
 
 TOL = 1e-4
 BLOCK = 4
@@ -139,11 +139,6 @@ def test_a_long_conversation_keeps_only_window_pages_in_sliding_groups():
     window_pages = -(-16 // BLOCK) + 1
     assert sliding.num_cached_pages <= 4 * window_pages < full.num_cached_pages
     pc.check_integrity()
-
-
-def greedy_reference(model, prompt, n):
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for (t, _), _ in zip(steps, range(n))]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

@@ -16,13 +16,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.generate import speculative_generate_step
 
 from blockmgr.errors import InvalidArgument, OutOfBlocks
 from cache import PagedCache
 from tests.leaks import assert_only_the_cache_holds
 from tests.scheduler.test_speculative import NOISE, noisy_copy
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
+from tests.reference import greedy_reference
 
 MAX_TOKENS = 16
 NUM_DRAFT = 3
@@ -53,11 +54,6 @@ def prompt_of(name: str, n: int = 19) -> list[int]:
     return [(7 * i + 3) % vocab(name) for i in range(n)]
 
 
-def mlx_lm_greedy(model, prompt: list[int]) -> list[int]:
-    steps = generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
-    return [int(t) for t, _ in steps]
-
-
 def speculate_on_views(target, draft, prompt: list[int]):
     """(tokens, from-draft flags, target storage, draft storage)."""
     pc, dc = paged(target), paged(draft)
@@ -82,7 +78,7 @@ def test_greedy_speculative_loop_on_views_equals_generate_step(name, kind):
     target, draft = built(name), draft_model(name, kind)
     prompt = prompt_of(name)
     got, from_draft, pc, dc = speculate_on_views(target, draft, prompt)
-    assert got == mlx_lm_greedy(target, prompt)
+    assert got == greedy_reference(target, prompt, MAX_TOKENS)
     num_accepted = sum(from_draft)
     if kind == "self":
         assert num_accepted >= MAX_TOKENS * NUM_DRAFT // (NUM_DRAFT + 1) - 1
@@ -115,7 +111,7 @@ def test_attention_models_run_on_plain_views_too(kind):
     mlx_lm = speculative_generate_step(mx.array(prompt), target, draft,
                                        num_draft_tokens=NUM_DRAFT, max_tokens=MAX_TOKENS)
     assert got == [(int(t), bool(f)) for t, _, f in mlx_lm]
-    assert [t for t, _ in got] == mlx_lm_greedy(target, prompt)
+    assert [t for t, _ in got] == greedy_reference(target, prompt, MAX_TOKENS)
     for storage in (pc, dc):
         storage.free("a")
         assert_all_released(storage)
@@ -273,7 +269,7 @@ def test_a_raising_target_inside_mlx_lms_loop_leaves_it_whole(hybrid):
                 mx.array(prompt), t, d, prompt_cache=t.cache + d.cache,
                 num_draft_tokens=NUM_DRAFT, max_tokens=MAX_TOKENS, prefill_step_size=8):
             got.append(int(tok))
-    assert got == mlx_lm_greedy(model, prompt)[:len(got)] and got
+    assert got == greedy_reference(model, prompt, MAX_TOKENS)[:len(got)] and got
     assert pc.speculation_start("a") is None and pc.num_computed("a") == pc.num_tokens("a")
     for storage in (pc, dc):
         storage.check_integrity()

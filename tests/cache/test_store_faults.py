@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from blockmgr import (
@@ -30,6 +29,7 @@ from scheduler import Engine, RequestStatus, SamplingParams
 from tests.shadow import GroupedShadowStorage
 from tests.scheduler.test_engine import assert_no_leak
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
+from tests.reference import greedy_reference
 
 TOL = 1e-4
 FAULT = "injected fault"
@@ -232,11 +232,6 @@ def test_groups_that_cannot_serve_the_same_hit_agree_on_a_shorter_one():
         hits.append(store.cached_prefix_length(query))
         store.check_integrity()
     assert hits == [20, 30, 20]
-
-
-def greedy_reference(model, prompt, n):
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for (t, _), _ in zip(steps, range(n))]
 
 
 class FailingModel:

@@ -6,14 +6,13 @@ own caches, one prompt at a time; nothing is hard-coded.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from scheduler import Engine, RequestStatus, SamplingParams
 from tests.leaks import assert_only_the_cache_holds
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
+from tests.reference import greedy_reference
 
 MAX_TOKENS = 10
 BUILDERS = {"llama": ATTENTION_VOCAB, "lfm2": HYBRID_VOCAB}
@@ -26,7 +25,7 @@ def get(name):
         vocab = BUILDERS[name]
         model = built(name)
         prompts = make_prompts(vocab)
-        want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts]
+        want = [greedy_reference(model, p, MAX_TOKENS) for p in prompts]
         _cache[name] = (model, vocab, prompts, want)
     return _cache[name]
 
@@ -40,11 +39,6 @@ def make_prompts(vocab, seed=0):
         head = shared[i % 2] if i % 3 else []
         prompts.append(head + rng.integers(0, vocab, int(rng.integers(2, 30))).tolist())
     return prompts
-
-
-def mlx_lm_greedy(model, prompt, n):
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for (t, _), _ in zip(steps, range(n))]
 
 
 def assert_no_leak(engine):

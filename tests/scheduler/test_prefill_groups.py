@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from scheduler import Engine, RequestStatus, SamplingParams
 from scheduler.prefill_groups import PAD_FRACTION, PAD_TOKENS, prefill_groups
 from tests.scheduler.test_engine import assert_no_leak
-from tests.cache.test_store_faults import FailingModel, greedy_reference, tokens
+from tests.cache.test_store_faults import FailingModel, tokens
+from tests.reference import greedy_reference
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 

@@ -20,8 +20,8 @@ from mlx_lm.models import llama
 
 from scheduler import Engine, SamplingParams
 from tests.leaks import assert_only_the_cache_holds
-from tests.scheduler.test_engine import (
-    assert_no_leak, assert_preempted, make_prompts, mlx_lm_greedy)
+from tests.reference import greedy_reference
+from tests.scheduler.test_engine import assert_no_leak, assert_preempted, make_prompts
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, _BUILDERS, built
 
 MAX_TOKENS = 10
@@ -58,7 +58,7 @@ def refs(name: str):
     """(prompts, mlx-lm greedy outputs) of 8 prompts sharing prefixes."""
     if name not in _refs:
         prompts = make_prompts(VOCABS[name])[:8]
-        _refs[name] = prompts, [mlx_lm_greedy(built(name), p, MAX_TOKENS) for p in prompts]
+        _refs[name] = prompts, [greedy_reference(built(name), p, MAX_TOKENS) for p in prompts]
     return _refs[name]
 
 

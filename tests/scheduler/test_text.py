@@ -11,7 +11,8 @@ from blockmgr.errors import InvalidArgument, WrongArgumentType
 from scheduler import Engine, SamplingParams
 from scheduler.request import RequestStatus
 from scheduler.text import SampleText
-from tests.serve_model import build_model_dir, greedy_reference, load_tiny
+from tests.reference import greedy_reference
+from tests.serve_model import build_model_dir, load_tiny
 
 PROMPTS = ["Hello world", "The quick brown fox", "Paged attention keeps", "A prefix trie"]
 

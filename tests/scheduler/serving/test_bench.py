@@ -29,7 +29,8 @@ from scheduler.cli import main  # noqa: E402
 from scheduler.loadgen import BenchOptions, PromptBuilder  # noqa: E402
 from scheduler.serve import load_engine  # noqa: E402
 from scheduler.server import build_app  # noqa: E402
-from tests.serve_model import build_model_dir, greedy_reference, load_tiny  # noqa: E402
+from tests.reference import greedy_reference  # noqa: E402
+from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import ServerThread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -29,7 +29,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from scheduler.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serve import load_engine  # noqa: E402
 from scheduler.server import build_app  # noqa: E402
-from tests.serve_model import build_model_dir, greedy_reference, load_tiny  # noqa: E402
+from tests.reference import greedy_reference  # noqa: E402
+from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 MAX_TOKENS = 12
