@@ -17,7 +17,6 @@ from scheduler.sampling import (
     sample_rows,
     token_logprobs,
 )
-from tests.serve_model import build_model_dir, load_tiny
 
 V = 50
 
@@ -160,11 +159,6 @@ def test_token_logprobs_are_log_softmax():
 
 
 # ------------------------------------------------------------ engine-level
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_tiny(build_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
 def naive_loop(model, prompt, params: SamplingParams, max_tokens: int):

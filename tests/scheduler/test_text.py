@@ -12,14 +12,8 @@ from scheduler import Engine, SamplingParams
 from scheduler.request import RequestStatus
 from scheduler.text import SampleText
 from tests.reference import greedy_reference
-from tests.serve_model import build_model_dir, load_tiny
 
 PROMPTS = ["Hello world", "The quick brown fox", "Paged attention keeps", "A prefix trie"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_tiny(build_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
 def engine_of(tiny, **kw):

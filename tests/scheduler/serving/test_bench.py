@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from scheduler.cli import main  # noqa: E402
 from scheduler.loadgen import BenchOptions, PromptBuilder  # noqa: E402
 from scheduler.serve import load_engine  # noqa: E402
 from scheduler.server import build_app  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import ServerThread  # noqa: E402
@@ -43,17 +43,11 @@ WORKLOAD = ["--workload", "chat,multiturn", "-n", "8", "--arrival", "closed",
             "--think-time", "0", "--seed", "5", "--no-progress", "--no-plots"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MlxLmServer:
     """`mlx_lm.server` on a free loopback port, as a subprocess."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
              "--port", str(self.port), "--log-level", "WARNING"],

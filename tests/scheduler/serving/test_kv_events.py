@@ -508,13 +508,14 @@ def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from tests.serve_model import build_model_dir
-    from tests.scheduler.serving.test_server_cli import _free_port, _serve, _wait_up
+    from tests.ports import free_port
+    from tests.scheduler.serving.test_server_cli import _serve, _wait_up
 
     bad = _serve("--model", ".", "--kv-events", "tcp://nowhere")
     _, err = bad.communicate(timeout=60)
     assert bad.returncode == 2 and err.strip().startswith("blockmgr serve: error: cannot open KV")
 
-    port, events_port, replay_port = _free_port(), _free_port(), _free_port()
+    port, events_port, replay_port = free_port(), free_port(), free_port()
     proc = _serve("--model", str(build_model_dir(tmp_path / "tiny")), "--port", str(port),
                   "--num-blocks", "64", "--block-size", str(BLOCK_SIZE),
                   "--kv-events", f"tcp://127.0.0.1:{events_port}", "--kv-events-bind",

@@ -11,14 +11,9 @@ import pytest
 from blockmgr.errors import InvalidArgument
 from scheduler import Engine, SamplingParams
 from scheduler.async_engine import AsyncEngine, EngineStopped
-from tests.serve_model import build_model_dir, load_tiny
+from tests.serve_model import build_model_dir
 
 PROMPTS = ["Hello world", "The quick brown fox", "A prefix trie", "Streams of"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_tiny(build_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
 def _engine(tiny):

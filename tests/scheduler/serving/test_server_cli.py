@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ try:  # the HTTP client the openai package uses (httpx before openai 3)
 except ImportError:
     import httpx  # noqa: E402
 
+from tests.ports import free_port  # noqa: E402
 from tests.serve_model import build_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(*args: str) -> subprocess.Popen:
@@ -58,7 +52,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
     a 503 error object and the stream ends with an error event and [DONE]
     (uvicorn alone cut the stream mid-chunk and gave the other a bare 500)."""
     model = build_model_dir(tmp_path / "tiny", context=4096)
-    port = _free_port()
+    port = free_port()
     proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "2MiB",
                   "--block-size", "8", "--shutdown-timeout", "0.5", "--max-model-len", "3000")
     try:
@@ -153,7 +147,7 @@ def test_serve_quantized_pages_sizes_the_pool_by_their_bytes(tmp_path):
     model's float32 it would be 8 KiB, 128 pages). The format is in the
     start-up line and /metrics, and the server answers from those pages."""
     model = build_model_dir(tmp_path / "tiny", context=512, head_dim=32)
-    port = _free_port()
+    port = free_port()
     proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "1MiB",
                   "--block-size", "8", "--kv-key-bits", "8", "--kv-value-bits", "4",
                   "--kv-group-size", "32")
@@ -204,7 +198,7 @@ def test_serve_allocates_the_pool_at_start_and_logs_its_status(tmp_path):
     """The pool is resident before the first request and the start-up line
     gives its real size; while busy a status line comes every interval."""
     model = build_model_dir(tmp_path / "tiny", context=4096)
-    port = _free_port()
+    port = free_port()
     proc = _serve("--model", str(model), "--port", str(port), "--kv-memory", "256MiB",
                   "--status-interval", "0.3")
     try:

@@ -10,7 +10,6 @@ from blockmgr.errors import InvalidArgument
 from scheduler import Engine, SamplingParams
 from scheduler.metrics import ServingMetrics
 from scheduler.status import StatusLine
-from tests.serve_model import build_model_dir, load_tiny
 
 
 class Clock:
@@ -19,11 +18,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_tiny(build_model_dir(tmp_path_factory.mktemp("status")))
 
 
 def test_status_line_reports_the_interval_and_stays_quiet_when_idle(tiny):
