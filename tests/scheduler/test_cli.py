@@ -11,16 +11,12 @@ import pytest
 
 from scheduler import cli
 from scheduler.simulator import plots
-from scheduler.simulator.report import NONDETERMINISTIC
+from tests.summaries import deterministic
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 TINY = ["simulate", "-n", "40", "--num-blocks", "512", "--max-context", "2048",
         "--rate", "2", "--no-progress"]
-
-
-def deterministic(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if k not in NONDETERMINISTIC}
 
 
 def run(argv, capsys):

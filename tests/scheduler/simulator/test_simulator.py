@@ -26,11 +26,11 @@ from scheduler.simulator import (
 from scheduler.simulator.config import SimulationConfig as _Cfg
 from scheduler.simulator.lengths import LengthDist, LengthSpecError, parse_length
 from scheduler.simulator.memory import snapshot
-from scheduler.simulator.report import NONDETERMINISTIC
 from scheduler.simulator.runner import Simulation, check_no_leaks
 from scheduler.simulator.sweep import SweepSpecError, grid_points, parse_grid, run_sweep
 from scheduler.simulator.tokens import TokenSource, derive_key
 from scheduler.simulator.workloads import WORKLOAD_KINDS, _Choice
+from tests.summaries import deterministic
 
 
 def small_config(**workload) -> SimulationConfig:
@@ -44,10 +44,6 @@ def small_config(**workload) -> SimulationConfig:
         check_every=16,
         sample_every=4,
     )
-
-
-def deterministic(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if k not in NONDETERMINISTIC}
 
 
 def all_specs(cfg: WorkloadConfig):

@@ -6,15 +6,11 @@ from __future__ import annotations
 import pytest
 
 from scheduler.cli import main
-from scheduler.simulator.report import NONDETERMINISTIC
 from scheduler.simulator.sweep import grid_points, run_sweep
 from tests.scheduler.simulator.test_simulator import small_config
+from tests.summaries import deterministic
 
 ray = pytest.importorskip("ray", reason="Ray is the optional 'ray' extra (pip install 'mlx-blockmgr[ray]')")
-
-
-def deterministic(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if k not in NONDETERMINISTIC}
 
 
 def test_a_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):
