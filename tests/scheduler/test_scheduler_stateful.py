@@ -133,8 +133,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.s.has_unfinished():
                 break
             shadow_step(self.s, self.bm, self.shadow, self.rng)
-        for rid in list(self.s._requests):
-            self.s.abort(rid)
+        for rid in range(self.next_id):
+            self.s.abort(rid)  # None for a finished one
         self.shadow.apply(self.s.schedule().ops)
         assert_no_leak(self.bm)
 
