@@ -1,6 +1,6 @@
 """`Scheduler.stop_sample` (a stop string found in a sample's text) at any
 point between steps: the scheduler state machine of
-`tests/test_scheduler_stateful.py` (shadow storage, integrity and
+`tests/scheduler/test_scheduler_stateful.py` (shadow storage, integrity and
 scheduler/manager agreement after every rule, no leak at teardown) with one
 more rule that stops a random sample of a random live request, whether it
 runs, waits after preemption, is swapped out, or is a prompt not forked yet."""

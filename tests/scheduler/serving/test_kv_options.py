@@ -8,7 +8,7 @@ The reference page bytes are independent of `cache/`: mlx-lm's own caches
 after a one-token forward give each attention layer's kv heads, head sizes
 and dtype; `mx.quantize` of that one token's rows gives what a quantized row
 takes (packed values, scales, biases). The reference slot bytes are mlx-lm's
-``ArraysCache`` states (as tests/test_serve_pool.py).
+``ArraysCache`` states (as tests/scheduler/serving/test_serve_pool.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ while the bad request is handled (the engine thread is held in a forward
 while they and the bad request are sent), and afterwards every innocent
 text equals its solo run, the bad request got OpenAI's error object (or an
 error event before `[DONE]`), and the pool holds nothing but the prefix
-cache. Row 11 (SIGTERM) is in `tests/test_server_cli.py`.
+cache. Row 11 (SIGTERM) is in `tests/scheduler/serving/test_server_cli.py`.
 """
 
 from __future__ import annotations
