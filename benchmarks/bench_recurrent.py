@@ -120,7 +120,7 @@ def test_copy_same_bytes_reference(benchmark, buffer_cache):
 
 
 def _tiny(name: str):
-    from tests.test_recurrent_models import MODELS  # the tiny test models
+    from tests.recurrent.test_recurrent_models import MODELS  # the tiny test models
 
     model = MODELS[name]()
     mx.eval(model.parameters())

@@ -14,8 +14,8 @@ they do not depend on the machine.
 from __future__ import annotations
 
 from scheduler import Engine, SamplingParams
-from tests.test_engine import make_prompts
-from tests.test_speculative import noisy_copy
+from tests.scheduler.test_engine import make_prompts
+from tests.scheduler.test_speculative import noisy_copy
 from tests.tiny_models import HYBRID_VOCAB, built
 
 

@@ -3,7 +3,7 @@
 `BlockManager` (one layer group), `GroupedStore` (a model whose layers form
 several groups) and `cache.PagedCache` (storage that applies the plans it
 returns itself) all satisfy it, with the same names, argument meanings and
-return types (`tests/test_kv_store_conformance.py` runs one scripted
+return types (`tests/cache/test_kv_store_conformance.py` runs one scripted
 scenario against all three; the type checker checks the signatures). It
 declares every call the scheduler, the engine, the speculator, the
 simulator and the KV-event publisher make of their store.

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import IO
+
+from tests.ports import free_port
 
 try:  # the HTTP client the openai package uses (httpx before openai 3)
     import httpx2 as httpx
@@ -27,12 +28,6 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def smg_binary() -> str | None:

@@ -90,16 +90,6 @@ def load_tiny(path: Path):
     return mlx_lm.load(str(path))
 
 
-def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm's own greedy decode (its `generate_step`, its KV caches)."""
-    from mlx_lm.generate import generate_step
-
-    tokens = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        tokens.append(int(token))
-    return tokens
-
-
 # ------------------------------------------------------- the agent model
 
 THINK, END_THINK, CALL, END_CALL = "<think>", "</think>", "<tool_call>", "</tool_call>"

@@ -1,0 +1,39 @@
+"""Fixtures shared by the whole suite.
+
+Shared helpers that are plain functions live in modules beside this file and are
+imported by name: `tests.reference` (mlx-lm's greedy decode, the reference for
+greedy outputs), `tests.ports` (free loopback ports), `tests.tiny_models`,
+`tests.quant_models` and `tests.arch_models` (tiny random-weight models),
+`tests.serve_model` (a tiny model directory with a tokenizer), `tests.shadow`
+(shadow storages), `tests.leaks`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.serve_model import build_model_dir, load_tiny
+
+#: The seed every test starts from (see `deterministic_seeds`).
+SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def deterministic_seeds():
+    """Every test starts from the same global random state (Python's, numpy's
+    and MLX's), so a test's unseeded draws do not depend on which tests ran
+    before it or on `-k`. Tests that need other draws seed their own."""
+    random.seed(SEED)
+    np.random.seed(SEED)
+    mx.random.seed(SEED)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, tokenizer) of the tiny random-weight llama of `tests.serve_model`,
+    loaded by mlx-lm from a directory written for this module."""
+    return load_tiny(build_model_dir(tmp_path_factory.mktemp("tiny")))

@@ -1,0 +1,136 @@
+"""The project's KV events read by the Shepherd Model Gateway's own event path.
+
+SMG's event-driven cache-aware routing reads a worker's `SubscribeKvEvents`
+gRPC stream; for a vLLM worker that stream is served by SMG's Rust servicer
+(`smg.servicer.VllmGrpcServer`, the `fleet` extra), which subscribes to the
+engine's vLLM-format ZMQ publisher (and its replay socket), decodes each
+batch with its own wire decoder, drops what it cannot index (unknown
+mediums, non-main attention groups, unaligned blocks, self-referencing
+hashes) and relays the rest. Here that servicer subscribes to an engine's
+`ZmqSink` (no vLLM engine behind it: only its event relay runs), and a gRPC
+subscriber rebuilds the router's view from the relayed `KvEventBatch`es:
+after a run (evictions, two namespaces, an abort) it must equal what the
+store can serve (`servable_prefixes`, from `cached_prefix_length`), for an
+attention, a hybrid and a sliding-window model. The gateway itself routes
+only workers that serve generation over gRPC too (design/fleet.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("zmq", reason="the KV-event relay test needs pyzmq (events extra)")
+servicer = pytest.importorskip("smg.servicer", reason="needs smg (pip install '.[fleet]')")
+grpc = pytest.importorskip("grpc", reason="needs grpcio (installed with smg)")
+proto = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2_grpc",
+                            reason="needs smg-grpc-proto (the gateway's gRPC stubs)")
+
+from scheduler import Engine  # noqa: E402
+from scheduler.engine.kv_events import ZmqSink  # noqa: E402
+from smg_grpc_proto.generated import common_pb2  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+from tests.scheduler.serving.test_kv_events import (  # noqa: E402
+    BLOCK_SIZE,
+    run_and_check,
+    servable_prefixes,
+    wait_sent,
+    workload,
+)
+from tests.tiny_models import built  # noqa: E402
+
+
+class RelayedView:
+    """A router's view rebuilt from the relayed protobuf batches: block hash
+    -> (parent hash, the block's tokens), chained into prefixes."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.num_batches = 0
+        self.error: Exception | None = None
+
+    def apply(self, batch) -> None:
+        for event in batch.events:
+            kind = event.WhichOneof("data")
+            if kind == "cleared":
+                self.blocks.clear()
+            elif kind == "removed":
+                for digest in event.removed.block_hashes:
+                    del self.blocks[digest]
+            else:
+                stored = event.stored
+                parent = (stored.parent_block_hash if stored.HasField("parent_block_hash")
+                          else None)
+                assert parent is None or parent in self.blocks, "stored before its parent"
+                for block in stored.blocks:
+                    assert block.block_size == BLOCK_SIZE
+                    self.blocks[block.block_hash] = (parent, tuple(block.token_ids))
+                    parent = block.block_hash
+        self.num_batches += 1
+
+    def prefixes(self) -> set[tuple[int, ...]]:
+        result = set()
+        for digest in list(self.blocks):
+            runs: list[tuple[int, ...]] = []
+            current: int | None = digest
+            while current is not None:
+                parent, tokens = self.blocks[current]
+                runs.append(tokens)
+                current = parent
+            result.add(tuple(t for run in reversed(runs) for t in run))
+        return result
+
+
+def _subscribe(address: str, view: RelayedView, stop: threading.Event) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = proto.VllmEngineStub(channel)
+        stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=0))
+        try:
+            for batch in stream:
+                view.apply(batch)
+                if stop.is_set():
+                    break
+        except grpc.RpcError as error:
+            if not stop.is_set():
+                view.error = error
+        except Exception as error:  # noqa: BLE001 - reported by the test thread
+            view.error = error
+        finally:
+            stream.cancel()
+
+
+@pytest.mark.parametrize("name,vocab", [("llama", 101), ("lfm2", 61), ("sliding", 101)])
+def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
+    sink = ZmqSink("tcp://127.0.0.1:*", bind=True, replay_endpoint="tcp://127.0.0.1:*")
+    address = f"127.0.0.1:{free_port()}"
+    relay = servicer.VllmGrpcServer(
+        address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}", "blockmgr-test",
+        block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
+        kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
+    view, stop = RelayedView(), threading.Event()
+    reader = threading.Thread(target=_subscribe, args=(address, view, stop), daemon=True)
+    try:
+        reader.start()
+        engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
+                        max_num_seqs=4)
+        seen: list = []
+        run_and_check(engine, workload(vocab), seen.append)
+        wait_sent(sink, engine.kv_events)
+        expected = {tokens for _, tokens in servable_prefixes(engine.cache.store, seen[-1])}
+        deadline = time.monotonic() + 20
+        while view.prefixes() != expected and view.error is None:
+            assert time.monotonic() < deadline, (
+                f"the relayed view never matched: {len(view.prefixes())} prefixes relayed in "
+                f"{view.num_batches} batches, {len(expected)} servable")
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        relay.stop()
+        sink.close()
+        reader.join(timeout=10)
+    assert view.error is None, view.error
+    assert engine.kv_events.num_errors == 0 and len(expected) > 5
+    assert engine.cache.store.stats.num_evicted_nodes > 0, "the pool was meant to evict"
