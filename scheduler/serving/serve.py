@@ -421,8 +421,8 @@ def blas_hint() -> str | None:
         if any(n in line for n in ("libopenblas", "libmkl", "libblis")) and "scipy_" not in line:
             return None  # an optimized BLAS was preloaded: its symbols win
     where = OPENBLAS if Path(OPENBLAS).exists() else "libopenblas.so.0 (Debian: libopenblas0-pthread)"
-    return (f"note: MLX runs on the reference BLAS here (~5 GFLOPS); for ~40x faster CPU "
-            f"matmuls start with LD_PRELOAD={where}")
+    return (f"note: MLX runs on the reference BLAS here (~5 GFLOPS); for much faster CPU "
+            f"matmuls (BENCHMARKS.md, section BLAS) start with LD_PRELOAD={where}")
 
 
 def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
