@@ -28,6 +28,7 @@ CASES: dict[str, list[str]] = {
     "hybrid": ["--workload", "chat=0.6,agent=0.4", "-n", "1000", "--hybrid", "--check"],
     "qwen3_next": ["--workload", "multiturn", "-n", "800", "--layout", "qwen3_next", "--check"],
     "recompute": ["--workload", "chat,parallel", "-n", "800", "--num-blocks", "600", "--rate", "20",
+                  # the older spellings: the code before a change may not know vLLM's names
                   "--check", "--long-prefill-threshold", "256", "--max-partial-prefills", "2"],
     "swap": ["--workload", "agent", "-n", "600", "--num-blocks", "700", "--num-host-blocks", "2000",
              "--preemption", "swap", "--policy", "priority", "--rate", "20", "--check"],

@@ -40,7 +40,7 @@ def write_trace(path: Path, turns) -> None:
 def simulate(trace: Path, out: Path, num_blocks: int, cost: str, tiers: list[str]) -> dict:
     cmd = ["blockmgr", "simulate", "--trace", str(trace), "--arrival", "closed",
            "--concurrency", "1", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK),
-           "--max-batched-tokens", str(CHUNK), "--max-num-seqs", "1", "--no-plots",
+           "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "1", "--no-plots",
            "--no-progress", "--out", str(out), "--json", "--check", "--cost", cost, *tiers]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout)

@@ -30,6 +30,7 @@ from typing import Any
 from blockmgr.errors import IntegrityError
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat, parse_bytes
 from scheduler.core.policies import POLICIES
+from scheduler.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 from scheduler.serving.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
 from scheduler.serving.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.kv_memory import engine_num_slots
@@ -305,15 +306,51 @@ def _add_pool_options(parser) -> None:
     m.add_argument("--num-disk-slots", type=_nonneg_int,
                    help="recurrent snapshots of the disk tier (default with --hybrid: num slots)")
 
-    s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=_positive_int)
-    s.add_argument("--max-batched-tokens", type=_positive_int)
+    s = parser.add_argument_group("scheduler (defaults: SchedulerConfig's)")
+    default = _scheduler_default
+    s.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
+                   help=f"sequences running at once (default {default('max_num_seqs')})")
+    _add_deprecated_alias(s, "--max-batched-tokens", "--max-num-batched-tokens")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="TOKENS",
+                   dest="max_batched_tokens",
+                   help=f"token budget of one step (default {default('max_num_batched_tokens')})")
     s.add_argument("--policy", choices=tuple(POLICIES),
-                   help="waiting-queue order (default fcfs): " + "; ".join(
+                   help=f"waiting-queue order (default {default('policy')}): " + "; ".join(
                        f"{p.name}: {p.help}" for p in POLICIES.values()))
-    s.add_argument("--preemption", choices=("recompute", "swap"))
-    s.add_argument("--long-prefill-threshold", type=_positive_int, metavar="TOKENS")
-    s.add_argument("--max-partial-prefills", type=_positive_int, metavar="N")
+    s.add_argument("--preemption", choices=PREEMPTION_MODES,
+                   help=f"what a preempted sequence loses (default {default('preemption')})")
+    _add_deprecated_alias(s, "--long-prefill-threshold", "--long-prefill-token-threshold")
+    s.add_argument("--long-prefill-token-threshold", type=_positive_int, metavar="TOKENS",
+                   dest="long_prefill_threshold",
+                   help="cap on one sequence's prefill chunk per step (default: none)")
+    _add_deprecated_alias(s, "--max-partial-prefills", "--max-num-partial-prefills")
+    s.add_argument("--max-num-partial-prefills", type=_positive_int, metavar="N",
+                   dest="max_partial_prefills",
+                   help="sequences mid-prefill at once (default: no limit)")
+
+
+def _scheduler_default(name: str) -> object:
+    """The default `SchedulerConfig` declares for its field `name` (the one
+    declaration the CLI's help reads)."""
+    (found,) = [f for f in dataclasses.fields(SchedulerConfig) if f.name == name]
+    return found.default
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: stores under the new one's name and
+    prints one deprecation line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = self.metavar  # the new spelling (kept out of help: the alias is hidden)
+        print(f"blockmgr: {option_string} is deprecated; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_deprecated_alias(group, old: str, new: str) -> None:
+    """Accept `old` (hidden from help) as `new`, whose value type it shares."""
+    dest = old.lstrip("-").replace("-", "_")
+    group.add_argument(old, action=_DeprecatedAlias, type=_positive_int, dest=dest,
+                       metavar=new, help=argparse.SUPPRESS)
 
 
 
