@@ -117,15 +117,17 @@ class KVFormat:
                     + self.row_nbytes(self.value_bits, v_head_dim, dtype_nbytes))
         return block_size * n_kv_heads * per_head
 
-    def check_head_dims(self, layer: int, k_head_dim: int, v_head_dim: int) -> None:
-        """Raise `InvalidArgument` naming `layer` when a quantized side's head
-        size is not a multiple of the group size (`mx.quantize` cannot
-        store it). A side of width 0 stores nothing and always passes."""
+    def check_head_dims(self, layer: int | None, k_head_dim: int, v_head_dim: int) -> None:
+        """Raise `InvalidArgument` (naming `layer`, unless None: every layer
+        of a model shape) when a quantized side's head size is not a
+        multiple of the group size (`mx.quantize` cannot store it). A side
+        of width 0 stores nothing and always passes."""
+        where = "" if layer is None else f"layer {layer}: "
         for side, bits, dim in (("key", self.key_bits, k_head_dim),
                                 ("value", self.value_bits, v_head_dim)):
             if bits is not None and dim % self.group_size:
                 raise InvalidArgument(
-                    f"layer {layer}: {side} head size {dim} is not a multiple of the kv "
+                    f"{where}{side} head size {dim} is not a multiple of the kv "
                     f"group size {self.group_size}; quantized pages need one that divides it "
                     f"(try a group size of {_dividing_group_size(dim)})")
 

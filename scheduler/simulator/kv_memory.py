@@ -101,12 +101,7 @@ class KVMemory:
         _int_at_least("kv memory budget", self.budget, 1)
         if not isinstance(self.shape, KVShape) or not isinstance(self.format, KVFormat):
             raise ValueError("kv memory needs a KVShape and a KVFormat")
-        fmt = self.format
-        for side, bits, dim in (("key", fmt.key_bits, self.shape.head_dim),
-                                ("value", fmt.value_bits, self.shape.value_head_dim)):
-            if bits is not None and dim % fmt.group_size:
-                raise ValueError(f"{side} head size {dim} is not a multiple of the kv group "
-                                 f"size {fmt.group_size}")
+        self.format.check_head_dims(None, self.shape.head_dim, self.shape.value_head_dim)
 
     def page_bytes(self, block_size: int) -> int:
         """One page of every attention layer, K and V, scales and biases
