@@ -23,21 +23,16 @@ from blockmgr.sequence import Sequence
 @dataclass(slots=True)
 class Growth:
     """num_pages: new pages in every group; copies[i]: group i copies its
-    shared last page; copy_slot: the shared slot is copied."""
+    shared last page; copy_slot: the shared slot is copied; needs[i]: pages
+    group i takes (the new ones plus its copy); grows: it takes any page or
+    slot. Built by `plan_growth`, which fills the derived fields once (read
+    per decoded row)."""
 
     num_pages: int
     copies: list[bool]
     copy_slot: bool
-
-    @property
-    def needs(self) -> list[int]:
-        """Pages each group takes: the new ones plus its copy."""
-        return [self.num_pages + copy for copy in self.copies]
-
-    @property
-    def grows(self) -> bool:
-        """Does it take any page or slot?"""
-        return bool(self.num_pages or self.copy_slot or True in self.copies)
+    needs: list[int]
+    grows: bool
 
 
 def plan_growth(
@@ -57,7 +52,9 @@ def plan_growth(
     else:
         copies = [False] * len(groups)
     copy_slot = seq.slot is not None and slots is not None and slots.refcount(seq.slot) > 1
-    return Growth(num_pages, copies, copy_slot)
+    needs = [num_pages + copy for copy in copies]
+    return Growth(num_pages, copies, copy_slot, needs,
+                  bool(num_pages or copy_slot or True in copies))
 
 
 def copy_slot(slots: RefCountedPool | None, seq: Sequence, ops: list[MemoryOp]) -> None:

@@ -116,6 +116,9 @@ class BlockManager:
         self._block_size = config.block_size
         #: Some group has a sliding window (appends then track computed counts).
         self._windowed = any(g.window is not None for g in self._groups)
+        # What `_fits_next_token` reads of each group, bound once: it runs per decoded token.
+        self._room_checks = tuple(
+            (g.index, g.pages.refcount_reader(), g.window) for g in self._groups)
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._seqs = SequenceTable()
@@ -651,13 +654,12 @@ class BlockManager:
         if num_tokens % block_size == 0 or seq.slot is not None or seq.recompute_from is not None:
             return False
         tables = seq.tables
-        for group in self._groups:  # indexed, not zipped: this runs once per decoded token
-            last_page = tables[group.index][-1]  # past the released pages: never None
-            if group.pages.refcount(last_page) != 1:  # type: ignore[arg-type]
+        for index, refcount, window in self._room_checks:
+            # past the released pages the last entry is a page, never None
+            if refcount(tables[index][-1]) != 1:  # type: ignore[arg-type]
                 return False
-            window = group.window
             if window is not None and (
-                (num_tokens - window + 1) // block_size > seq.released[group.index]
+                (num_tokens - window + 1) // block_size > seq.released[index]
             ):
                 return False
         return True

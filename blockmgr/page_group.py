@@ -235,4 +235,4 @@ class PageGroup:
             if (page is None) != (position < num_released):
                 raise IntegrityError(f"{where}: page {position}{of_group} released out of order")
             if position >= first_owned:
-                page_refs[held_page(page)] += 1
+                page_refs[page] += 1  # type: ignore[index]  # past the released: a page

@@ -8,6 +8,8 @@ manager decides what storage work (copy, zero) a fresh id needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from collections.abc import Iterable
 
 from blockmgr.errors import IntegrityError
@@ -43,6 +45,12 @@ class RefCountedPool:
 
     def refcount(self, item: int) -> int:
         return self._refcounts[item]
+
+    def refcount_reader(self) -> Callable[[int], int]:
+        """`refcount` as a C-level callable (the count list's own lookup),
+        for loops that run once per decoded token. Valid for the pool's
+        life: the list is never replaced. O(1) per call."""
+        return self._refcounts.__getitem__
 
     def can_take(self, num_items: int) -> bool:
         return num_items <= len(self._free)
