@@ -630,41 +630,51 @@ class Scheduler:
         return out
 
     def _schedule_running(self, budget, out, stats, ops) -> int:
+        """Schedule the running sequences in order until the budget is spent.
+        Runs of decode rows take one store call (`append_decode`); after the
+        store refuses a run, rows go one by one (a batch of one), preempting
+        from the back of the running list as each row or chunk needs."""
         running = self._running
         i = 0
-        batched = True  # runs of decode rows take one store call, until one is refused
+        batched = True
         while i < len(running) and budget > 0:
-            if batched:
-                seqs, tokens, positions, indices, reqs, stale = _decode_rows(running, i, budget)
-                if seqs:
-                    num_rows = len(seqs)
-                    seq_ids = list(map(_SEQ_ID, seqs))
-                    if self._reserve_decode_rows(seq_ids, tokens, ops):
-                        self._row_seqs += seqs
-                        out.rows.extend(seq_ids, tokens, positions, indices, reqs)
-                        out.num_batched_tokens += num_rows
-                        out.num_decode_tokens += num_rows
-                        budget -= num_rows
-                        i += num_rows
-                        continue
-                    _unmark_decode_rows(running, i, num_rows, stale)
-                    batched = False  # row by row from here, preempting as each needs
-            seq = running[i]
-            token = _decode_token(seq)  # the common row: a shorter path, same effect
-            num_new = 1 if token is not None else self._chunk(seq, budget)
-            while not (self._reserve(seq, seq.num_computed + num_new, ops) if token is None
-                       else self._reserve_decode(seq, token, ops)):
-                victim = running.pop()
-                self._preempt(victim, out, stats, ops)
-                if victim is seq:
+            seqs, tokens, positions, indices, reqs, stale = _decode_rows(
+                running, i, budget if batched else 1)
+            if seqs:
+                num_rows = len(seqs)
+                seq_ids = list(map(_SEQ_ID, seqs))
+                if self._reserve_decode_rows(seq_ids, tokens, ops):
+                    self._row_seqs += seqs
+                    out.rows.extend(seq_ids, tokens, positions, indices, reqs)
+                    out.num_batched_tokens += num_rows
+                    out.num_decode_tokens += num_rows
+                    budget -= num_rows
+                    i += num_rows
+                    continue
+                _unmark_decode_rows(running, i, num_rows, stale)
+                if batched:
+                    batched = False  # row by row from here
+                    continue
+                if self._preempt_last(running[i], out, stats, ops):
                     return budget
-            if token is None:
-                self._emit(seq, num_new, out)
-            else:
-                self._emit_decode_row(seq, token, out)
+                continue
+            seq = running[i]
+            num_new = self._chunk(seq, budget)
+            while not self._reserve(seq, seq.num_computed + num_new, ops):
+                if self._preempt_last(seq, out, stats, ops):
+                    return budget
+            self._emit(seq, num_new, out)
             budget -= num_new
             i += 1
         return budget
+
+    def _preempt_last(self, seq: _Seq, out: SchedulerOutput, stats: SchedulerStats,
+                      ops: list) -> bool:
+        """Preempt the last running sequence to make room for `seq`; True
+        when that was `seq` itself (nothing left to make room with)."""
+        victim = self._running.pop()
+        self._preempt(victim, out, stats, ops)
+        return victim is seq
 
     def _schedule_waiting(self, budget, out, stats, ops) -> None:
         cfg = self.config
@@ -785,14 +795,6 @@ class Scheduler:
             return True
         return self._store_tokens(seq, seq.tokens(seq.num_reserved, end), end, ops)
 
-    def _reserve_decode(self, seq: _Seq, token: int, ops: list) -> bool:
-        """`_reserve(seq, num_computed + 1, ops)` of a decode row
-        (`_decode_token` gave `token`), without slicing the sequence's tokens."""
-        end = seq.num_computed + 1
-        if seq.num_reserved != seq.num_computed:
-            return self._reserve(seq, end, ops)
-        return self._store_tokens(seq, [token], end, ops)
-
     def _store_tokens(self, seq: _Seq, tokens: list[int], end: int, ops: list) -> bool:
         """Append `tokens` (`seq`'s tokens from `num_reserved` to `end`) to the
         store. False (nothing changed) when it has no room."""
@@ -806,8 +808,8 @@ class Scheduler:
         return True
 
     def _reserve_decode_rows(self, seq_ids: list, tokens: list[int], ops: list) -> bool:
-        """The store's part of `_reserve_decode` for every row (`_decode_rows`),
-        in one call, whole or not at all: False (nothing changed) when the
+        """Reserve the next token of every decode row (`_decode_rows`) in the
+        store, in one call, whole or not at all: False (nothing changed) when the
         store refuses."""
         try:
             plan = self.kv.append_decode(seq_ids, tokens)
@@ -843,19 +845,6 @@ class Scheduler:
             out.num_prefill_tokens += num_new
         else:
             out.num_decode_tokens += num_new
-
-    def _emit_decode_row(self, seq: _Seq, token: int, out: SchedulerOutput) -> None:
-        """`_emit(seq, 1, out)` of a decode row (its token reserved in the
-        store): a row of `out.rows`."""
-        index = seq.index
-        if index is None:  # `_decode_token` gives no token to a prompt shared by n samples
-            raise IntegrityError(f"prompt sequence {seq.seq_id!r} emitted as a decode row")
-        seq.num_reserved = seq.num_computed + 1
-        seq.in_flight = True
-        self._row_seqs.append(seq)
-        out.rows.extend([seq.seq_id], [token], [seq.num_computed], [index], [seq.request])
-        out.num_batched_tokens += 1
-        out.num_decode_tokens += 1
 
     def _preempt(self, seq: _Seq, out: SchedulerOutput, stats: SchedulerStats, ops: list) -> None:
         """Take a running sequence off the store (swap or recompute) and put
@@ -932,44 +921,49 @@ class Scheduler:
         done = 0  # rows applied: items and rows go in running order
         for mark, item, seq, tokens in plan:
             if mark > done:
-                self._apply_rows(row_seqs, tokens_of_rows, done, mark, now, results, finished,
-                                 deltas)
+                self._add_sampled(row_seqs, tokens_of_rows, done, mark, now, results, finished,
+                                  deltas, rows=True)
                 done = mark
             if type(tokens) is int and not item.is_prefill:  # a decode row given as a record
-                self._apply_rows([seq], [tokens], 0, 1, now, results, finished, deltas)
+                self._add_sampled([seq], [tokens], 0, 1, now, results, finished, deltas,
+                                  rows=True)
             else:
                 self._apply_item(item, seq, tokens, now, results, forks, finished, deltas)
-        self._apply_rows(row_seqs, tokens_of_rows, done, len(row_seqs), now, results, finished,
-                         deltas)
+        self._add_sampled(row_seqs, tokens_of_rows, done, len(row_seqs), now, results, finished,
+                          deltas, rows=True)
         if forks or finished:
             self._rebuild_running(forks, finished)
         self._totals.num_finished_total += sum(1 for r in results.values() if r.finished)
         return list(results.values())
 
-    def _apply_rows(self, seqs: list[_Seq], tokens: Sequence[int], start: int, stop: int,
-                    now: float,
-                    results: dict, finished: set[int], deltas: bool) -> None:
-        """Apply decode rows `start:stop` (checked: one sampled token each, of
-        a one-sample sequence): the generic steps of `_apply_item` with what
-        they test known, and `_add_token` written out up to its stop test
-        (this loop runs once per decoded token). O(stop - start)."""
+    def _add_sampled(self, seqs: Sequence[_Seq], tokens: Sequence[int], start: int, stop: int,
+                     now: float, results: dict, finished: set[int], deltas: bool,
+                     *, rows: bool = False) -> None:
+        """Add `tokens[i]` to the sample of `seqs[i]` for i in `start:stop`
+        (and to its request's output in `results` with `deltas`); a sample
+        that stops at its token ends (its sequence's id into `finished`).
+        The one path of every sampled token: decode rows (`rows`: each also
+        counts its computed token and leaves flight), a prefill chunk's
+        sample, the first tokens of a prompt's forks, accepted speculative
+        tokens. Each sequence is one sample's. O(stop - start): this loop
+        runs once per decoded token."""
         no_length_limit = self.config.max_model_len is None
         for seq, token in zip(itertools.islice(seqs, start, stop),
                               itertools.islice(tokens, start, stop)):
-            seq.in_flight = False
-            seq.num_computed += 1
             req = seq.request
             metrics = req.metrics
-            metrics.num_computed_tokens += 1
-            # A row's sequence is one sample's (`_decode_token`), so its index is set; the
-            # ignores stand for checks that would run once per decoded token.
-            index: int = seq.index  # type: ignore[assignment]
+            if rows:
+                seq.in_flight = False
+                seq.num_computed += 1
+                metrics.num_computed_tokens += 1
+            index: int = seq.index  # type: ignore[assignment]  # one sample's: set
             outputs = req.outputs[index]
             outputs.append(token)
-            # The row's sample has a token already: its first token is stamped.
-            gap = now - metrics.last_token_time  # type: ignore[operator]
-            if gap > metrics.max_token_gap:
-                metrics.max_token_gap = gap
+            last = metrics.last_token_time
+            if last is None:  # the request's first token (both times are set together)
+                metrics.first_token_time = now
+            elif now - last > metrics.max_token_gap:
+                metrics.max_token_gap = now - last
             metrics.last_token_time = now
             metrics.num_generated_tokens += 1
             if deltas:
@@ -977,7 +971,7 @@ class Scheduler:
             params = req.sampling
             if no_length_limit and len(outputs) < params.max_tokens and (
                     token not in params.stop_token_ids):
-                continue
+                continue  # the common token: `_stop_reason` is None, decided inline
             if self._end_sample(seq, req, index, token, now, results):
                 finished.add(id(seq))
 
@@ -990,8 +984,7 @@ class Scheduler:
         num_tokens = len(item.token_ids)
         seq.request.metrics.num_computed_tokens += num_tokens
         if type(tokens) is AcceptedTokens:
-            if self._add_accepted(seq, tokens, now, results, deltas):
-                finished.add(id(seq))
+            self._add_accepted(seq, tokens, now, results, finished, deltas)
             return
         seq.num_computed += num_tokens
         if item.is_prefill:
@@ -999,11 +992,9 @@ class Scheduler:
         if tokens is None:
             return
         if seq.index is None:
-            children = self._fork(seq, tokens, now, results, deltas)
-            forks[id(seq)] = children
-            finished.update(id(c) for c in children if c.done)
-        elif self._add_token(seq, seq.index, tokens, now, results, deltas):
-            finished.add(id(seq))
+            forks[id(seq)] = self._fork(seq, tokens, now, results, finished, deltas)
+        else:
+            self._add_sampled([seq], [tokens], 0, 1, now, results, finished, deltas)
 
     def unschedule(self, items: Sequence[ScheduledSeq]) -> None:
         """The forward of these scheduled items did not run (it raised): the
@@ -1069,13 +1060,10 @@ class Scheduler:
         stand for every row themselves. Changes nothing."""
         plan: list[_PlannedItem] = []
         add_step, sampled_value = plan.append, sampled.get  # bound once: a call per record
-        seqs_of = self._seqs_of
+        live_seq = self._live_seq
         marks = itertools.repeat(0) if item_rows is None else item_rows
         for item, mark in zip(items, marks):
-            seqs = seqs_of.get(item.request_id)  # `_live_seq`, inline for a single sequence
-            seq = seqs[0] if seqs is not None and len(seqs) == 1 else None
-            if seq is None or seq.seq_id != item.seq_id or seq.done:
-                seq = self._live_seq(item)
+            seq = live_seq(item)
             if seq is None or not seq.in_flight:
                 continue  # aborted, or unscheduled after a failed forward: ignored
             tokens: int | list[int] | AcceptedTokens | None = None
@@ -1093,6 +1081,8 @@ class Scheduler:
         return plan
 
     def _live_seq(self, item: ScheduledSeq) -> _Seq | None:
+        """The live sequence `item` was scheduled for; None when it ended
+        or was aborted since. O(samples of its request)."""
         seqs = self._seqs_of.get(item.request_id)
         if seqs is None:
             return None  # aborted since
@@ -1113,7 +1103,8 @@ class Scheduler:
             return
         _extend(self._pending_ops, plan)
 
-    def _fork(self, parent: _Seq, tokens, now: float, results, deltas: bool) -> list[_Seq]:
+    def _fork(self, parent: _Seq, tokens, now: float, results, finished: set[int],
+              deltas: bool) -> list[_Seq]:
         """The prompt of an n-sample request is done: one sequence per sample,
         sharing the prompt's pages (and slot) copy-on-write."""
         req = parent.request
@@ -1127,38 +1118,13 @@ class Scheduler:
         _extend(self._pending_ops, kv.free(parent.seq_id, num_computed=parent.num_computed))
         parent.done = True
         self._seqs_of[req.request_id] = children
-        for i, child in enumerate(children):
-            self._add_token(child, i, tokens[i], now, results, deltas)
+        self._add_sampled(children, tokens, 0, n, now, results, finished, deltas)
         return children
-
-    def _add_token(
-        self, seq: _Seq, index: int, token: int, now: float, results, deltas: bool
-    ) -> bool:
-        """Append a sampled token to sample `index` (and to its request's
-        output in `results` with `deltas`); True if the sample ended."""
-        req = seq.request
-        outputs = req.outputs[index]
-        outputs.append(token)
-        metrics = req.metrics
-        last = metrics.last_token_time
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        elif last is not None and now - last > metrics.max_token_gap:
-            metrics.max_token_gap = now - last
-        metrics.last_token_time = now
-        metrics.num_generated_tokens += 1
-        if deltas:
-            _add_delta(results, req, index, token)
-        params = req.sampling
-        if (len(outputs) < params.max_tokens and self.config.max_model_len is None
-                and token not in params.stop_token_ids):
-            return False  # the common token: `_stop_reason` is None, decided inline
-        return self._end_sample(seq, req, index, token, now, results)
 
     def _end_sample(
         self, seq: _Seq, req: Request, index: int, token: int, now: float, results
     ) -> bool:
-        """`_add_token`'s end: if sample `index` stops at its new `token`,
+        """`_add_sampled`'s end: if sample `index` stops at its new `token`,
         finish it (and its request when it was the last); True if it did."""
         reason = self._stop_reason(req, index, token)
         if reason is None:
@@ -1177,21 +1143,18 @@ class Scheduler:
         out.status = req.status
         return True
 
-    def _add_accepted(
-        self, seq: _Seq, accepted: AcceptedTokens, now: float, results, deltas: bool
-    ) -> bool:
+    def _add_accepted(self, seq: _Seq, accepted: AcceptedTokens, now: float, results,
+                      finished: set[int], deltas: bool) -> None:
         """A speculative row's tokens, one by one until a stop condition; the
-        store kept the accepted drafts (all but the last token) as reserved.
-        True if the sample ended."""
-        index = seq.index
-        if index is None:  # `_checked_accepted` admits one-sample rows only
+        store kept the accepted drafts (all but the last token) as reserved."""
+        if seq.index is None:  # `_checked_accepted` admits one-sample rows only
             raise IntegrityError(f"accepted tokens for prompt sequence {seq.seq_id!r}")
         seq.num_computed = accepted.num_computed
         seq.num_reserved += len(accepted.tokens) - 1
         for token in accepted.tokens:
-            if self._add_token(seq, index, token, now, results, deltas):
-                return True
-        return False
+            self._add_sampled([seq], [token], 0, 1, now, results, finished, deltas)
+            if seq.done:
+                return
 
     def _stop_reason(self, req: Request, index: int, token: int) -> RequestStatus | None:
         params = req.sampling
@@ -1281,25 +1244,12 @@ def _width(seq: _Seq) -> int:
     return seq.request.sampling.n if seq.index is None else 1
 
 
-def _decode_token(seq: _Seq) -> int | None:
-    """The one token a decode row computes (its last sampled token: every
-    other token is computed), or None when `seq` is not at a decode row."""
-    index = seq.index
-    if index is None:
-        return None
-    req = seq.request
-    outputs = req.outputs[index]
-    if not outputs or seq.num_computed != len(req.prompt_tokens) + len(outputs) - 1:
-        return None
-    return outputs[-1]
-
-
 def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...]:
     """The decode rows of `running` from `start` on, up to the first other
-    sequence and at most `limit`: sequences at a decode row (`_decode_token`)
-    whose store holds exactly their computed tokens. Each is marked as
-    `_emit_decode_row` marks it (its token reserved, in flight), in this one
-    pass: the store's `append_decode` of the rows' ids and tokens almost
+    sequence and at most `limit`: sequences of one sample whose tokens are
+    all computed but the last sampled one, and whose store holds exactly
+    their computed tokens. Each is marked (its token reserved, in flight) in
+    this one pass: the store's `append_decode` of the rows' ids and tokens almost
     never refuses, and `_unmark_decode_rows` undoes the marks when it does.
     Returns the rows' sequences, tokens, positions, sample indices and
     requests, and the rows that were in flight already."""
@@ -1312,7 +1262,6 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...
     add_seq, add_token = seqs.append, tokens.append  # bound once
     add_position, add_index, add_req = positions.append, indices.append, reqs.append
     for seq in itertools.islice(running, start, start + limit):
-        # `_decode_token(seq)` and the marks, written out: this loop runs once per decoded token.
         index = seq.index
         if index is None:
             break

@@ -1,11 +1,11 @@
-"""The decode-row paths (the scheduler's batched `_decode_rows` with one
-`append_decode` store call per run of rows, its `_decode_token` rows, the
-block manager's `_fits_next_token` append) against the generic paths they skip.
+"""The decode-row path (the scheduler's `_decode_rows`, one `append_decode`
+store call per run of rows; a row is a batch of one after a refusal; the
+block manager's `_fits_next_token` skip of a row that fits its last page)
+against rows one at a time and the store's general growth path.
 
-Each simulation runs twice: as is, and with every shortcut turned off (every
-row through `_chunk` / `_reserve` / `_emit` and its own `append`, every
-append through `_growth`). Every step's series and every request's record
-must be equal.
+Each simulation runs twice: as is, and with every row a batch of one and
+every append through `_growth`. Every step's series and every request's
+record must be equal.
 The configurations force page pressure (preemption by recompute and by
 swap), forks (n > 1 samples), hybrid slots and sliding windows, so the
 shortcuts meet every case they must decline.
@@ -70,12 +70,13 @@ def _same_series(a: dict, b: dict) -> bool:
 def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     config = _config(**CASES[name])
     taken = {"rows": 0, "appends": 0, "batched": 0, "batched_fits": 0}
-    decode_token, fits_last_page = scheduler_module._decode_token, BlockManager._fits_next_token
+    fits_last_page = BlockManager._fits_next_token
     decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
 
     def counted_decode_rows(running, start, limit):
         rows = decode_rows(running, start, limit)
         taken["batched"] += len(rows[0])
+        taken["rows"] += limit == 1 and len(rows[0]) == 1
         return rows
 
     def counted_plan_decode(self, seqs):
@@ -84,17 +85,11 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
         taken["batched_fits"] += len(seqs) - len(growing)
         return plan
 
-    def counted_decode_token(seq):
-        token = decode_token(seq)
-        taken["rows"] += token is not None
-        return token
-
     def counted_fits(self, seq):
         fits = fits_last_page(self, seq)
         taken["appends"] += fits
         return fits
 
-    monkeypatch.setattr(scheduler_module, "_decode_token", counted_decode_token)
     monkeypatch.setattr(BlockManager, "_fits_next_token", counted_fits)
     monkeypatch.setattr(scheduler_module, "_decode_rows", counted_decode_rows)
     monkeypatch.setattr(BlockManager, "_plan_decode", counted_plan_decode)
@@ -105,8 +100,8 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
-    monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
-    monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
+    monkeypatch.setattr(scheduler_module, "_decode_rows",
+                        lambda running, start, limit: decode_rows(running, start, 1))
     monkeypatch.setattr(BlockManager, "_fits_next_token", lambda self, seq: False)
     generic = _recorded(config)
 
@@ -118,14 +113,17 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
 
 
 class _RefusingDecodeStore(BlockManager):
-    """A store whose batched decode call always refuses (as a full pool
-    would), so every run of decode rows is gathered, refused and undone."""
+    """A store whose batched decode call refuses every batch of more than
+    one row (as a pool with room for some rows only would), so every run of
+    decode rows is gathered, refused and undone, then taken row by row."""
 
     num_refused = 0
 
     def append_decode(self, seq_ids, tokens):
-        self.num_refused += 1
-        raise OutOfBlocks("refused for the test")
+        if len(seq_ids) > 1:
+            self.num_refused += 1
+            raise OutOfBlocks("refused for the test")
+        return super().append_decode(seq_ids, tokens)
 
 
 def _drive(monkeypatch, batched: bool) -> list[tuple]:
@@ -171,7 +169,6 @@ def _scheduled_work(monkeypatch, as_records: bool) -> tuple[list, int]:
     number of steps with a record between two rows."""
     if as_records:
         monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
-        monkeypatch.setattr(scheduler_module, "_decode_token", lambda seq: None)
     bm = BlockManager(BlockManagerConfig(num_blocks=48, block_size=4))
     sched = scheduler_module.Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=8,
