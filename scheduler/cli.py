@@ -1074,12 +1074,12 @@ def startup_line(engine, budget) -> str:
     and the process's peak resident memory."""
     from scheduler.serving import serve
 
-    bm, nbytes = engine.cache.store, engine.cache.nbytes
-    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
-    each = "" if slots else f", {nbytes / bm.config.num_blocks / 2**10:.1f} KiB each"
+    cache, nbytes = engine.cache, engine.cache.nbytes
+    slots = f", {cache.num_slots} recurrent slots" if cache.num_slots else ""
+    each = "" if slots else f", {nbytes / cache.num_blocks / 2**10:.1f} KiB each"
     source = "--num-blocks" if budget is None else budget.describe()
-    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({bm.config.num_blocks} "
-            f"pages of {bm.config.block_size} tokens{each}{slots}; sized by {source}), "
+    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({cache.num_blocks} "
+            f"pages of {cache.block_size} tokens{each}{slots}; sized by {source}), "
             f"peak resident memory {serve.peak_rss() / 2**30:.2f} GiB")
 
 
