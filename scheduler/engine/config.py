@@ -28,21 +28,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockmgr.errors import InvalidArgument
-from blockmgr.kv_format import BITS, GROUP_SIZES, KVFormat
+from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat
 from blockmgr.validation import check_int
 from scheduler.core.policies import POLICIES
 from scheduler.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 
-def setting(default: Any, help: str, *, option: str | None = None, old: tuple[str, ...] = (),
-            metavar: str | None = None, minimum: int | float | None = None,
-            choices: tuple[Any, ...] | None = None) -> Any:
+def setting(default: Any, help: str, *, none: str | None = None, more: str | None = None,
+            option: str | None = None, old: tuple[str, ...] = (), metavar: str | None = None,
+            minimum: int | float | None = None, choices: tuple[Any, ...] | None = None) -> Any:
     """A config field declared with its default and its help (the CLI's
-    text); `option` when the option is not ``--`` + the field's name with
-    dashes, `old` spellings still accepted, `minimum`/`choices` for the
-    CLI's parsing (the config's own validation is the authority)."""
-    meta = {"help": help, "option": option, "old": old, "metavar": metavar,
-            "minimum": minimum, "choices": choices}
+    text: "HELP (default X): MORE"); `none`: what a default of None means;
+    `option` when the option is not ``--`` + the field's name with dashes;
+    `old` spellings still accepted; `minimum`/`choices` for the CLI's
+    parsing (the config's own validation is the authority)."""
+    meta = {"help": help, "none": none, "more": more, "option": option, "old": old,
+            "metavar": metavar, "minimum": minimum, "choices": choices}
     return field(default=default, metadata=meta)
 
 
@@ -52,34 +53,37 @@ class CacheConfig:
     construction (`InvalidArgument`, a `ValueError`). Sizes in bytes are
     ints or strings such as "4GiB"."""
 
-    num_blocks: int = setting(1024, "KV pages in the pool", minimum=1)
-    block_size: int = setting(16, "tokens per page", minimum=1)
+    num_blocks: int = setting(1024, "KV pages in the pool", metavar="N", minimum=1)
+    block_size: int = setting(16, "tokens per page", metavar="TOKENS", minimum=1)
     num_slots: int | None = setting(
-        None, "recurrent slots of a hybrid model (default: 2 per running sequence + 2, "
-              "3 per sequence + 2 with a draft model)", minimum=0)
+        None, "recurrent slots of a hybrid model", metavar="N", minimum=0,
+        none="2 per running sequence + 2, 3 per sequence + 2 with a draft model")
     enable_prefix_cache: bool = setting(True, "keep computed prefixes for reuse",
                                         option="--no-prefix-cache")
-    watermark: float = setting(0.0, "fraction of pages kept free at admission", minimum=0.0)
-    num_host_blocks: int = setting(0, "host pages for preemption by swap", minimum=0)
-    num_host_slots: int = setting(0, "host recurrent slots for swap", minimum=0)
+    watermark: float = setting(0.0, "fraction of pages kept free at admission", metavar="F",
+                               minimum=0.0)
+    num_host_blocks: int = setting(0, "host pages for preemption by swap", metavar="N",
+                                   minimum=0)
+    num_host_slots: int = setting(0, "host recurrent slots for swap", metavar="N", minimum=0)
     kv_bits: int | None = setting(
-        None, "quantize cached keys and values to 4 or 8 bits (affine, along the head "
-              "dimension, as mlx-lm's QuantizedKVCache; default: the model's dtype)",
+        None, "quantize cached keys and values to 4 or 8 bits, affine along the head "
+              "dimension as mlx-lm's QuantizedKVCache", none="the model's dtype",
         metavar="BITS", choices=BITS)
     kv_group_size: int | None = setting(
-        None, "elements per scale and bias of quantized pages (32, 64, 128; default 64); "
-              "the model's head size must be a multiple of it", metavar="N", choices=GROUP_SIZES)
+        None, "elements per scale and bias of quantized pages: 32, 64 or 128",
+        none=str(DEFAULT_GROUP_SIZE), more="the model's head size must be a multiple of it",
+        metavar="N", choices=GROUP_SIZES)
     kv_format: KVFormat | None = setting(
         None, "the page format as a `KVFormat` (key and value bits apart), instead of "
               "kv_bits and kv_group_size")
     host_cache_size: int | str | None = setting(
-        None, "host memory for evicted cached prefixes, e.g. 4GiB (default none)",
+        None, "host memory for evicted cached prefixes, e.g. 4GiB", none="none",
         metavar="SIZE")
     disk_cache: str | os.PathLike[str] | None = setting(
-        None, "keep evicted cached prefixes in this directory; they survive restarts "
-              "(design/tiers.md)", metavar="DIR")
+        None, "keep evicted cached prefixes in this directory, where they survive "
+              "restarts (design/tiers.md)", none="none", metavar="DIR")
     disk_cache_size: int | str | None = setting(
-        None, "disk budget of the disk cache, e.g. 20GiB (default 20GiB)", metavar="SIZE")
+        None, "disk budget of --disk-cache, e.g. 20GiB", none="20GiB", metavar="SIZE")
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, 1)
@@ -120,18 +124,18 @@ SCHEDULER_SETTINGS: dict[str, dict[str, Any]] = {
     "max_num_seqs": {"help": "sequences running at once", "metavar": "N", "minimum": 1},
     "max_num_batched_tokens": {"help": "token budget of one step", "metavar": "TOKENS",
                                "minimum": 1, "old": ("--max-batched-tokens",)},
-    "policy": {"help": "waiting-queue order: " + "; ".join(
+    "policy": {"help": "waiting-queue order", "more": "; ".join(
         f"{p.name}: {p.help}" for p in POLICIES.values()), "choices": tuple(POLICIES)},
     "preemption": {"help": "what a preempted sequence loses", "choices": PREEMPTION_MODES},
     "long_prefill_token_threshold": {
-        "help": "cap on one sequence's prefill chunk per step (default: none)",
+        "help": "cap on one sequence's prefill chunk per step", "none": "none",
         "metavar": "TOKENS", "minimum": 1, "old": ("--long-prefill-threshold",)},
     "max_num_partial_prefills": {
-        "help": "sequences mid-prefill at once (default: no limit)", "metavar": "N",
+        "help": "sequences mid-prefill at once", "none": "no limit", "metavar": "N",
         "minimum": 1, "old": ("--max-partial-prefills",)},
     "checkpoint_prefill": {"help": "snapshot every prefill chunk end into the prefix cache"},
     "max_model_len": {
-        "help": "most prompt + output tokens of a sequence (default: what the pool holds)",
+        "help": "most prompt + output tokens of a sequence", "none": "what the pool holds",
         "metavar": "TOKENS", "minimum": 1},
 }
 
@@ -156,9 +160,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=_default_cache)
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     prefill_batch: int = setting(
-        1, "prefill chunks per forward (right-padded to the group's longest; on the CPU "
-           "backend a padded batch costs more than its rows alone, hence 1)",
-        metavar="N", minimum=1)
+        1, "prefill chunks per forward, right-padded to the group's longest "
+           "(design/serving.md)", metavar="N", minimum=1)
     batch_probe: bool = setting(
         True, "compare a few batched and single-row forwards at start; rows the model "
               "cannot batch run one by one")
@@ -167,7 +170,7 @@ class EngineConfig:
     num_speculative_tokens: int = setting(
         4, "draft tokens per step with a draft model", metavar="K", minimum=1)
     vocab_size: int | None = setting(
-        None, "token ids allowed in prompts (default: the model's vocabulary)", minimum=1)
+        None, "token ids allowed in prompts", none="the model's vocabulary", minimum=1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -220,24 +223,42 @@ class Setting:
     """One declared setting as the command line shows it.
 
     part: "cache", "scheduler" or "engine" (the config that holds it);
-    default: that config's default; option: its one CLI name; old: older
-    spellings (hidden, with a deprecation line); the rest for parsing."""
+    default: that config's default; help: what it is; none: what a
+    default of None means; more: text after the default; option: its one
+    CLI name; old: older spellings (hidden, with a deprecation line); the
+    rest for parsing."""
 
     name: str
     part: str
     default: Any
     help: str
     option: str
+    none: str | None = None
+    more: str | None = None
     old: tuple[str, ...] = ()
     metavar: str | None = None
     minimum: int | float | None = None
     choices: tuple[Any, ...] | None = None
 
+    def help_text(self, default: Any = None, default_text: str | None = None) -> str:
+        """The option's help: "HELP (default X): MORE", X being `default`,
+        or "(default: TEXT)" for `default_text` (or `none` for a default of
+        None): a rule rather than a value."""
+        if default_text is None and default is None:
+            default_text = self.none
+        if default_text is not None:  # a phrase
+            text = f"{self.help} (default: {default_text})"
+        else:
+            value = f"{default:g}" if isinstance(default, float) else str(default)
+            text = f"{self.help} (default {value})"
+        return text if self.more is None else f"{text}: {self.more}"
+
 
 def _setting(name: str, part: str, default: Any, meta: Mapping[str, Any]) -> Setting:
     option = meta.get("option") or "--" + name.replace("_", "-")
-    return Setting(name, part, default, meta["help"], option, tuple(meta.get("old") or ()),
-                   meta.get("metavar"), meta.get("minimum"), meta.get("choices"))
+    return Setting(name, part, default, meta["help"], option, meta.get("none"),
+                   meta.get("more"), tuple(meta.get("old") or ()), meta.get("metavar"),
+                   meta.get("minimum"), meta.get("choices"))
 
 
 def settings() -> dict[str, Setting]:

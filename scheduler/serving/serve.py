@@ -34,6 +34,11 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: weight read per forward (BENCHMARKS.md, "serve"); `prefill_groups` keeps
 #: the padding bounded whatever the lengths.
 PREFILL_BATCH = 8
+#: The engine settings (`scheduler.engine.config`) whose default `blockmgr
+#: serve` changes: prefill batching (above), and 64 running sequences (a
+#: hybrid model's pool sets recurrent slots aside per running sequence
+#: before its pages: `size_pool`).
+SERVE_DEFAULTS: dict[str, object] = {"max_num_seqs": 64, "prefill_batch": PREFILL_BATCH}
 
 
 #: The share of the memory available at start that `blockmgr serve` gives
