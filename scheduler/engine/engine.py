@@ -248,10 +248,7 @@ class Engine:
         self.prefill_batch = config.prefill_batch
         self.faults = ForwardFaults(config.max_forward_retries)
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
-        num_slots = storage.num_slots
-        if num_slots is None:  # speculation: one more per sequence (the checkpoint)
-            num_slots = default_num_slots(sched.max_num_seqs, draft_model is not None) \
-                if hybrid else 0
+        num_slots = _num_slots(config, hybrid, draft_model is not None)
         self.model = model
         self.cache = PagedCache.for_model(
             model, storage.num_blocks, storage.block_size,
@@ -982,6 +979,16 @@ def _generation_output(request: Request, tracked: _Tracked | None) -> Generation
         logprobs = tracked.logprobs
     return GenerationOutput(request.request_id, request.prompt_tokens, request.outputs,
                             request.finish_reasons, request.metrics, texts, logprobs)
+
+
+def _num_slots(config: EngineConfig, hybrid: bool, speculative: bool) -> int:
+    """The recurrent slots of the engine's storage: the config's, else
+    `default_num_slots` for a hybrid model (0 for an attention-only one)."""
+    if config.cache.num_slots is not None:
+        return config.cache.num_slots
+    if not hybrid:
+        return 0
+    return default_num_slots(config.scheduler.max_num_seqs, speculative)
 
 
 def _engine_config(config: EngineConfig | None, scheduler_config: SchedulerConfig | None,
