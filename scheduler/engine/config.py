@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat
 from blockmgr.validation import check_int
 from scheduler.core.policies import POLICIES
@@ -151,7 +151,8 @@ def _default_scheduler() -> SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """An `Engine`'s settings: `cache` (the storage), `scheduler`, and the
-    engine's own; validated on construction (`InvalidArgument`).
+    engine's own; validated on construction (`InvalidArgument`; a part of
+    the wrong type: `WrongArgumentType`).
     `Engine(model, config=EngineConfig(...))`; `EngineConfig.of(**keywords)`
     sorts the flat keywords `Engine` also accepts into the three parts.
     The engine never changes the config it is given (it resolves
@@ -174,9 +175,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
-            raise InvalidArgument(f"cache must be a CacheConfig, got {self.cache!r:.80}")
+            raise WrongArgumentType(f"cache must be a CacheConfig, got {self.cache!r:.80}")
         if not isinstance(self.scheduler, SchedulerConfig):
-            raise InvalidArgument(f"scheduler must be a SchedulerConfig, got {self.scheduler!r:.80}")
+            raise WrongArgumentType(
+                f"scheduler must be a SchedulerConfig, got {self.scheduler!r:.80}")
         check_int("prefill_batch", self.prefill_batch, 1)
         if not isinstance(self.batch_probe, bool):
             raise InvalidArgument(f"batch_probe must be a bool, got {self.batch_probe!r}")

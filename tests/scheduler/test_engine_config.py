@@ -99,6 +99,8 @@ def test_flat_keywords_go_to_the_part_that_declares_them():
         EngineConfig.of(scheduler_config=SchedulerConfig(), max_num_seqs=2)
     with pytest.raises(TypeError, match="num_pages"):
         EngineConfig.of(num_pages=3)
+    with pytest.raises(TypeError, match="CacheConfig"):
+        EngineConfig(cache=SchedulerConfig())  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.prefill_batch = 3  # type: ignore[misc]
 
