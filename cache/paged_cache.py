@@ -38,7 +38,7 @@ from blockmgr.errors import (
 from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut, Tier
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
-from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, page_kind
+from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
 from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
@@ -356,6 +356,16 @@ class PagedCache:
         return self.store.num_usable_blocks
 
     @property
+    def num_blocks(self) -> int:
+        """Pages in the pool (of each page group)."""
+        return self.store.config.num_blocks
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each page group's sliding window in tokens (None: full attention)."""
+        return self.store.windows
+
+    @property
     def usage(self) -> float:
         return self.store.usage
 
@@ -400,6 +410,18 @@ class PagedCache:
 
     def cached_paths(self) -> list[tuple[Hashable, list[int]]]:
         return self.store.cached_paths()
+
+    def cached_tier_paths(self) -> list[tuple[Hashable, list[int], list[tuple[int, int]]]]:
+        """`cached_paths()` with where each path's tiers begin (the store's
+        `cached_tier_paths`). O(sum of the paths' lengths)."""
+        return self.store.cached_tier_paths()
+
+    def tier_report(self) -> tuple[TierReport, ...]:
+        """Each prefix-cache tier's bytes, entries, hits and loads, device
+        first (`CacheTiers.report`); empty without colder tiers. O(trie nodes)."""
+        if self._tiers is None:
+            return ()
+        return self._tiers.report(self.store)
 
     @property
     def cache_version(self) -> int:

@@ -2,6 +2,7 @@
 
 * `request`: `Request`, `SamplingParams`, `RequestStatus`, `RequestMetrics`.
 * `scheduler`: `Scheduler` and its records (bookkeeping only, no MLX).
+* `EngineConfig` (with `CacheConfig`): every engine setting, declared once.
 * `engine`: `Engine`, driving an mlx-lm model through the scheduler over a
   `cache.PagedCache` (imported lazily: it needs MLX).
 * `async_engine`: `AsyncEngine`, the asyncio front-end (lazily too);
@@ -20,6 +21,7 @@ from scheduler.core.scheduler import (
     SchedulerStats,
     StaleSchedulerOutput,
 )
+from scheduler.engine.config import CacheConfig, EngineConfig
 
 _LAZY = {"AutoRequestId", "Engine", "GenerationOutput"}
 _LAZY_ASYNC = {"AsyncEngine", "QueueFull", "EngineStopped"}
@@ -40,8 +42,10 @@ def __getattr__(name: str):
 __all__ = [
     "AsyncEngine",
     "AutoRequestId",
+    "CacheConfig",
     "DecodeRows",
     "Engine",
+    "EngineConfig",
     "EngineStopped",
     "GenerationOutput",
     "QueueFull",

@@ -29,9 +29,8 @@ from typing import Any
 
 from blockmgr.errors import IntegrityError
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat, parse_bytes
-from scheduler.core.policies import POLICIES
-from scheduler.core.scheduler import PREEMPTION_MODES, SchedulerConfig
-from scheduler.serving.serve import KV_MEMORY_FRACTION, PREFILL_BATCH
+from scheduler.engine.config import settings
+from scheduler.serving.serve import KV_MEMORY_FRACTION, SERVE_DEFAULTS
 from scheduler.serving.status import DEFAULT_STATUS_INTERVAL
 from scheduler.simulator.kv_memory import engine_num_slots
 from scheduler.simulator.layout import LAYOUTS, ModelLayout, layout_named
@@ -214,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true", help="a small grid (about a minute on a small model)")
     cal.add_argument("--repeats", type=_positive_int, help="measure the grid this many times (default 2)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cal.add_argument("--disk-cache", metavar="DIR",
-                     help="time the disk tier's reads and writes on this directory's disk "
-                          "(the one `serve --disk-cache` will use; default the system's temp "
-                          "directory); a temporary folder inside it is removed after")
+    _add_setting(cal, "disk_cache", None,
+                 help="time the disk tier's reads and writes on this directory's disk "
+                      "(the one `serve --disk-cache` will use; default the system's temp "
+                      "directory); a temporary folder inside it is removed after")
 
     cmp_ = sub.add_parser(
         "compare",
@@ -280,23 +279,23 @@ def _add_workload_options(parser) -> None:
 
 
 def _add_pool_options(parser) -> None:
-    """The block manager's and the scheduler's options (simulate, replay)."""
+    """The block manager's and the scheduler's options (simulate, replay),
+    stating `SimulationConfig`'s defaults."""
     m = parser.add_argument_group("block manager")
-    m.add_argument("--num-blocks", type=_positive_int, help="KV pages (default 4096)")
-    m.add_argument("--block-size", type=_positive_int, help="tokens per page (default 16)")
+    add = _setting_adder(m, _simulation_default)
+    add("num_blocks")
+    add("block_size")
     m.add_argument("--hybrid", action="store_true", help="hybrid model: recurrent slots in play")
-    m.add_argument("--num-slots", type=_nonneg_int,
-                   help="recurrent slots (default with --hybrid: 2 x max seqs; with "
-                        "--kv-memory: 2 x max seqs + 2, as serve gives the engine)")
-    m.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix trie")
-    m.add_argument("--watermark", type=_nonneg_float, help="fraction of pages kept free at admission")
+    add("num_slots", default_text="with --hybrid: 2 x max seqs; with --kv-memory: 2 x max "
+                                  "seqs + 2, as serve gives the engine")
+    add("enable_prefix_cache", dest="no_prefix_cache")
+    add("watermark")
     m.add_argument("--layout", choices=sorted(LAYOUTS),
                    help="model layer kinds, one store group per attention window (default full)")
     m.add_argument("--sliding-window", type=_positive_int, metavar="TOKENS",
                    help="window of the layout's sliding layers (alone: every layer sliding)")
-    m.add_argument("--num-host-blocks", type=_nonneg_int, help="host pages for swap (default with swap: num blocks)")
-    m.add_argument("--num-host-slots", type=_nonneg_int,
-                   help="host recurrent slots for swap (default with --hybrid and swap: num slots)")
+    add("num_host_blocks", default_text="with swap: num blocks")
+    add("num_host_slots", default_text="with --hybrid and swap: num slots")
     m.add_argument("--num-host-cache-blocks", type=_nonneg_int,
                    help="pages of the prefix cache's host tier (default 0: none; design/tiers.md)")
     m.add_argument("--num-host-cache-slots", type=_nonneg_int,
@@ -305,35 +304,112 @@ def _add_pool_options(parser) -> None:
                    help="pages of the prefix cache's disk tier (default 0: none)")
     m.add_argument("--num-disk-slots", type=_nonneg_int,
                    help="recurrent snapshots of the disk tier (default with --hybrid: num slots)")
-
-    s = parser.add_argument_group("scheduler (defaults: SchedulerConfig's)")
-    default = _scheduler_default
-    s.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
-                   help=f"sequences running at once (default {default('max_num_seqs')})")
-    _add_deprecated_alias(s, "--max-batched-tokens", "--max-num-batched-tokens")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="TOKENS",
-                   dest="max_batched_tokens",
-                   help=f"token budget of one step (default {default('max_num_batched_tokens')})")
-    s.add_argument("--policy", choices=tuple(POLICIES),
-                   help=f"waiting-queue order (default {default('policy')}): " + "; ".join(
-                       f"{p.name}: {p.help}" for p in POLICIES.values()))
-    s.add_argument("--preemption", choices=PREEMPTION_MODES,
-                   help=f"what a preempted sequence loses (default {default('preemption')})")
-    _add_deprecated_alias(s, "--long-prefill-threshold", "--long-prefill-token-threshold")
-    s.add_argument("--long-prefill-token-threshold", type=_positive_int, metavar="TOKENS",
-                   dest="long_prefill_threshold",
-                   help="cap on one sequence's prefill chunk per step (default: none)")
-    _add_deprecated_alias(s, "--max-partial-prefills", "--max-num-partial-prefills")
-    s.add_argument("--max-num-partial-prefills", type=_positive_int, metavar="N",
-                   dest="max_partial_prefills",
-                   help="sequences mid-prefill at once (default: no limit)")
+    _add_scheduler_options(parser, _simulation_default)
 
 
-def _scheduler_default(name: str) -> object:
-    """The default `SchedulerConfig` declares for its field `name` (the one
-    declaration the CLI's help reads)."""
-    (found,) = [f for f in dataclasses.fields(SchedulerConfig) if f.name == name]
-    return found.default
+#: The scheduler's settings every subcommand that runs a scheduler takes.
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "policy", "preemption",
+                     "long_prefill_token_threshold", "max_num_partial_prefills")
+
+
+#: The engine settings `blockmgr serve` takes (besides the page format's
+#: options), in the order of its help; `SERVED_SCHEDULER_OPTIONS` of them
+#: in the scheduler's group.
+SERVED_SETTINGS = ("num_blocks", "disk_cache", "disk_cache_size", "host_cache_size",
+                   "block_size", "max_num_seqs", "max_num_batched_tokens", "policy",
+                   "long_prefill_token_threshold", "max_num_partial_prefills", "prefill_batch",
+                   "max_model_len")
+SERVED_SCHEDULER_OPTIONS = tuple(n for n in SCHEDULER_OPTIONS if n in SERVED_SETTINGS)
+#: serve's defaults that are rules, not values (the option is then absent: None).
+SERVE_DEFAULT_TEXT = {
+    "num_blocks": "sized by --kv-memory, which it overrides",
+    "max_model_len": "the model's context from its config.json, at most what the pool "
+                     "holds; longer requests get 400",
+}
+
+
+def _serve_default(name: str) -> object:
+    """The default `blockmgr serve` gives the setting `name`: the engine's,
+    unless `serve.SERVE_DEFAULTS` changes it."""
+    return SERVE_DEFAULTS.get(name, SETTINGS[name].default)
+
+
+def _add_scheduler_options(parser, default_of, names=SCHEDULER_OPTIONS, **defaults) -> None:
+    """The scheduler's settings `names`, generated from their declarations
+    (`scheduler.engine.config`), stating `default_of(name)` unless
+    `defaults` gives the command's own."""
+    s = parser.add_argument_group("scheduler")
+    add = _setting_adder(s, default_of)
+    for name in names:
+        add(name, default=defaults.get(name))
+
+
+def _simulation_default(name: str) -> object:
+    """The default `SimulationConfig` has for the setting `name` (its block
+    manager's or its scheduler's)."""
+    from scheduler.simulator.config import SimulationConfig
+
+    config = SimulationConfig()
+    part = config.scheduler if SETTINGS[name].part == "scheduler" else config.block_manager
+    return getattr(part, name)
+
+
+def _engine_default(name: str) -> object:
+    """The default the engine's config declares for the setting `name`."""
+    return SETTINGS[name].default
+
+
+#: Every engine setting, declared once (`scheduler.engine.config`): the
+#: options below are generated from these declarations.
+SETTINGS = settings()
+
+
+def _setting_adder(group, default_of):
+    """`add(name, ...)`: `_add_setting` on `group`, with the defaults the
+    command states read by `default_of(name)`."""
+
+    def add(name: str, **kwargs: Any) -> None:
+        _add_setting(group, name, default_of(name), **kwargs)
+
+    return add
+
+
+def _add_setting(group, name: str, shown: object, *, default: object = None,
+                 default_text: str | None = None, help: str | None = None,
+                 dest: str | None = None) -> None:
+    """The option of the declared setting `name` (its one name, its help,
+    parsed by its declared bounds and choices), with its old spellings
+    hidden. `default`: the value when the option is absent (None: the
+    command applies `shown`, the default its help states); `default_text`:
+    a default that is a rule rather than a value; `help`: a command's other
+    use of the same setting (calibrate's --disk-cache)."""
+    setting = SETTINGS[name]
+    if default is not None:
+        shown = default
+    text = help if help is not None else setting.help_text(shown, default_text)
+    dest = dest or name
+    if setting.option.startswith("--no-"):  # a setting on by default, turned off
+        group.add_argument(setting.option, action="store_true", dest=dest,
+                           help=f"do not {setting.help}" if help is None else help)
+        return
+    kind = _setting_type(setting)
+    group.add_argument(setting.option, type=kind, choices=setting.choices, dest=dest,
+                       metavar=setting.metavar, default=default, help=text)
+    for old in setting.old:
+        group.add_argument(old, action=_DeprecatedAlias, type=kind, dest=dest,
+                           metavar=setting.option, help=argparse.SUPPRESS)
+
+
+def _setting_type(setting) -> Callable[[str], Any] | None:
+    """The argparse type of a setting: by its choices' type, its declared
+    minimum (int or float), else text (sizes, directories, names)."""
+    if setting.choices is not None:
+        return type(setting.choices[0]) if not isinstance(setting.choices[0], str) else None
+    if isinstance(setting.minimum, float):
+        return _nonneg_float if setting.minimum == 0 else _positive_float
+    if isinstance(setting.minimum, int):
+        return _int_at_least(setting.minimum)
+    return None
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -346,14 +422,6 @@ class _DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def _add_deprecated_alias(group, old: str, new: str) -> None:
-    """Accept `old` (hidden from help) as `new`, whose value type it shares."""
-    dest = old.lstrip("-").replace("-", "_")
-    group.add_argument(old, action=_DeprecatedAlias, type=_positive_int, dest=dest,
-                       metavar=new, help=argparse.SUPPRESS)
-
-
-
 #: The KV options of simulate that replay and bench do not take (a replay
 #: runs the format of its --config).
 KV_DEFAULTS = {"kv_memory": None, "kv_shape": None, "kv_bits": None, "kv_key_bits": None,
@@ -364,18 +432,13 @@ def _add_kv_format_options(parser, title: str):
     """--kv-bits, --kv-key-bits, --kv-value-bits, --kv-group-size (serve,
     simulate), in a group of their own, which is returned."""
     k = parser.add_argument_group(title)
-    bits = " or ".join(map(str, BITS))
-    k.add_argument("--kv-bits", type=int, choices=BITS, metavar="BITS",
-                   help=f"quantize cached keys and values to {bits} bits (affine, along the head "
-                        f"dimension, as mlx-lm's QuantizedKVCache; default: the model's dtype)")
+    add = _setting_adder(k, _engine_default)
+    add("kv_bits")
     k.add_argument("--kv-key-bits", type=int, choices=BITS, metavar="BITS",
                    help="keys' bits, over --kv-bits (e.g. --kv-bits 4 --kv-key-bits 8)")
     k.add_argument("--kv-value-bits", type=int, choices=BITS, metavar="BITS",
                    help="values' bits, over --kv-bits")
-    k.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, metavar="N",
-                   help=f"elements per scale and bias ({', '.join(map(str, GROUP_SIZES))}; "
-                        f"default {DEFAULT_GROUP_SIZE}); the model's head size must be a "
-                        f"multiple of it")
+    add("kv_group_size")
     return k
 
 
@@ -447,29 +510,17 @@ def _add_serve_parser(sub) -> None:
                        help=f"seconds between status lines (running, waiting, KV use, prefix "
                             f"hit rate, tokens/s) while busy; 0: none (default "
                             f"{DEFAULT_STATUS_INTERVAL:g})")
-    serve.add_argument("--num-blocks", type=_positive_int, help="page count (overrides --kv-memory)")
-    serve.add_argument("--disk-cache", metavar="DIR",
-                       help="keep evicted cached prefixes in this directory; they survive "
-                            "restarts (design/tiers.md)")
-    serve.add_argument("--disk-cache-size", metavar="SIZE",
-                       help="disk budget of --disk-cache, e.g. 20GiB (default 20GiB)")
-    serve.add_argument("--host-cache-size", metavar="SIZE",
-                       help="host memory for evicted cached prefixes, e.g. 4GiB (default none)")
-    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per page")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=64,
-                       help="sequences running at once (default 64)")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                       help="token budget of one step (default 2048)")
+    add = _setting_adder(serve, _engine_default)
+    for name in SERVED_SETTINGS:
+        if name in SCHEDULER_OPTIONS:
+            continue  # in the scheduler's group below
+        text = SERVE_DEFAULT_TEXT.get(name)
+        add(name, default=None if text else _serve_default(name), default_text=text)
     _add_kv_format_options(serve, "KV page format (design/serving.md)")
-    serve.add_argument("--prefill-batch", type=_positive_int, default=PREFILL_BATCH, metavar="N",
-                       help=f"prefill chunks per forward (default {PREFILL_BATCH}; "
-                            "see design/serving.md)")
+    _add_scheduler_options(serve, _serve_default, names=SERVED_SCHEDULER_OPTIONS,
+                           **{name: _serve_default(name) for name in SERVED_SCHEDULER_OPTIONS})
     serve.add_argument("--max-waiting", type=_positive_int, default=256,
                        help="waiting requests before new ones get 429 (default 256)")
-    serve.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
-                       help="most prompt + output tokens of a request (default: the model's "
-                            "context from its config.json, at most what the pool holds); "
-                            "longer requests get 400")
     serve.add_argument("--max-body-size", metavar="SIZE",
                        help="largest request body, e.g. 16MiB; larger ones get 413 before they "
                             "are read (default: 32 bytes per token of --max-model-len, at "
@@ -477,8 +528,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--draft-model", metavar="DIR",
                        help="a small mlx-lm model directory with the same vocabulary: "
                             "speculative decoding (its KV pages come on top of --kv-memory)")
-    serve.add_argument("--num-speculative-tokens", type=_positive_int, default=4, metavar="K",
-                       help="draft tokens per step with --draft-model (default 4)")
+    add("num_speculative_tokens", default=_serve_default("num_speculative_tokens"))
     serve.add_argument("--enable-prefix-cache-reset", action="store_true",
                        help="serve POST /reset_prefix_cache (drops every cached prefix no "
                             "request uses; off by default, as in vLLM)")
@@ -585,14 +635,9 @@ def build_config(args):
             bm[key] = getattr(args, opt)
     if args.no_prefix_cache:
         bm["enable_prefix_cache"] = False
-    for opt, key in (
-        ("max_num_seqs", "max_num_seqs"), ("max_batched_tokens", "max_num_batched_tokens"),
-        ("policy", "policy"), ("preemption", "preemption"),
-        ("long_prefill_threshold", "long_prefill_token_threshold"),
-        ("max_partial_prefills", "max_num_partial_prefills"),
-    ):
-        if getattr(args, opt) is not None:
-            sc[key] = getattr(args, opt)
+    for key in SCHEDULER_OPTIONS:
+        if getattr(args, key) is not None:
+            sc[key] = getattr(args, key)
     if args.layout is not None or args.sliding_window is not None:
         name = args.layout or ("sliding" if args.sliding_window is not None else "full")
         data["layout"] = layout_named(name, args.sliding_window).to_dict()
@@ -1039,11 +1084,7 @@ def cmd_serve(args) -> int:
                                      bind=bind)
     engine, name = serve.load_engine(
         args.model, kv_memory=None if budget is None else str(budget.nbytes), kv_format=kv_format,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_events=kv_events,
-        prefill_batch=args.prefill_batch, max_model_len=args.max_model_len, **tiers,
-        **serve_speculation(args),
+        kv_events=kv_events, **tiers, **serve_settings(args), **serve_speculation(args),
     )
     hint = serve.blas_hint()
     if hint:
@@ -1074,13 +1115,22 @@ def startup_line(engine, budget) -> str:
     and the process's peak resident memory."""
     from scheduler.serving import serve
 
-    bm, nbytes = engine.cache.store, engine.cache.nbytes
-    slots = f", {bm.config.num_slots} recurrent slots" if bm.config.num_slots else ""
-    each = "" if slots else f", {nbytes / bm.config.num_blocks / 2**10:.1f} KiB each"
+    cache, nbytes = engine.cache, engine.cache.nbytes
+    slots = f", {cache.num_slots} recurrent slots" if cache.num_slots else ""
+    each = "" if slots else f", {nbytes / cache.num_blocks / 2**10:.1f} KiB each"
     source = "--num-blocks" if budget is None else budget.describe()
-    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({bm.config.num_blocks} "
-            f"pages of {bm.config.block_size} tokens{each}{slots}; sized by {source}), "
+    return (f"KV pool {nbytes / 2**30:.2f} GiB allocated ({cache.num_blocks} "
+            f"pages of {cache.block_size} tokens{each}{slots}; sized by {source}), "
             f"peak resident memory {serve.peak_rss() / 2**30:.2f} GiB")
+
+
+def serve_settings(args) -> dict:
+    """`load_engine` keywords of serve's engine settings (`SERVED_SETTINGS`
+    but the cache tiers, which `serve.cache_tier_options` checks): those
+    given or defaulted to a value."""
+    tiers = ("disk_cache", "disk_cache_size", "host_cache_size")
+    return {name: getattr(args, name) for name in SERVED_SETTINGS
+            if name not in tiers and getattr(args, name) is not None}
 
 
 def serve_speculation(args) -> dict:

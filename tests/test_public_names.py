@@ -15,8 +15,10 @@ import scheduler
 DEFINED = {
     "AsyncEngine": "scheduler.serving.async_engine",
     "AutoRequestId": "scheduler.engine.engine",
+    "CacheConfig": "scheduler.engine.config",
     "DecodeRows": "scheduler.core.scheduler",
     "Engine": "scheduler.engine.engine",
+    "EngineConfig": "scheduler.engine.config",
     "EngineStopped": "scheduler.serving.async_engine",
     "GenerationOutput": "scheduler.engine.engine",
     "QueueFull": "scheduler.serving.async_engine",

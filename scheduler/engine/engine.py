@@ -39,13 +39,13 @@ import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
 from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
-from cache import KVFormat, LayerKind, PagedCache, layer_specs
+from cache import LayerKind, PagedCache, layer_specs
 from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.core.constraints import Grammars, RowMatcher
 from scheduler.engine.faults import ForwardFaults
@@ -58,7 +58,9 @@ from scheduler.core.request import (
     SamplingParams,
     TokenLogprob,
 )
-from scheduler.engine.sampling import KeyChain, sample_rows, token_logprobs
+from scheduler.engine.config import EngineConfig
+from scheduler.engine.runner import ModelRunner, Runner, StepSampling
+from scheduler.engine.sampling import KeyChain
 from scheduler.core.scheduler import (
     RequestOutput,
     ScheduledSeq,
@@ -179,10 +181,21 @@ class EngineStats:
 class Engine:
     """Continuous batching of an mlx-lm model over a `PagedCache`.
 
-    `Engine(model, num_blocks=..., block_size=16, ...)`; scheduler settings
-    come as keywords (`max_num_batched_tokens`, `max_num_seqs`, `policy`,
-    `preemption`, `long_prefill_token_threshold`, `max_model_len`) or as a
-    whole `scheduler_config`. Not thread-safe: one caller drives `step()`.
+    `Engine(model, config=EngineConfig(...))`: every setting, declared once
+    with its default and help in `scheduler.engine.config` (the storage's
+    `CacheConfig`, the `SchedulerConfig`, the engine's own). The same
+    settings are accepted as flat keywords, `Engine(model, num_blocks=...,
+    block_size=16, max_num_seqs=..., kv_bits=8, ...)` (`EngineConfig.of`
+    sorts them; a whole `scheduler_config` may replace the scheduler's
+    keywords), but not beside `config`. `self.config` holds the settings in
+    effect (`max_model_len` resolved). The other arguments are objects,
+    not settings: the clock, a step listener, the tokenizer, the KV-event
+    sink and the draft model. Not thread-safe: one caller drives `step()`.
+
+    `self.runner` (a `scheduler.engine.runner.Runner`, by default a
+    `ModelRunner` of `model` over `self.cache`) runs each batch: the
+    forward and the sampling; the engine schedules, handles faults and
+    keeps the books. A wrapper may replace it between steps.
 
     `batch_probe` (default on): when built, compare a few batched and
     single-row forwards of the model (`batch_probe.probe_batching`, 13
@@ -218,78 +231,42 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        num_blocks: int = 1024,
-        block_size: int = 16,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
         *,
-        num_slots: int | None = None,
-        enable_prefix_cache: bool = True,
-        watermark: float = 0.0,
-        num_host_blocks: int = 0,
-        num_host_slots: int = 0,
-        prefill_batch: int = 1,
-        batch_probe: bool = True,
-        max_forward_retries: int = 2,
+        config: EngineConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        vocab_size: int | None = None,
         step_listener: StepListener | None = None,
         tokenizer: Any = None,
         kv_events: str | EventSink | None = None,
         draft_model: Any = None,
-        num_speculative_tokens: int = 4,
-        kv_bits: int | None = None,
-        kv_group_size: int | None = None,
-        kv_format: KVFormat | None = None,
-        host_cache_size: int | str | None = None,
-        disk_cache: str | os.PathLike[str] | None = None,
-        disk_cache_size: int | str | None = None,
-        **scheduler_kwargs: Any,
+        **settings: Any,
     ) -> None:
-        if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) \
-                or prefill_batch < 1:
-            raise ValueError(f"prefill_batch must be an int >= 1, got {prefill_batch!r}")
-        self.prefill_batch = prefill_batch
-        self.faults = ForwardFaults(check_int("max_forward_retries", max_forward_retries, 1))
-        if scheduler_config is not None and scheduler_kwargs:
-            raise ValueError("give either scheduler_config or scheduler keywords, not both")
-        config = scheduler_config or SchedulerConfig(**scheduler_kwargs)
+        config = _engine_config(config, scheduler_config, num_blocks, block_size, settings)
+        storage, sched = config.cache, config.scheduler
+        self.prefill_batch = config.prefill_batch
+        self.faults = ForwardFaults(config.max_forward_retries)
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(model))
-        if num_slots is None:  # speculation: one more per sequence (the checkpoint)
-            num_slots = default_num_slots(config.max_num_seqs, draft_model is not None) if hybrid else 0
-        store_kwargs: dict[str, Any] = {}  # keywords of PagedCache's constructor
-        if host_cache_size is not None or disk_cache is not None or disk_cache_size is not None:
-            store_kwargs = {"host_cache_size": host_cache_size, "disk_cache": disk_cache,
-                            "disk_cache_size": disk_cache_size}
-        if num_host_blocks:  # swap space (host slots only matter for hybrid models)
-            store_kwargs.update({"num_host_blocks": num_host_blocks,
-                                 "num_host_slots": num_host_slots if hybrid else 0})
+        num_slots = _num_slots(config, hybrid, draft_model is not None)
         self.model = model
         self.cache = PagedCache.for_model(
-            model, num_blocks, block_size, num_slots=num_slots,
-            enable_prefix_cache=enable_prefix_cache, watermark=watermark, kv_format=kv_format,
-            kv_bits=kv_bits, kv_group_size=kv_group_size, **store_kwargs,
-        )
+            model, storage.num_blocks, storage.block_size,
+            **storage.storage_kwargs(num_slots, hybrid))
+        #: runs each batch: the forward and the sampling (`scheduler.engine.runner`)
+        self.runner: Runner = ModelRunner(model, self.cache)
         # Rows the model's own code cannot batch run one by one (see batch_probe).
         self.batching = (
-            probe_batching(model, probe_cache(model, block_size, hybrid),
-                           probe_prefill=prefill_batch > 1 or draft_model is not None)
-            if batch_probe else BatchSupport()
+            probe_batching(model, probe_cache(model, storage.block_size, hybrid),
+                           probe_prefill=config.prefill_batch > 1 or draft_model is not None)
+            if config.batch_probe else BatchSupport()
         )
-        self._batch_probe = batch_probe
-        # A sample must stop before one sequence outgrows the whole pool (a
-        # model whose layers all slide releases pages as it goes).
-        capacity = self.cache.num_usable_blocks * block_size
-        bounded = None in self.cache.store.windows
-        if config.max_model_len is None:
-            config.max_model_len = capacity
-        elif config.max_model_len > capacity and bounded:
-            raise InvalidArgument(
-                f"max_model_len {config.max_model_len} is more than the pool can hold "
-                f"({capacity} tokens past the watermark): such a sequence could never finish"
-            )
-        self.vocab_size = _model_vocab_size(model) if vocab_size is None else check_int(
-            "vocab_size", vocab_size, 1)
-        self.scheduler = Scheduler(config, self.cache, clock=clock)
+        sched = self._bounded(sched, storage.block_size)
+        #: the settings in effect (`scheduler.max_model_len` resolved)
+        self.config = replace(config, scheduler=sched)
+        self.vocab_size = _model_vocab_size(model) if config.vocab_size is None \
+            else config.vocab_size
+        self.scheduler = Scheduler(sched, self.cache, clock=clock)
         self.clock = clock
         self.step_listener = step_listener
         self.stats = EngineStats()
@@ -302,24 +279,37 @@ class Engine:
             tokenizer, self.vocab_size, self.text.eos_token_ids)
         self._tracked: dict[Hashable, _Tracked] = {}
         self.speculator = None if draft_model is None else self._speculator(
-            draft_model, num_speculative_tokens, num_blocks, block_size, num_slots,
-            enable_prefix_cache, config.max_model_len)
+            draft_model, num_slots)
         self._step_logprobs: dict[tuple[Hashable, int], TokenLogprob] = {}
         # constrained decoding: each sample's grammar matcher, this step's masks
         self._matchers: dict[Hashable, dict[int, RowMatcher]] = {}
         self._step_masks: dict[tuple[Hashable, int], Any] = {}
+        self._sampling = StepSampling(self._keys, self._step_masks, self._step_logprobs)
         #: Waiting requests whose disk-cached prefixes are read ahead each
         #: step (admission prefetch; 0: read when allocated).
         self.num_prefetch_ahead = 4
         self.kv_events = None if kv_events is None else open_publisher(
-            self.cache.store, kv_events,
-            tiered=self.cache.store if self.cache.tiers is not None else None)
+            self.cache, kv_events, tiered=self.cache if self.cache.tiers is not None else None)
 
-    def _speculator(self, draft_model, k, num_blocks, block_size, num_slots,
-                    enable_prefix_cache, max_model_len) -> Speculator:
+    def _bounded(self, sched: SchedulerConfig, block_size: int) -> SchedulerConfig:
+        """`sched` with its `max_model_len` resolved: a sample must stop
+        before one sequence outgrows the whole pool (a model whose layers
+        all slide releases pages as it goes, so any length fits there)."""
+        capacity = self.cache.num_usable_blocks * block_size
+        if sched.max_model_len is None:
+            return replace(sched, max_model_len=capacity)
+        if sched.max_model_len > capacity and None in self.cache.windows:
+            raise InvalidArgument(
+                f"max_model_len {sched.max_model_len} is more than the pool can hold "
+                f"({capacity} tokens past the watermark): such a sequence could never finish"
+            )
+        return replace(sched)
+
+    def _speculator(self, draft_model: Any, num_slots: int) -> Speculator:
         """Speculative decoding: the draft model on its own paged storage
         (as many pages and slots as the target's, its own prefix cache)."""
-        k = check_int("num_speculative_tokens", k, 1)
+        config = self.config
+        storage = config.cache
         draft_vocab = _model_vocab_size(draft_model)
         if draft_vocab != self.vocab_size:
             raise InvalidArgument(
@@ -327,15 +317,17 @@ class Engine:
                 f"({self.vocab_size})")
         hybrid = any(s.kind is LayerKind.RECURRENT for s in layer_specs(draft_model))
         draft_cache = PagedCache.for_model(
-            draft_model, num_blocks, block_size, num_slots=num_slots if hybrid else 0,
-            enable_prefix_cache=enable_prefix_cache)
+            draft_model, storage.num_blocks, storage.block_size,
+            num_slots=num_slots if hybrid else 0,
+            enable_prefix_cache=storage.enable_prefix_cache)
         draft_batching = (
-            probe_batching(draft_model, probe_cache(draft_model, block_size, hybrid))
-            if self._batch_probe else BatchSupport()
+            probe_batching(draft_model, probe_cache(draft_model, storage.block_size, hybrid))
+            if config.batch_probe else BatchSupport()
         )
         batched = self.batching.prefill and draft_batching.prefill
-        return Speculator(self.model, self.cache, draft_model, draft_cache, k,
-                          batched=batched, max_model_len=max_model_len)
+        return Speculator(self.model, self.cache, draft_model, draft_cache,
+                          config.num_speculative_tokens, batched=batched,
+                          max_model_len=config.scheduler.max_model_len)
 
     # ------------------------------------------------------------- requests
 
@@ -487,11 +479,11 @@ class Engine:
         (vLLM's `reset_prefix_cache`; the host and disk tiers keep theirs);
         returns the pages it freed. Not thread-safe: call it between steps.
         Cost: O(cached pages)."""
-        store = self.cache.store
-        before = store.num_free_blocks
-        self.cache.reset_prefix_cache()
+        cache = self.cache
+        before = cache.num_free_blocks
+        cache.reset_prefix_cache()
         self._publish_kv_events()
-        return store.num_free_blocks - before
+        return cache.num_free_blocks - before
 
     # ----------------------------------------------------------------- step
 
@@ -558,19 +550,8 @@ class Engine:
         fresh engine first runs one one-token forward, so that its pools
         exist to take the records."""
         if not self.cache.pools_ready:
-            self._allocate_pools()
+            self.runner.warm_up()
         return self.cache.import_prefix(path)
-
-    def _allocate_pools(self) -> None:
-        """One one-token forward on a sequence that is then dropped
-        uncached: the cache's pools take their shapes."""
-        cache, seq_id = self.cache, object()
-        cache.allocate(seq_id, [0])
-        try:
-            with cache.step([seq_id], num_new=[1]) as views:
-                mx.eval(self.model(mx.array([[0]], dtype=mx.int32), cache=views))
-        finally:
-            cache.free(seq_id, 0)
 
     def close(self) -> None:
         """Release what lives outside the engine: the KV-event socket, and
@@ -839,62 +820,11 @@ class Engine:
         self.faults.succeeded([seq.request_id])
 
     def _forward(self, group: list[ScheduledSeq]) -> dict[Hashable, Any]:
-        """One forward over `group`; returns the samples of its picked rows. A
-        raising forward is rolled back in the cache (nothing computed)."""
-        lengths = [s.num_tokens for s in group]
-        width = max(lengths)
-        rows = [s.token_ids + [0] * (width - len(s.token_ids)) for s in group]
-        picks = [b for b, s in enumerate(group) if s.sample]
-        with self.cache.step([s.seq_id for s in group], num_new=lengths) as views:
-            logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
-            self.stats.num_forwards += 1
-            values = self._sample(group, picks, lengths, logits) if picks else []
-            if not picks:
-                self.cache.eval_state()  # the logits are not needed
-        self._flush_state()
-        sampled: dict[Hashable, Any] = {}
-        i = 0
-        for b in picks:
-            s = group[b]
-            if s.num_samples == 1:
-                sampled[s.seq_id] = values[i]
-            else:
-                sampled[s.seq_id] = values[i : i + s.num_samples]
-            i += s.num_samples
+        """One forward over `group` by the runner; returns the samples of its
+        picked rows. A raising forward computed nothing (rolled back)."""
+        sampled = self.runner.run(group, self._sampling)
+        self.stats.num_forwards += 1
         return sampled
-
-    def _sample(self, group, picks, lengths, logits) -> list[int]:
-        """Sample every picked row's last position (evaluated); the rows'
-        logprobs, when asked for, go to `_step_logprobs`."""
-        row_index, params, keys, histories, samples, masks = [], [], [], [], [], []
-        for b in picks:
-            s = group[b]
-            request = s.request
-            for j in range(s.num_samples):
-                index = j if s.sample_index is None else s.sample_index
-                row_index.append(b)
-                params.append(request.sampling)
-                keys.append(self._keys.get(s.request_id))
-                samples.append((s.request_id, index))
-                output = request.outputs[index] if s.sample_index is not None else ()
-                histories.append((request.prompt_tokens, output))
-                masks.append(self._step_masks.get((s.request_id, index)))
-        last = logits[mx.array(row_index), mx.array([lengths[b] - 1 for b in row_index])]
-        tokens = sample_rows(last, params, keys, histories,
-                             masks if self._step_masks else None)
-        num_top = [p.logprobs for p in params]
-        if any(k is not None for k in num_top):
-            for sample, entry in zip(samples, token_logprobs(last, tokens, num_top)):
-                if entry is not None:
-                    self._step_logprobs[sample] = entry
-        else:
-            mx.eval(tokens)
-        return cast("list[int]", tokens.tolist())  # one int32 token per row
-
-    def _flush_state(self) -> None:
-        recurrent = self.cache.recurrent
-        if recurrent is not None:
-            recurrent.flush()
 
     def _record(self, out: SchedulerOutput, t0: float, t1: float, t2: float) -> None:
         stats = self.stats
@@ -908,8 +838,7 @@ class Engine:
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, self.cache.kv_bytes_in_use)
         recurrent = self.cache.recurrent
         if recurrent is not None and recurrent.bytes_per_slot:
-            bm = self.cache.store
-            used = bm.config.num_slots - bm.num_free_slots
+            used = self.cache.num_slots - self.cache.num_free_slots
             stats.peak_state_bytes = max(stats.peak_state_bytes, used * recurrent.bytes_per_slot)
 
     def _deliver(self, results: list[RequestOutput]) -> list[RequestOutput]:
@@ -1028,7 +957,7 @@ class Engine:
         own maps: equal before and after a refused call."""
         return (
             self.scheduler.debug_state(),
-            self.cache.store.debug_state(),
+            self.cache.debug_state(),
             tuple(self._callbacks),
             tuple(self._keys),
             tuple(self._tracked),
@@ -1050,6 +979,35 @@ def _generation_output(request: Request, tracked: _Tracked | None) -> Generation
         logprobs = tracked.logprobs
     return GenerationOutput(request.request_id, request.prompt_tokens, request.outputs,
                             request.finish_reasons, request.metrics, texts, logprobs)
+
+
+def _num_slots(config: EngineConfig, hybrid: bool, speculative: bool) -> int:
+    """The recurrent slots of the engine's storage: the config's, else
+    `default_num_slots` for a hybrid model (0 for an attention-only one)."""
+    if config.cache.num_slots is not None:
+        return config.cache.num_slots
+    if not hybrid:
+        return 0
+    return default_num_slots(config.scheduler.max_num_seqs, speculative)
+
+
+def _engine_config(config: EngineConfig | None, scheduler_config: SchedulerConfig | None,
+                   num_blocks: int | None, block_size: int | None,
+                   settings: dict[str, Any]) -> EngineConfig:
+    """The `EngineConfig` of `Engine`'s arguments: `config` as given, or one
+    made of the flat keywords (`EngineConfig.of`); not both."""
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if value is not None:
+            settings[name] = value
+    if config is None:
+        return EngineConfig.of(scheduler_config, **settings)
+    if not isinstance(config, EngineConfig):
+        raise WrongArgumentType(f"config must be an EngineConfig, got {config!r:.80}")
+    if settings or scheduler_config is not None:
+        given = sorted(settings) + (["scheduler_config"] if scheduler_config else [])
+        raise InvalidArgument(f"give either config or setting keywords ({', '.join(given)}), "
+                              f"not both")
+    return config
 
 
 def _model_vocab_size(model: Any) -> int:

@@ -216,7 +216,7 @@ def chain_hashes(namespace: Hashable, tokens: Sequence[int], block_size: int) ->
 
 
 class ServableStore(Protocol):
-    """What the publisher reads (`BlockManager`, `GroupedStore`, `PagedCache.store`)."""
+    """What the publisher reads (`BlockManager`, `GroupedStore`, `PagedCache`)."""
 
     @property
     def block_size(self) -> int: ...

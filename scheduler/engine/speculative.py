@@ -124,8 +124,8 @@ class Speculator:
         """Free the draft copies of sequences the target store no longer
         holds (finished, aborted, preempted by recompute); their computed
         tokens go into the draft's prefix cache."""
-        target = self.cache.store
-        for seq_id in self.draft_cache.store.sequence_ids():
+        target = self.cache
+        for seq_id in self.draft_cache.sequence_ids():
             if seq_id not in target:
                 self.draft_cache.free(seq_id)
 
@@ -207,8 +207,8 @@ class Speculator:
         """Make the draft store hold the row's tokens with at least one to
         compute; False (nothing held) when it has no room."""
         draft, seq_id, tokens = self.draft_cache, row.seq_id, row.tokens
-        if seq_id in draft.store:
-            held = draft.store.tokens(seq_id)
+        if seq_id in draft:
+            held = draft.tokens(seq_id)
             if len(held) < len(tokens) and tokens[: len(held)] == held:
                 try:
                     draft.append(seq_id, tokens[len(held):])
@@ -303,8 +303,8 @@ class Speculator:
     def _abort(self, rows: list[_Row]) -> None:
         """Close whatever transaction the failed step left open."""
         for cache in (self.cache, self.draft_cache):
-            open_ids = [r.seq_id for r in rows if r.seq_id in cache.store
-                        and cache.store.speculation_start(r.seq_id) is not None]
+            open_ids = [r.seq_id for r in rows if r.seq_id in cache
+                        and cache.speculation_start(r.seq_id) is not None]
             if open_ids:
                 cache.abort_speculation(open_ids)
 

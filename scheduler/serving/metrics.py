@@ -113,16 +113,15 @@ class ServingMetrics:
     def render(self, engine: Any) -> str:
         """The whole exposition, one metric family after another."""
         sched, cache = engine.scheduler, engine.cache
-        bm = cache.store
         hit = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
         single = [  # (name, kind, help, value): one sample each
             ("requests_running", "gauge", "Sequences running.", sched.num_running),
             ("requests_waiting", "gauge", "Sequences waiting for admission.", sched.num_waiting),
             ("kv_pages_used", "gauge", "KV pages held (sequences and prefix cache).",
-             bm.config.num_blocks - bm.num_free_blocks),
-            ("kv_pages_total", "gauge", "KV pages in the pool.", bm.config.num_blocks),
+             cache.num_blocks - cache.num_free_blocks),
+            ("kv_pages_total", "gauge", "KV pages in the pool.", cache.num_blocks),
             ("recurrent_slots_used", "gauge", "Recurrent-state slots held.",
-             bm.config.num_slots - bm.num_free_slots),
+             cache.num_slots - cache.num_free_slots),
             ("prefix_cache_hit_rate", "gauge",
              "Prompt tokens served from the prefix cache / prompt tokens (finished).", hit),
             ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
@@ -140,12 +139,11 @@ class ServingMetrics:
         lines: list[str] = []
         for name, kind, help_text, value in single:
             _family(lines, name, kind, help_text, [f"{name} {value!r}"])
-        config = bm.config
         _family(lines, "cache_config_info", "gauge",  # as vLLM's cache_config_info
                 "The KV cache's configuration in its labels: page format (model-dtype, or "
                 "k<bits>v<bits>-g<group size>), tokens per page, pages.",
                 [f'cache_config_info{{kv_format="{cache.kv_format.name}",'
-                 f'block_size="{config.block_size}",num_pages="{config.num_blocks}"}} 1'])
+                 f'block_size="{cache.block_size}",num_pages="{cache.num_blocks}"}} 1'])
         _family(lines, "requests_finished_total", "counter", "Requests finished, by reason.", [
             # dict() copies in one C call: the engine thread may add a reason meanwhile
             f'requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(
@@ -162,7 +160,7 @@ class ServingMetrics:
 
     def operator_families(self, engine: Any) -> list[str]:
         """Latency histograms, refusals, and vLLM's load gauges (module doc)."""
-        sched, store = engine.scheduler, engine.cache.store
+        sched, cache = engine.scheduler, engine.cache
         lines: list[str] = []
         _family(lines, "e2e_request_latency_seconds", "histogram",
                 "Arrival to finish of finished requests.",
@@ -174,7 +172,7 @@ class ServingMetrics:
                 "Completion requests answered with an error status, by status.", [
                     f'requests_refused_total{{status="{k}"}} {v}'
                     for k, v in sorted(dict(self.refused).items())])
-        usage = store.usage
+        usage = cache.usage
         for name, kind, help_text, value in (
                 ("num_requests_running", "gauge", "Sequences running.", sched.num_running),
                 ("num_requests_waiting", "gauge", "Sequences waiting.", sched.num_waiting),
@@ -225,10 +223,9 @@ def tier_families(lines: list[str], cache: Any) -> None:
     """The prefix cache's tiers (design/tiers.md), one sample per tier
     (`tier="device"`, `"host"`, `"disk"`): nothing without colder tiers.
     O(trie nodes)."""
-    tiers = cache.tiers
-    if tiers is None:
+    reports = cache.tier_report()
+    if not reports:
         return
-    reports = tiers.report(cache.store)
     for name, kind, help_text, value in TIER_FAMILIES:
         _family(lines, name, kind, help_text, [
             f'{name}{{tier="{r.tier.name.lower()}"}} {value(r)!r}' for r in reports])

@@ -34,6 +34,11 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: weight read per forward (BENCHMARKS.md, "serve"); `prefill_groups` keeps
 #: the padding bounded whatever the lengths.
 PREFILL_BATCH = 8
+#: The engine settings (`scheduler.engine.config`) whose default `blockmgr
+#: serve` changes: prefill batching (above), and 64 running sequences (a
+#: hybrid model's pool sets recurrent slots aside per running sequence
+#: before its pages: `size_pool`).
+SERVE_DEFAULTS: dict[str, object] = {"max_num_seqs": 64, "prefill_batch": PREFILL_BATCH}
 
 
 #: The share of the memory available at start that `blockmgr serve` gives
@@ -208,10 +213,10 @@ def engine_pool(engine: Any) -> PoolSize:
     allocated at their first write, so `engine.cache.nbytes` is 0 before the
     first request). Cost: two or three one-token forwards on one-page
     storage."""
-    config = engine.cache.store.config
-    per_slot = slot_bytes(engine.model) if config.num_slots else 0
-    return PoolSize(config.num_blocks, config.num_slots,
-                    page_bytes(engine.model, config.block_size, engine.cache.kv_format), per_slot)
+    cache = engine.cache
+    per_slot = slot_bytes(engine.model) if cache.num_slots else 0
+    return PoolSize(cache.num_blocks, cache.num_slots,
+                    page_bytes(engine.model, cache.block_size, cache.kv_format), per_slot)
 
 
 def pool_line(size: PoolSize, kv_format: KVFormat, block_size: int) -> str:

@@ -70,10 +70,10 @@ class StatusLine:
 
 def format_status(engine: Any, metrics: Any, prompt_rate: float, generation_rate: float) -> str:
     """One status line from the engine's state now and the rates given."""
-    sched, store = engine.scheduler, engine.cache.store
-    total = store.config.num_blocks
+    sched, cache = engine.scheduler, engine.cache
+    total = cache.num_blocks
     hit = (metrics.num_cached_tokens / metrics.num_prompt_tokens
            if metrics.num_prompt_tokens else 0.0)
     return (f"running {sched.num_running}, waiting {sched.num_waiting}, "
-            f"KV {100 * store.usage:.1f}% of {total} pages, prefix hit {100 * hit:.1f}%, "
+            f"KV {100 * cache.usage:.1f}% of {total} pages, prefix hit {100 * hit:.1f}%, "
             f"prompt {prompt_rate:.1f} tok/s, generation {generation_rate:.1f} tok/s")

@@ -79,14 +79,14 @@ class WorkerInfo:
 
 def server_info(engine: AsyncEngine, model_name: str, version: str) -> dict[str, Any]:
     """SGLang's `/server_info` fields that describe this server."""
-    config = engine.engine.cache.store.config
+    cache = engine.engine.cache
     sched = engine.engine.scheduler.config
     return {"served_model_name": model_name, "model_path": model_name, "version": version,
             "engine": "mlx-blockmgr", "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "is_embedding": False, "disaggregation_mode": "null",
             "context_length": sched.max_model_len,
-            "max_total_tokens": config.num_blocks * config.block_size,
-            "max_running_requests": sched.max_num_seqs, "page_size": config.block_size}
+            "max_total_tokens": cache.num_blocks * cache.block_size,
+            "max_running_requests": sched.max_num_seqs, "page_size": cache.block_size}
 
 
 def model_info(model_name: str) -> dict[str, Any]:
@@ -107,11 +107,11 @@ class LivePages:
 def live_pages(engine: Engine) -> LivePages:
     """The fullest page group's pages held by live sequences: what no
     eviction can free. Run it on the engine thread. O(their pages)."""
-    store = engine.cache.store
-    ids = store.sequence_ids()
-    fullest = LivePages(store.config.num_blocks, 0)
-    for group in store.group_usage():
-        held = {page for seq_id in ids for page in store.block_table(seq_id, group.group)
+    cache = engine.cache
+    ids = cache.sequence_ids()
+    fullest = LivePages(cache.num_blocks, 0)
+    for group in cache.group_usage():
+        held = {page for seq_id in ids for page in cache.block_table(seq_id, group.group)
                 if page is not None}
         if len(held) * fullest.num_pages > fullest.num_held * group.num_pages:
             fullest = LivePages(group.num_pages, len(held))
@@ -120,7 +120,7 @@ def live_pages(engine: Engine) -> LivePages:
 
 def load_report(engine: AsyncEngine, live: LivePages) -> dict[str, Any]:
     """SGLang's `/v1/loads` answer (SMG's `WorkerLoadResponse`), one rank."""
-    sched, config = engine.engine.scheduler, engine.engine.cache.store.config
+    sched, config = engine.engine.scheduler, engine.engine.cache
     metrics = engine.metrics
     hit = (metrics.num_cached_tokens / metrics.num_prompt_tokens
            if metrics.num_prompt_tokens else 0.0)

@@ -87,6 +87,7 @@ class Replay:
     def __init__(self, config: SimulationConfig, model: Any, description: dict,
                  progress: ProgressFn | None = None, clock: str = "wall",
                  step_listener: Callable[[Any, float], None] | None = None) -> None:
+        from scheduler.engine.config import CacheConfig, EngineConfig
         from scheduler.engine.engine import Engine
         from scheduler.simulator.calibrate import CLOCKS
         from scheduler.simulator.engine_models import model_layout, vocab_size
@@ -107,14 +108,13 @@ class Replay:
         self.clock = ReplayClock(CLOCKS[clock])
         bm = config.block_manager
         self.num_slots = bm.num_slots
-        self.engine = Engine(
-            model, bm.num_blocks, bm.block_size, num_slots=bm.num_slots or None,
-            kv_format=_kv_format(config),
-            enable_prefix_cache=bm.enable_prefix_cache, watermark=bm.watermark,
-            num_host_blocks=bm.num_host_blocks, num_host_slots=bm.num_host_slots,
-            scheduler_config=replace(config.scheduler), clock=self.clock.now,
-            step_listener=self._on_step,
-        )
+        storage = CacheConfig(
+            bm.num_blocks, bm.block_size, num_slots=bm.num_slots or None,
+            kv_format=_kv_format(config), enable_prefix_cache=bm.enable_prefix_cache,
+            watermark=bm.watermark, num_host_blocks=bm.num_host_blocks,
+            num_host_slots=bm.num_host_slots)
+        self.engine = Engine(model, config=EngineConfig(storage, config.scheduler),
+                             clock=self.clock.now, step_listener=self._on_step)
         self.tokens = TokenSource(config.vocab_size)
         self.metrics = MetricsRecorder()
         self._sessions = sessions_of(config)
@@ -235,7 +235,7 @@ class Replay:
 
     def _record(self, out, seconds: float, bookkeeping: float) -> None:
         self._steps += 1
-        cfg, bm = self.config, self.engine.cache.store
+        cfg, bm = self.config, self.engine.cache
         self.metrics.on_scheduler_step(self.clock.now(), seconds, out, bm, self.engine.scheduler,
                                        self.num_slots, self._num_done, bookkeeping)
         if self._steps % cfg.sample_every == 0:
@@ -250,7 +250,7 @@ class Replay:
         from scheduler.simulator.calibrate import machine_info
 
         cfg, engine = self.config, self.engine
-        bm = engine.cache.store
+        bm = engine.cache.store  # the simulator's leak check reads the bookkeeping
         if self._progress is not None:
             self._progress(self._num_done, self._num_added, self.clock.now())
         summary = self.metrics.summary(

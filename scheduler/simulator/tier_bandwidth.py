@@ -107,7 +107,7 @@ def _measure(model: Any, block_size: int, num_pages: int, directory: Path, repea
         write = min(write, timed(lambda: _written(disk)))
         cold = _drop_cached_copies(disk.directory / "pages0.bin")
         load = min(load, timed(lambda: to_device(Tier.DISK)))
-    pc.store.reset_prefix_cache()
+    pc.reset_prefix_cache()
     disk.close()
     total = num_pages * nbytes
     host_move = (out + back) / 2 / num_pages

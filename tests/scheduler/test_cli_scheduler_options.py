@@ -44,7 +44,7 @@ def help_of(command: str) -> str:
 @pytest.mark.parametrize("command", ["simulate", "replay"])
 def test_every_scheduler_setting_has_its_vllm_name_and_default_in_help(command):
     text = help_of(command)
-    group = text[text.index("scheduler (defaults"):]  # the group's options, not the usage line
+    group = text[text.index("scheduler: --max-num-seqs"):]  # the group's options, not the usage
     defaults = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
     for field, option in OPTIONS.items():
         assert option in text, f"{command} lacks {option}"
