@@ -141,14 +141,13 @@ class KvEventRelay:
                 backlog = [m for m in self._history if m.sequence_number >= start]
             else:
                 backlog = [self._snapshot()]
-            if self.closed:
-                subscriber.ended = True
-            else:
+            closed = self.closed
+            if not closed:
                 self._subscribers.add(subscriber)
         try:
             for message in backlog:
                 yield message
-            while not subscriber.ended or not subscriber.queue.empty():
+            while not closed:
                 message = await subscriber.queue.get()
                 with self._lock:
                     subscriber.pending -= 1

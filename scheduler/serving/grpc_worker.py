@@ -310,7 +310,8 @@ class GrpcWorker:
         self.host, self.port = host, port
         self.relay = KvEventRelay()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: Any = None
+        self._stopping: asyncio.Event | None = None
+        self._grace = 5.0
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -330,12 +331,7 @@ class GrpcWorker:
         return self.port
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve())
-        finally:
-            loop.close()
+        asyncio.run(self._serve())
 
     async def _serve(self) -> None:
         try:
@@ -349,14 +345,21 @@ class GrpcWorker:
             self._error = error
             self._ready.set()
             return
-        self._server = server
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
-        await server.wait_for_termination()
+        await self._stopping.wait()
+        await server.stop(self._grace)
 
     def stop(self, grace: float = 5.0) -> None:
+        """End the event streams, give the calls in flight `grace` seconds,
+        join the thread. Idempotent."""
         self.relay.close()
-        loop, server = self._loop, self._server
-        if loop is not None and server is not None and not loop.is_closed():
-            asyncio.run_coroutine_threadsafe(server.stop(grace), loop).result(grace + 5)
+        loop, stopping = self._loop, self._stopping
+        self._grace = grace
+        if loop is not None and stopping is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stopping.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
         if self._thread is not None:
             self._thread.join(grace + 5)
