@@ -19,9 +19,10 @@ only vLLM's) over the same `AsyncEngine` as the HTTP server:
   (config.json, context, vocabulary, end-of-sequence ids),
   `GetServerInfo` (requests, uptime, page size, running window),
   `GetLoads` (the HTTP server's `/v1/loads` report, `worker_info`),
-  `GetTokenizer` (the model directory's tokenizer files, zipped, in
-  64 KiB chunks, the last carrying the archive's SHA-256: what SMG loads
-  when `smg launch` is given no `--model-path`).
+  `GetTokenizer` (the model directory's tokenizer files as they were at
+  start, zipped, in 64 KiB chunks, the last carrying the archive's
+  SHA-256: what SMG loads when the directory `GetModelInfo` names is not
+  on its machine).
 * `SubscribeKvEvents`: the engine's KV events (`grpc_events.KvEventRelay`).
 
 `Embed`, `FlushCache` and the profiler answer UNIMPLEMENTED (the base
@@ -67,19 +68,25 @@ _FINISH = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHED_STOPP
 
 @dataclass(frozen=True, slots=True)
 class WorkerModel:
-    """What the worker tells of its model: the directory, the served name
-    and its config.json."""
+    """What the worker tells of its model: the directory, the served name,
+    its config.json and its tokenizer bundle (None: no tokenizer files),
+    read once at start, as the engine loaded them."""
 
     path: Path
     name: str
     config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: bytes | None = None
 
     @classmethod
     def of(cls, path: str | Path, name: str) -> WorkerModel:
         path = Path(path)
         config_file = path / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        return cls(path, name, config)
+        try:
+            bundle: bytes | None = tokenizer_bundle(path)
+        except InvalidArgument:
+            bundle = None
+        return cls(path, name, config, bundle)
 
 
 def tokenizer_bundle(path: Path) -> bytes:
@@ -229,10 +236,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             loads=[vllm_engine_pb2.SchedulerLoad(**load) for load in report["loads"]])
 
     async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        try:
-            data = await asyncio.to_thread(tokenizer_bundle, self.model.path)
-        except InvalidArgument as error:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        data = self.model.tokenizer
+        if data is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no tokenizer files in {str(self.model.path)!r}")
+            return
         digest = hashlib.sha256(data).hexdigest()
         for start in range(0, len(data), CHUNK_BYTES):
             end = min(start + CHUNK_BYTES, len(data))
