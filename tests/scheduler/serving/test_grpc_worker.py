@@ -189,8 +189,9 @@ class Reader:
         self.view, self.stop, self.numbers = View(), threading.Event(), []
         self.stream = worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
             start_sequence_number=start))
-        self.thread = threading.Thread(target=_read, daemon=True,
-                                       args=(self.stream, self.view, self.stop, self.numbers, apply))
+        self.thread = threading.Thread(
+            target=_read, daemon=True,
+            args=(self.stream, self.view, self.stop, self.numbers, apply))
         self.thread.start()
 
     def close(self):
