@@ -43,11 +43,19 @@ from scheduler.engine.kv_events import (  # noqa: E402
 )
 from scheduler.serving import serve  # noqa: E402
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serving.grpc_events import KvEventRelay  # noqa: E402
+from scheduler import Engine  # noqa: E402
+from scheduler.serving.grpc_events import KvEventRelay, attach  # noqa: E402
 from scheduler.serving.grpc_worker import GrpcWorker, WorkerModel  # noqa: E402
 from tests.leaks import assert_only_the_cache_holds  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
+from tests.scheduler.serving.test_kv_events import (  # noqa: E402
+    FlakySink,
+    run_and_check,
+    servable_prefixes,
+    workload,
+)
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
+from tests.tiny_models import built  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40  # small: the event test's prompts evict
@@ -134,6 +142,7 @@ class View:
 
     def __init__(self):
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.namespaces: dict[int, str | None] = {}
         self.last: int | None = None
         self.error: Exception | None = None
 
@@ -155,19 +164,22 @@ class View:
                 parent = stored.parent_block_hash if stored.HasField("parent_block_hash") \
                     else None
                 assert parent is None or parent in self.blocks, "stored before its parent"
+                namespace = stored.lora_name if stored.HasField("lora_name") else None
                 for block in stored.blocks:
                     assert block.block_size == BLOCK_SIZE
                     self.blocks[block.block_hash] = (parent, tuple(block.token_ids))
+                    self.namespaces[block.block_hash] = namespace
                     parent = block.block_hash
 
-    def prefixes(self):
+    def prefixes(self, namespaced=False):
         result = set()
         for digest in self.blocks:
             runs, current = [], digest
             while current is not None:
                 current, tokens = self.blocks[current]
                 runs.append(tokens)
-            result.add(tuple(t for run in reversed(runs) for t in run))
+            tokens = tuple(t for run in reversed(runs) for t in run)
+            result.add((self.namespaces[digest], tokens) if namespaced else tokens)
         return result
 
 
@@ -367,3 +379,25 @@ def test_a_tee_gives_every_sink_the_batch_and_then_raises():
     with pytest.raises(OSError, match="refused"):
         tee.send(_payload(_stored(1, None, [1])))
     assert refusing.num_calls == 1 and relay.last_sequence == 1
+
+
+@pytest.mark.parametrize("name,vocab", [("llama", 101), ("lfm2", 61)])
+def test_a_failing_sink_beside_the_relay_leaves_its_state_exact(name, vocab):
+    """A `--kv-events` socket that loses and refuses batches beside the relay:
+    the publisher resends the whole state to both, and the relay's state
+    (its snapshot) is what the store serves, namespaces included."""
+    engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=FlakySink(),
+                    max_num_seqs=4)
+    relay = KvEventRelay()
+    attach(engine, relay)
+    seen: list = []
+    run_and_check(engine, workload(vocab), seen.append)
+
+    async def snapshot():
+        return await relay.subscribe(0).__anext__()
+
+    view = View()
+    view.apply(asyncio.run(snapshot()))
+    assert view.prefixes(namespaced=True) == servable_prefixes(engine.cache.store, seen[-1])
+    assert engine.kv_events.num_errors > 0 and len(view.blocks) > 5
+    assert engine.cache.store.stats.num_evicted_nodes > 0
