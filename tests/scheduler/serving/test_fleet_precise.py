@@ -34,7 +34,12 @@ pytest.importorskip("smg_grpc_proto", reason="needs smg-grpc-proto (pip install 
 
 from tests.fleet import Fleet, httpx, smg_binary  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
-from tests.serve_model import SENTENCES, build_model_dir, load_tiny  # noqa: E402
+from tests.scheduler.serving.test_fleet_gateway import (  # noqa: E402 - the same sessions
+    _lcp,
+    _session_prefix,
+    _user_turn,
+)
+from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 
 if smg_binary() is None:
     pytest.skip("the precise-routing test needs the smg binary: pip install 'mlx-blockmgr[fleet]'",
@@ -45,16 +50,6 @@ NUM_SESSIONS = 6
 NUM_TURNS = 3
 MAX_TOKENS = 8
 BLOCK_SIZE = 8
-
-
-def _session_prefix(session: int) -> str:
-    body = " ".join(SENTENCES[(session + j) % len(SENTENCES)] for j in range(4))
-    return f"Session {session} of the fleet. {body}"
-
-
-def _user_turn(session: int, turn: int) -> str:
-    first, second = SENTENCES[(session + turn) % 6], SENTENCES[(session + 2 * turn + 1) % 6]
-    return f"\nUser {session}.{turn}: {first} {second}\nAnswer:"
 
 
 def _generate(client, url: str, prompt: str, max_tokens: int) -> dict:
@@ -93,15 +88,6 @@ def _samples(metrics: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _wait_indexed(fleet: Fleet, blocks: dict[str, int], timeout: float = 30.0) -> None:
