@@ -549,6 +549,11 @@ def _add_serve_parser(sub) -> None:
                        help="ZMQ topic of the events (llm-d reads kv@<pod>@<model>; default '')")
     serve.add_argument("--kv-events-replay", metavar="ENDPOINT",
                        help="ZMQ ROUTER endpoint answering replay requests for missed batches")
+    serve.add_argument("--grpc-port", type=_int_at_least(0), metavar="PORT",
+                       help="also serve the Shepherd Model Gateway's gRPC worker service on "
+                            "--host:PORT (generation on token ids, loads, tokenizer, KV events "
+                            "for its event-driven cache_aware routing; the fleet extra; "
+                            "design/fleet.md)")
 
 
 def _add_bench_parser(sub) -> None:
@@ -1106,7 +1111,8 @@ def cmd_serve(args) -> int:
     serve.run(engine, args.served_model_name or name, host=args.host, port=args.port,
               max_waiting=args.max_waiting, graceful_seconds=args.shutdown_timeout,
               max_body_bytes=max_body_bytes, allow_cache_reset=args.enable_prefix_cache_reset,
-              status_interval=args.status_interval or None)
+              status_interval=args.status_interval or None, grpc_port=args.grpc_port,
+              model_dir=args.model)
     return 0
 
 

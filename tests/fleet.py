@@ -4,7 +4,10 @@ Model Gateway (`smg launch`), as processes on free loopback ports.
 `Fleet(model_dir, num_replicas, policy, tmp)` starts the replicas (each
 with its own log file), waits until each answers /health, then starts
 `smg launch --worker-urls ... --policy POLICY` and waits until the gateway
-lists every replica as ready. Leaving the block stops every process it
+lists every replica as ready. With `grpc=True` each replica also serves
+the gateway's gRPC worker service (`--grpc-port`) and the gateway is given
+those `grpc://` URLs: it routes on token ids and reads the replicas' KV
+events (event-driven `cache_aware`). Leaving the block stops every process it
 started (SIGTERM, then SIGKILL after a bounded wait), whatever happened.
 Used by tests/test_fleet_gateway.py and benchmarks/fleet_gateway.py.
 """
@@ -42,14 +45,17 @@ class Fleet:
 
     def __init__(self, model_dir: Path, num_replicas: int, policy: str, logs: Path, *,
                  serve_args: tuple[str, ...] = (), smg_args: tuple[str, ...] = (),
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, grpc: bool = False) -> None:
         self.model_dir, self.num_replicas, self.policy = model_dir, num_replicas, policy
         self.logs, self.serve_args, self.smg_args = logs, serve_args, smg_args
         self.timeout = timeout
+        self.grpc = grpc
         self.procs: list[subprocess.Popen] = []
         self.files: list[IO[str]] = []
         self.replica_urls: list[str] = []
+        self.worker_urls: list[str] = []  # what the gateway is given (gRPC ones with grpc)
         self.url = ""
+        self.metrics_url = ""  # the gateway's Prometheus endpoint
 
     def __enter__(self) -> Fleet:
         try:
@@ -82,9 +88,16 @@ class Fleet:
         for i in range(self.num_replicas):
             port = free_port()
             self.replica_urls.append(f"http://{LOOPBACK}:{port}")
+            grpc_args: tuple[str, ...] = ()
+            if self.grpc:
+                grpc_port = free_port()
+                grpc_args = ("--grpc-port", str(grpc_port))
+                self.worker_urls.append(f"grpc://{LOOPBACK}:{grpc_port}")
+            else:
+                self.worker_urls.append(self.replica_urls[-1])
             replicas.append(self._spawn(
                 [sys.executable, "-m", "scheduler.cli", "serve", "--model", str(self.model_dir),
-                 "--host", LOOPBACK, "--port", str(port), *self.serve_args],
+                 "--host", LOOPBACK, "--port", str(port), *grpc_args, *self.serve_args],
                 f"replica-{i}.log"))
         for proc, url in zip(replicas, self.replica_urls):
             self._wait(proc, "blockmgr serve",
@@ -92,12 +105,13 @@ class Fleet:
         binary = smg_binary()
         if binary is None:
             raise RuntimeError("the smg binary is not installed (pip install 'mlx-blockmgr[fleet]')")
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         self.url = f"http://{LOOPBACK}:{port}"
+        self.metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
         gateway = self._spawn(
-            [binary, "launch", "--worker-urls", *self.replica_urls, "--policy", self.policy,
+            [binary, "launch", "--worker-urls", *self.worker_urls, "--policy", self.policy,
              "--host", LOOPBACK, "--port", str(port), "--prometheus-host", LOOPBACK,
-             "--prometheus-port", str(free_port()), *self.smg_args], "smg.log")
+             "--prometheus-port", str(metrics_port), *self.smg_args], "smg.log")
         self._wait(gateway, "smg", self._all_ready)
 
     def _all_ready(self) -> bool:

@@ -412,6 +412,29 @@ class EventsLost(RuntimeError):
     """The sink could not deliver an earlier batch."""
 
 
+class TeeSink:
+    """Every payload to each of `sinks` in turn. `send` tries them all, then
+    raises the first error one raised (the publisher then resends its whole
+    state to all of them, which each applies as a fresh start)."""
+
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def send(self, payload: bytes) -> None:
+        error: Exception | None = None
+        for sink in self.sinks:
+            try:
+                sink.send(payload)
+            except Exception as failure:  # noqa: BLE001 - raised after the others had it
+                error = error or failure
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
 #: Where `blockmgr serve --kv-events` (no endpoint given) binds: this
 #: machine only (the events carry every cached prompt's token ids).
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -626,6 +649,14 @@ class KVEventPublisher:
         self._resync = False
         self.num_batches += 1
         return batch
+
+    def add_sink(self, sink: EventSink) -> None:
+        """Send every later batch to `sink` as well (a `TeeSink`). `sink`
+        knows nothing yet, so the next `publish()` sends the whole state
+        (`AllBlocksCleared`, then every advertised block) to every sink, as
+        after a fault. Call it on the thread that publishes."""
+        self.sink = TeeSink(self.sink, sink)
+        self._resync = True
 
     def close(self) -> None:
         """Close the sink (a `ZmqSink` sends what is queued first)."""

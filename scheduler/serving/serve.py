@@ -433,13 +433,17 @@ def blas_hint() -> str | None:
 def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
         max_waiting: int = 256, graceful_seconds: float = 10.0,
         max_body_bytes: int | None = None, allow_cache_reset: bool = False,
-        status_interval: float | None = None) -> None:
+        status_interval: float | None = None, grpc_port: int | None = None,
+        model_dir: str | Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `graceful_seconds`
     to finish, then end cleanly (`scheduler.serving.shutdown`). `max_body_bytes`:
     None for the server's default (`server.default_max_body_bytes`).
     `allow_cache_reset`: serve `POST /reset_prefix_cache` (`operator_api`).
     `status_interval`: seconds between status lines in the log while busy
-    (`scheduler.serving.status`; None: none)."""
+    (`scheduler.serving.status`; None: none). `grpc_port`: also serve the
+    gateway's gRPC worker service on `host:grpc_port` (`grpc_worker`; the
+    `fleet` extra), its model information and tokenizer read from
+    `model_dir`."""
     import uvicorn
 
     from scheduler.serving.async_engine import AsyncEngine
@@ -455,4 +459,31 @@ def run(engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
     app = build_serving_app(async_engine, model_name, max_body_bytes=max_body_bytes,
                             allow_cache_reset=allow_cache_reset)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    GracefulServer(config, async_engine, graceful_seconds).run()
+    worker = None
+    if grpc_port is not None:
+        worker = start_grpc_worker(async_engine, model_name, model_dir, host, grpc_port)
+        log.info("blockmgr serve: gRPC worker (SMG's vLLM service, KV events) on %s:%d",
+                 host, worker.port)
+    try:
+        GracefulServer(config, async_engine, graceful_seconds).run()
+    finally:
+        if worker is not None:
+            worker.stop()
+
+
+def start_grpc_worker(engine, model_name: str, model_dir: str | Path | None, host: str,
+                      port: int):
+    """The started `GrpcWorker` of `--grpc-port` (`MissingDependency` without
+    the `fleet` extra's grpcio and smg-grpc-proto)."""
+    try:
+        from scheduler.serving.grpc_worker import GrpcWorker, WorkerModel
+    except ImportError as error:
+        from scheduler.engine.kv_events import MissingDependency
+
+        raise MissingDependency(f"--grpc-port needs grpcio and smg-grpc-proto: pip install "
+                                f"'mlx-blockmgr[fleet]' ({error})") from None
+    if model_dir is None:
+        raise InvalidArgument("the gRPC worker needs the model directory (its tokenizer)")
+    worker = GrpcWorker(engine, WorkerModel.of(model_dir, model_name), host=host, port=port)
+    worker.start()
+    return worker
