@@ -55,8 +55,9 @@ from blockmgr.errors import (
 )
 from blockmgr.kv_store import KVStore
 from blockmgr.validation import check_int, token_list
-from scheduler.core.policies import WaitingQueue, policy_named
+from scheduler.core.policies import POLICIES, WaitingQueue, policy_named
 from scheduler.core.request import Request, RequestStatus
+from scheduler.core.settings import setting
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -95,14 +96,26 @@ class SchedulerConfig:
         reaches this many tokens (None: no limit).
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    policy: str = "fcfs"
-    preemption: str = "recompute"
-    long_prefill_token_threshold: int | None = None
-    max_num_partial_prefills: int | None = None
-    checkpoint_prefill: bool = True
-    max_model_len: int | None = None
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step", metavar="TOKENS", minimum=1,
+        old=("--max-batched-tokens",))
+    max_num_seqs: int = setting(256, "sequences running at once", metavar="N", minimum=1)
+    policy: str = setting(
+        "fcfs", "waiting-queue order", choices=tuple(POLICIES),
+        more="; ".join(f"{p.name}: {p.help}" for p in POLICIES.values()))
+    preemption: str = setting("recompute", "what a preempted sequence loses",
+                              choices=PREEMPTION_MODES)
+    long_prefill_token_threshold: int | None = setting(
+        None, "cap on one sequence's prefill chunk per step", none="none", metavar="TOKENS",
+        minimum=1, old=("--long-prefill-threshold",))
+    max_num_partial_prefills: int | None = setting(
+        None, "sequences mid-prefill at once", none="no limit", metavar="N", minimum=1,
+        old=("--max-partial-prefills",))
+    checkpoint_prefill: bool = setting(
+        True, "snapshot every prefill chunk end into the prefix cache")
+    max_model_len: int | None = setting(
+        None, "most prompt + output tokens of a sequence", none="what the pool holds",
+        metavar="TOKENS", minimum=1)
 
     def __post_init__(self) -> None:
         _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

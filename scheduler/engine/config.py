@@ -11,8 +11,8 @@ An engine's settings come in three parts, as vLLM's `VllmConfig` holds its
   speculation depth, vocabulary override.
 
 Each setting is declared once, with its default and its help (`setting`:
-a dataclass field whose metadata holds the help; `SCHEDULER_SETTINGS`
-for `SchedulerConfig`'s fields, which live in the scheduling core). The
+a dataclass field whose metadata holds the help (`scheduler.core.settings`;
+`SchedulerConfig`'s fields are declared so in the scheduling core). The
 command line's options are generated from these declarations
 (`settings()`, `scheduler.cli`), under vLLM's names where vLLM has one;
 an old spelling is listed in `old` and still accepted with a deprecation
@@ -30,21 +30,8 @@ from typing import Any
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat
 from blockmgr.validation import check_int
-from scheduler.core.policies import POLICIES
-from scheduler.core.scheduler import PREEMPTION_MODES, SchedulerConfig
-
-
-def setting(default: Any, help: str, *, none: str | None = None, more: str | None = None,
-            option: str | None = None, old: tuple[str, ...] = (), metavar: str | None = None,
-            minimum: int | float | None = None, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field declared with its default and its help (the CLI's
-    text: "HELP (default X): MORE"); `none`: what a default of None means;
-    `option` when the option is not ``--`` + the field's name with dashes;
-    `old` spellings still accepted; `minimum`/`choices` for the CLI's
-    parsing (the config's own validation is the authority)."""
-    meta = {"help": help, "none": none, "more": more, "option": option, "old": old,
-            "metavar": metavar, "minimum": minimum, "choices": choices}
-    return field(default=default, metadata=meta)
+from scheduler.core.scheduler import SchedulerConfig
+from scheduler.core.settings import setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,24 +107,6 @@ class CacheConfig:
 
 #: `SchedulerConfig`'s settings (its fields live in the scheduling core,
 #: which declares their defaults): help and CLI metadata, as `setting`'s.
-SCHEDULER_SETTINGS: dict[str, dict[str, Any]] = {
-    "max_num_seqs": {"help": "sequences running at once", "metavar": "N", "minimum": 1},
-    "max_num_batched_tokens": {"help": "token budget of one step", "metavar": "TOKENS",
-                               "minimum": 1, "old": ("--max-batched-tokens",)},
-    "policy": {"help": "waiting-queue order", "more": "; ".join(
-        f"{p.name}: {p.help}" for p in POLICIES.values()), "choices": tuple(POLICIES)},
-    "preemption": {"help": "what a preempted sequence loses", "choices": PREEMPTION_MODES},
-    "long_prefill_token_threshold": {
-        "help": "cap on one sequence's prefill chunk per step", "none": "none",
-        "metavar": "TOKENS", "minimum": 1, "old": ("--long-prefill-threshold",)},
-    "max_num_partial_prefills": {
-        "help": "sequences mid-prefill at once", "none": "no limit", "metavar": "N",
-        "minimum": 1, "old": ("--max-partial-prefills",)},
-    "checkpoint_prefill": {"help": "snapshot every prefill chunk end into the prefix cache"},
-    "max_model_len": {
-        "help": "most prompt + output tokens of a sequence", "none": "what the pool holds",
-        "metavar": "TOKENS", "minimum": 1},
-}
 
 
 def _default_cache() -> CacheConfig:
@@ -270,7 +239,7 @@ def settings() -> dict[str, Setting]:
     for f in dataclasses.fields(CacheConfig):
         out[f.name] = _setting(f.name, "cache", f.default, f.metadata)
     for f in dataclasses.fields(SchedulerConfig):
-        out[f.name] = _setting(f.name, "scheduler", f.default, SCHEDULER_SETTINGS[f.name])
+        out[f.name] = _setting(f.name, "scheduler", f.default, f.metadata)
     for f in dataclasses.fields(EngineConfig):
         if f.name in _ENGINE_FIELDS:
             out[f.name] = _setting(f.name, "engine", f.default, f.metadata)
