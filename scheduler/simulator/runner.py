@@ -100,11 +100,14 @@ class Simulation:
         *,
         arrivals: Arrivals | None = None,
         bound: bool = True,
+        on_finish: Callable[[Request, bool], None] | None = None,
     ) -> None:
         """`arrivals`: the queue this run's requests come from (a fleet's
         replicas share the router's; None: one of `sessions`, or of the
         config's workload). `bound`: compute a trace's infinite-cache hit
-        rate."""
+        rate. `on_finish(request, aborted)`: called with each request as it
+        finishes or is aborted (its prompt, outputs and metrics final), before
+        its follow-up turn arrives; an exception from it ends the run."""
         self.config = config
         self.now = 0.0
         self.bm = GroupedStore(config.layout.store_config(config.block_manager))
@@ -119,6 +122,7 @@ class Simulation:
         # fleet's replica leaves it to its router (it sees every request).
         self._bound = PrefixBound() if config.trace is not None and bound else None
         self._progress = progress
+        self._on_finish = on_finish
         self._live: dict[Hashable, _Live] = {}  # by request id
         self._greedy: dict = {}  # output length -> shared one-sample SamplingParams
         self._num_added = 0
@@ -315,6 +319,8 @@ class Simulation:
 
     def _finish(self, request_id: Hashable, aborted: bool, reason: str | None = None) -> None:
         entry = self._live.pop(request_id)
+        if self._on_finish is not None:
+            self._on_finish(entry.request, aborted)
         self.metrics.on_finish(RequestRecord.of(entry.spec.workload, entry.request, self.now,
                                                 aborted, reason))
         self._num_done += 1

@@ -169,17 +169,12 @@ def test_memory_snapshot_matches_a_direct_count():
 
 def test_multiturn_prompts_contain_previous_prompt_and_output():
     cfg = small_config(mix={"multiturn": 1.0, "agent": 1.0}, num_requests=60)
-    sim = Simulation(cfg)
     finished = {}
-    original = sim._finish
 
-    def capture(request_id, aborted):
-        req = sim._live[request_id].request
-        finished[request_id] = (list(req.prompt_tokens), [list(o) for o in req.outputs])
-        original(request_id, aborted)
+    def capture(req, aborted):
+        finished[req.request_id] = (list(req.prompt_tokens), [list(o) for o in req.outputs])
 
-    sim._finish = capture
-    sim.run()
+    Simulation(cfg, on_finish=capture).run()
     follow_ups = [s for s in all_specs(cfg.workload) if s.after is not None]
     assert follow_ups
     for spec in follow_ups:
@@ -192,16 +187,12 @@ def test_multiturn_prompts_contain_previous_prompt_and_output():
 
 def test_parallel_samples_differ_and_share_the_prompt():
     cfg = small_config(mix={"parallel": 1.0}, num_requests=20, n=3)
-    sim = Simulation(cfg)
     outs = {}
-    original = sim._finish
 
-    def capture(request_id, aborted):
-        outs[request_id] = [list(o) for o in sim._live[request_id].request.outputs]
-        original(request_id, aborted)
+    def capture(req, aborted):
+        outs[req.request_id] = [list(o) for o in req.outputs]
 
-    sim._finish = capture
-    result = sim.run()
+    result = Simulation(cfg, on_finish=capture).run()
     specs = {s.request_id: s for s in all_specs(cfg.workload)}
     for rid, samples in outs.items():
         assert len(samples) == 3
@@ -220,16 +211,12 @@ def test_tenants_never_hit_another_namespace(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
     cfg = SimulationConfig(trace=str(path), check_every=1)
-    sim = Simulation(cfg)
     cached = {}
-    original = sim._finish
 
-    def capture(request_id, aborted):
-        cached[request_id] = sim._live[request_id].request.metrics.num_cached_tokens
-        original(request_id, aborted)
+    def capture(req, aborted):
+        cached[req.request_id] = req.metrics.num_cached_tokens
 
-    sim._finish = capture
-    sim.run()
+    Simulation(cfg, on_finish=capture).run()
     assert cached["a"] == 0 and cached["b"] == 0
     assert cached["c"] == len(tokens) - 1
 
