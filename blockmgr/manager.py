@@ -118,7 +118,7 @@ class BlockManager:
         self._windowed = any(g.window is not None for g in self._groups)
         # What `_fits_next_token` reads of each group, bound once: it runs per decoded token.
         self._room_checks = tuple(
-            (g.index, g.pages.refcount_reader(), g.window) for g in self._groups)
+            (g.index, g.pages.live_refcounts(), g.window) for g in self._groups)
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
         self._host_slots = RefCountedPool(config.num_host_slots)
         self._seqs = SequenceTable()
@@ -654,9 +654,9 @@ class BlockManager:
         if num_tokens % block_size == 0 or seq.slot is not None or seq.recompute_from is not None:
             return False
         tables = seq.tables
-        for index, refcount, window in self._room_checks:
+        for index, refcounts, window in self._room_checks:
             # past the released pages the last entry is a page, never None
-            if refcount(tables[index][-1]) != 1:  # type: ignore[arg-type]
+            if refcounts[tables[index][-1]] != 1:  # type: ignore[index]
                 return False
             if window is not None and (
                 (num_tokens - window + 1) // block_size > seq.released[index]

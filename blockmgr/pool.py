@@ -8,9 +8,7 @@ manager decides what storage work (copy, zero) a fresh id needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from blockmgr.errors import IntegrityError
 
@@ -46,11 +44,13 @@ class RefCountedPool:
     def refcount(self, item: int) -> int:
         return self._refcounts[item]
 
-    def refcount_reader(self) -> Callable[[int], int]:
-        """`refcount` as a C-level callable (the count list's own lookup),
-        for loops that run once per decoded token. Valid for the pool's
-        life: the list is never replaced. O(1) per call."""
-        return self._refcounts.__getitem__
+    def live_refcounts(self) -> Sequence[int]:
+        """The pool's refcount of every id, the list itself (not a copy), for
+        loops that run once per decoded token: a read is an index, not a
+        call. Read only (the pool alone writes it); valid for the pool's
+        life (the list is never replaced, and a deep copy or pickle of an
+        owner that holds it keeps it the copied pool's). O(1)."""
+        return self._refcounts
 
     def can_take(self, num_items: int) -> bool:
         return num_items <= len(self._free)

@@ -5,9 +5,13 @@ Every refused call must leave `debug_state()` exactly as it was.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from blockmgr import (
+    GroupedStore,
+    GroupedStoreConfig,
     BlockManager,
     BlockManagerConfig,
     BlockManagerError,
@@ -556,3 +560,27 @@ def test_forked_siblings_speculating_together_reserve_exactly_the_copies_they_ma
     assert sum(isinstance(op, CopySlot) for op in ops) == 3
     assert (bm.num_free_blocks, bm.num_free_slots) == (0, 0)
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_deep_copy_decides_appends_on_its_own_pages(grouped):
+    """A copy of a store (a checkpoint, a reference for comparison) reads
+    its own page counts: a page the original stops sharing after the copy
+    is still shared in the copy, whose next append copies it
+    (copy-on-write)."""
+    if grouped:
+        store = GroupedStore(GroupedStoreConfig(
+            num_blocks=16, block_size=4, windows=(None, 8), enable_prefix_cache=False))
+    else:
+        store = BlockManager(BlockManagerConfig(num_blocks=16, block_size=4,
+                                                enable_prefix_cache=False))
+    store.allocate("a", [1, 2])  # a partly filled last page
+    store.fork("a", "b")  # shared
+    twin = copy.deepcopy(store)
+    store.free("b")  # the original's last page is its own again; the copy's is still shared
+    num_groups = 2 if grouped else 1
+    assert store.append("a", [3]) == ()
+    assert [type(op).__name__ for op in twin.append("a", [3])] == ["CopyBlock"] * num_groups
+    assert twin.block_table("a") != store.block_table("a")
+    store.check_integrity()
+    twin.check_integrity()
