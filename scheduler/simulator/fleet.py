@@ -15,8 +15,15 @@ step's end, as it would on one server. So the router sees each replica as
 it is at the request's arrival (a step in flight shows its scheduled
 state), and a fleet of one makes exactly one server's run (tested).
 
-Costs: per event O(log replicas) plus the replica's step; per request the
-router's cost (`routers.py`).
+With `cores` (`FleetSpec`), the replicas share one machine's cores
+(`shared_cores.py`): a step's priced time is its work, and while more
+steps are in flight than there are cores they share them, so every step
+in flight ends later than priced. Without it each replica has a machine
+of its own.
+
+Costs: per event O(log replicas) plus the replica's step (with `cores`:
+plus O(steps in flight x log replicas)); per request the router's cost
+(`routers.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from scheduler.simulator.runner import (
     SimulationResult,
     sessions_of,
 )
+from scheduler.simulator.shared_cores import SharedCores
 from scheduler.simulator.workloads import RequestSpec
 
 #: Event priorities at equal times: a step ends, then requests arrive, then a step begins.
@@ -53,11 +61,14 @@ MAX_REPLICAS = 4096
 
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
-    """The fleet around one server's `SimulationConfig`: how many replicas
-    and which router (a name of `routers.ROUTERS`). Raises ValueError."""
+    """The fleet around one server's `SimulationConfig`: how many replicas,
+    which router (a name of `routers.ROUTERS`), and `cores`: the cores of
+    the one machine all replicas run on, a fraction allowed (None: a
+    machine each; `shared_cores.py`). Raises ValueError."""
 
     num_replicas: int = 1
     router: str = "round_robin"
+    cores: float | None = None
 
     def __post_init__(self) -> None:
         n = self.num_replicas
@@ -65,15 +76,22 @@ class FleetSpec:
             raise ValueError(f"replicas must be an int in [1, {MAX_REPLICAS}], got {n!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
+        if self.cores is not None:
+            SharedCores(self.cores)  # raises for a bad count
 
     def to_dict(self) -> dict:
-        return {"replicas": self.num_replicas, "router": self.router}
+        data = {"replicas": self.num_replicas, "router": self.router}
+        if self.cores is not None:
+            data["cores"] = self.cores
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "FleetSpec":
-        if not isinstance(data, dict) or set(data) - {"replicas", "router"}:
-            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME}}, got {data!r:.80}")
-        return cls(data.get("replicas", 1), data.get("router", "round_robin"))
+        if not isinstance(data, dict) or set(data) - {"replicas", "router", "cores"}:
+            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C]}}, "
+                             f"got {data!r:.80}")
+        return cls(data.get("replicas", 1), data.get("router", "round_robin"),
+                   data.get("cores"))
 
 
 @dataclass(slots=True)
@@ -159,6 +177,7 @@ class Fleet:
         self._bound = PrefixBound() if config.trace is not None else None
         self._progress = progress
         self._num_events = 0
+        self._cores = None if fleet.cores is None else SharedCores(fleet.cores)
 
     # -------------------------------------------------------------- routing
 
@@ -220,12 +239,31 @@ class Fleet:
         heapq.heappop(events)
         self.now = when
         replica = replicas[index]
+        ending = replica.step is not None
         replica.run_event()
         self._schedule(replica)
+        if self._cores is not None:
+            self._share(replica, ending)
         self._num_events += 1
         if self._progress is not None and self._num_events % 256 == 0:
             self._report_progress()
         return True
+
+    def _share(self, replica: _Replica, ending: bool) -> None:
+        """A step of `replica` ended (`ending`) or began: every step in
+        flight that shares the cores gets its new end."""
+        cores = self._cores
+        assert cores is not None
+        if ending:
+            cores.end(replica.index, self.now)
+        elif replica.step is not None:
+            cores.begin(replica.index, self.now, replica.step.dt)
+        for index in cores.in_flight():
+            if cores.shared(index):
+                other = self.replicas[index]
+                assert other.step is not None
+                other.step.dt = cores.end_time(index) - other.sim.now
+                self._schedule(other)
 
     def _report_progress(self) -> None:
         assert self._progress is not None

@@ -1,0 +1,95 @@
+"""`SharedCores`: a fleet's replicas running on one machine's cores.
+
+The cost model prices a step as the time it takes with a core to itself
+(a profile calibrated by the CPU clock with one BLAS thread). Replicas on
+one machine take turns on its cores: while more steps are in flight than
+there are cores, each runs at `cores / in_flight` of its own speed
+(processor sharing, what the OS's scheduler gives runnable single-threaded
+processes of equal priority). So the end of every step in flight moves
+whenever another replica's step begins or ends: a step's work is what the
+cost model priced, and its duration is how long that work takes at the
+rates the sharing gave it.
+
+A step that never shared (in flight only while at most `cores` steps
+were) keeps its priced duration exactly, so a fleet on as many cores as
+replicas runs as one without sharing.
+
+Costs: `begin` and `end` O(steps in flight); `end_time` O(1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Work:
+    remaining: float  # seconds of work left, at a core's full speed
+    shared: bool  # ran at less than full speed at some point
+
+
+class SharedCores:
+    """Steps in flight on `cores` cores (a fraction: the share of a
+    machine other work leaves). Time only moves forward: every call's
+    `now` is at least the previous one's (ValueError otherwise)."""
+
+    def __init__(self, cores: float) -> None:
+        if isinstance(cores, bool) or not isinstance(cores, (int, float)) \
+                or not math.isfinite(cores) or cores <= 0:
+            raise ValueError(f"cores must be a finite number > 0, got {cores!r}")
+        self.cores = float(cores)
+        self._work: dict[Hashable, _Work] = {}
+        self._last = 0.0
+
+    @property
+    def rate(self) -> float:
+        """The speed of each step in flight, as a share of a core's."""
+        return min(1.0, self.cores / len(self._work)) if self._work else 1.0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._work
+
+    def in_flight(self) -> tuple[Hashable, ...]:
+        """The steps in flight, in the order they began."""
+        return tuple(self._work)
+
+    def _advance(self, now: float) -> None:
+        if now < self._last:
+            raise ValueError(f"time went back: {now!r} < {self._last!r}")
+        done = (now - self._last) * self.rate
+        for work in self._work.values():
+            work.remaining = max(0.0, work.remaining - done)
+        self._last = now
+
+    def begin(self, key: Hashable, now: float, work: float) -> None:
+        """Step `key` starts at `now` with `work` seconds of work."""
+        if key in self._work:
+            raise ValueError(f"step {key!r} is in flight already")
+        if not math.isfinite(work) or work < 0:
+            raise ValueError(f"work must be a finite number >= 0, got {work!r}")
+        self._advance(now)
+        self._work[key] = _Work(work, False)
+        self._mark_shared()
+
+    def end(self, key: Hashable, now: float) -> None:
+        """Step `key` ends at `now` (its `end_time`)."""
+        if key not in self._work:
+            raise ValueError(f"step {key!r} is not in flight")
+        self._advance(now)
+        del self._work[key]
+        self._mark_shared()
+
+    def _mark_shared(self) -> None:
+        if self.rate < 1.0:
+            for work in self._work.values():
+                work.shared = True
+
+    def shared(self, key: Hashable) -> bool:
+        """Has step `key` run slower than a core's full speed?"""
+        return self._work[key].shared
+
+    def end_time(self, key: Hashable) -> float:
+        """When step `key` ends if nothing begins or ends before."""
+        return self._last + self._work[key].remaining / self.rate
