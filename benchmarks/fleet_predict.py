@@ -191,8 +191,32 @@ def served(args: argparse.Namespace, config, model_dir: Path) -> list:
     return served_sessions(sessions_of(config), builder, codec.encode)
 
 
+def fit_background(args: argparse.Namespace, config, sessions: list, policy: str,
+                   used: float) -> float:
+    """The count of runnable background threads whose CPU use in the
+    simulated run (`FleetSpec.background`) is `used` cores on average: what
+    the other work (other jobs, the hypervisor, the gateway, the client, the
+    replicas' serving threads) was measured to use. Bisection."""
+    from scheduler.simulator.fleet import FleetSpec, run_fleet
+    from scheduler.simulator.routers import RouterSettings
+
+    settings = RouterSettings(args.replicas, config.block_manager.num_blocks,
+                              config.block_manager.block_size,
+                              cache_threshold=SMG_CACHE_THRESHOLD)
+    low, high = 0.0, 32.0
+    for _ in range(14):
+        mid = (low + high) / 2
+        fleet = FleetSpec(args.replicas, ROUTER_OF[policy], args.cores, mid)
+        machine = run_fleet(config, fleet, sessions, settings=settings).summary["machine"]
+        if machine["background_cpu_s"] / machine["seconds"] < used:
+            low = mid
+        else:
+            high = mid
+    return round((low + high) / 2, 2)
+
+
 def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
-            cores: float | None) -> dict:
+            cores: float | None, background: float = 0.0) -> dict:
     from scheduler.simulator.fleet import FleetSpec, run_fleet
     from scheduler.simulator.routers import RouterSettings
 
@@ -200,7 +224,7 @@ def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
                               config.block_manager.block_size,
                               cache_threshold=SMG_CACHE_THRESHOLD)
     start = time.process_time()
-    fleet = FleetSpec(args.replicas, ROUTER_OF[policy], cores)
+    fleet = FleetSpec(args.replicas, ROUTER_OF[policy], cores, background)
     result = run_fleet(config, fleet, sessions, settings=settings)
     cpu = time.process_time() - start
     s = result.summary
@@ -209,6 +233,7 @@ def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
     cached = sum(r.metrics.request_arrays()["cached_tokens"].sum() for r in result.replicas)
     work = [float(r.metrics.step_arrays()["step_time"].sum()) for r in result.replicas]
     source = "sim, a machine each" if cores is None else f"sim, {cores:g} cores"
+    source += f" + {background:g} other threads" if background else ""
     return {"policy": policy, "source": source,
             "prompt_tokens": float(prompt), "cached_tokens": float(cached),
             "hit_rate": prefix["first_admission_hit_rate"],
@@ -314,6 +339,10 @@ def main() -> None:
         free = real.get("free_cores")
         for cores in (None, args.cores) + ((round(free, 2),) if free else ()):
             rows.append(run_sim(args, config, sessions, real["policy"], cores))
+        if free:
+            background = fit_background(args, config, sessions, real["policy"],
+                                        args.cores - free)
+            rows.append(run_sim(args, config, sessions, real["policy"], args.cores, background))
     rows.sort(key=lambda r: (policies.index(r["policy"]), r["source"]))
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
           f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}, "

@@ -63,12 +63,14 @@ MAX_REPLICAS = 4096
 class FleetSpec:
     """The fleet around one server's `SimulationConfig`: how many replicas,
     which router (a name of `routers.ROUTERS`), and `cores`: the cores of
-    the one machine all replicas run on, a fraction allowed (None: a
-    machine each; `shared_cores.py`). Raises ValueError."""
+    the one machine all replicas run on (None: a machine each), beside
+    `background` runnable threads of other work (`shared_cores.py`).
+    Raises ValueError."""
 
     num_replicas: int = 1
     router: str = "round_robin"
     cores: float | None = None
+    background: float = 0.0
 
     def __post_init__(self) -> None:
         n = self.num_replicas
@@ -77,21 +79,26 @@ class FleetSpec:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
         if self.cores is not None:
-            SharedCores(self.cores)  # raises for a bad count
+            SharedCores(self.cores, self.background)  # raises for bad counts
+        elif self.background:
+            raise ValueError("background threads need the fleet's cores")
 
     def to_dict(self) -> dict:
         data = {"replicas": self.num_replicas, "router": self.router}
         if self.cores is not None:
             data["cores"] = self.cores
+        if self.background:
+            data["background"] = self.background
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "FleetSpec":
-        if not isinstance(data, dict) or set(data) - {"replicas", "router", "cores"}:
-            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C]}}, "
-                             f"got {data!r:.80}")
+        keys = {"replicas", "router", "cores", "background"}
+        if not isinstance(data, dict) or set(data) - keys:
+            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C, "
+                             f"'background': B]}}, got {data!r:.80}")
         return cls(data.get("replicas", 1), data.get("router", "round_robin"),
-                   data.get("cores"))
+                   data.get("cores"), data.get("background", 0.0))
 
 
 @dataclass(slots=True)
@@ -177,7 +184,7 @@ class Fleet:
         self._bound = PrefixBound() if config.trace is not None else None
         self._progress = progress
         self._num_events = 0
-        self._cores = None if fleet.cores is None else SharedCores(fleet.cores)
+        self._cores = None if fleet.cores is None else SharedCores(fleet.cores, fleet.background)
 
     # -------------------------------------------------------------- routing
 
@@ -285,6 +292,11 @@ class Fleet:
         }
         if self._bound is not None:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
+        if self._cores is not None:
+            summary["machine"] = {
+                "cores": self._cores.cores, "background": self._cores.background,
+                "background_cpu_s": self._cores.background_seconds(self.now),
+                "seconds": self.now}
         summary["replicas"] = [r.summary for r in results]
         return FleetResult(self.config, self.fleet, summary, results, self.routes,
                            len(self.routes))

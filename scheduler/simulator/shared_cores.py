@@ -5,7 +5,13 @@ The cost model prices a step as the time it takes with a core to itself
 one machine take turns on its cores: while more steps are in flight than
 there are cores, each runs at `cores / in_flight` of its own speed
 (processor sharing, what the OS's scheduler gives runnable single-threaded
-processes of equal priority). So the end of every step in flight moves
+processes of equal priority). `background` threads of other work (other
+people's jobs, a gateway, the servers' own HTTP threads) are runnable all
+along and take their equal share: with n steps in flight each runs at
+`min(1, cores / (n + background))`, and the other work uses
+`background x min(1, cores / (n + background))` cores (`background_seconds`
+sums it, to match a background to the CPU other work was measured to use).
+So the end of every step in flight moves
 whenever another replica's step begins or ends: a step's work is what the
 cost model priced, and its duration is how long that work takes at the
 rates the sharing gave it.
@@ -31,22 +37,27 @@ class _Work:
 
 
 class SharedCores:
-    """Steps in flight on `cores` cores (a fraction: the share of a
-    machine other work leaves). Time only moves forward: every call's
-    `now` is at least the previous one's (ValueError otherwise)."""
+    """Steps in flight on `cores` cores beside `background` runnable threads
+    of other work. Time only moves forward: every call's `now` is at least
+    the previous one's (ValueError otherwise)."""
 
-    def __init__(self, cores: float) -> None:
-        if isinstance(cores, bool) or not isinstance(cores, (int, float)) \
-                or not math.isfinite(cores) or cores <= 0:
-            raise ValueError(f"cores must be a finite number > 0, got {cores!r}")
+    def __init__(self, cores: float, background: float = 0.0) -> None:
+        for name, value, least in (("cores", cores, None), ("background", background, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 or (least is None and value == 0):
+                bound = "> 0" if least is None else ">= 0"
+                raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
         self.cores = float(cores)
+        self.background = float(background)
         self._work: dict[Hashable, _Work] = {}
         self._last = 0.0
+        self._background_seconds = 0.0
 
     @property
     def rate(self) -> float:
         """The speed of each step in flight, as a share of a core's."""
-        return min(1.0, self.cores / len(self._work)) if self._work else 1.0
+        runnable = len(self._work) + self.background
+        return min(1.0, self.cores / runnable) if runnable else 1.0
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._work
@@ -58,10 +69,17 @@ class SharedCores:
     def _advance(self, now: float) -> None:
         if now < self._last:
             raise ValueError(f"time went back: {now!r} < {self._last!r}")
-        done = (now - self._last) * self.rate
+        rate = self.rate
+        done = (now - self._last) * rate
         for work in self._work.values():
             work.remaining = max(0.0, work.remaining - done)
+        self._background_seconds += (now - self._last) * self.background * rate
         self._last = now
+
+    def background_seconds(self, now: float) -> float:
+        """CPU seconds the background threads had from time 0 to `now`."""
+        self._advance(now)
+        return self._background_seconds
 
     def begin(self, key: Hashable, now: float, work: float) -> None:
         """Step `key` starts at `now` with `work` seconds of work."""

@@ -22,16 +22,17 @@ from tests.summaries import deterministic
 # ------------------------------------------------------------ SharedCores
 
 
-def ticked_ends(jobs: list[tuple[float, float]], cores: float, tick: float) -> list[float]:
+def ticked_ends(jobs: list[tuple[float, float]], cores: float, background: float,
+                tick: float) -> list[float]:
     """The reference: time moves in ticks; in each, every started, unfinished
-    job does tick x min(1, cores / running) of its work."""
+    job does tick x min(1, cores / (running + background)) of its work."""
     remaining = [work for _, work in jobs]
     ends: list[float | None] = [None] * len(jobs)
     now = 0.0
     while any(end is None for end in ends):
         running = [i for i, (start, _) in enumerate(jobs)
                    if start <= now + 1e-12 and ends[i] is None]
-        rate = min(1.0, cores / len(running)) if running else 1.0
+        rate = min(1.0, cores / (len(running) + background)) if running else 1.0
         for i in running:
             remaining[i] -= tick * rate
             if remaining[i] <= 1e-12:
@@ -40,10 +41,10 @@ def ticked_ends(jobs: list[tuple[float, float]], cores: float, tick: float) -> l
     return [end for end in ends if end is not None]
 
 
-def event_ends(jobs: list[tuple[float, float]], cores: float) -> list[float]:
+def event_ends(jobs: list[tuple[float, float]], cores: float, background: float) -> list[float]:
     """The same jobs through `SharedCores`: begin each at its start, end the
     earliest `end_time` whenever it comes before the next start."""
-    shared = SharedCores(cores)
+    shared = SharedCores(cores, background)
     pending = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
     ends = [0.0] * len(jobs)
     while pending or shared.in_flight():
@@ -60,12 +61,12 @@ def event_ends(jobs: list[tuple[float, float]], cores: float) -> list[float]:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6),
-       st.sampled_from([0.5, 0.75, 1.0, 1.5, 2.0, 3.0]))
-def test_steps_end_as_processor_sharing_gives(raw, cores):
+       st.sampled_from([0.5, 0.75, 1.0, 1.5, 2.0, 3.0]), st.sampled_from([0.0, 0.5, 2.0]))
+def test_steps_end_as_processor_sharing_gives(raw, cores, background):
     jobs = [(start / 10, work / 10) for start, work in raw]  # whole ticks of 0.1 s
     tick = 0.0025
-    expected = ticked_ends(jobs, cores, tick)
-    got = event_ends(jobs, cores)
+    expected = ticked_ends(jobs, cores, background, tick)
+    got = event_ends(jobs, cores, background)
     for end, reference in zip(got, expected):
         assert end == pytest.approx(reference, abs=3 * tick)
         assert end >= min(start for start, _ in jobs)
@@ -93,10 +94,24 @@ def test_bad_calls_change_nothing():
     for cores in (0, -1, float("inf"), True, "2"):
         with pytest.raises(ValueError):
             SharedCores(cores)
+    for background in (-1, float("nan"), True):
+        with pytest.raises(ValueError):
+            SharedCores(2, background)
     with pytest.raises(ValueError):
         FleetSpec(2, "round_robin", cores=0)
-    spec = FleetSpec(2, "round_robin", cores=1.5)
+    with pytest.raises(ValueError):
+        FleetSpec(2, "round_robin", background=1.0)  # background needs the cores
+    spec = FleetSpec(2, "round_robin", cores=1.5, background=0.5)
     assert FleetSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_background_threads_take_their_share_and_count_it():
+    shared = SharedCores(2, background=2)
+    assert shared.background_seconds(1.0) == 2.0  # nothing of ours: two threads, two cores
+    shared.begin("a", 1.0, 1.0)  # three runnable on two cores: two thirds each
+    assert shared.end_time("a") == pytest.approx(2.5)
+    shared.end("a", 2.5)
+    assert shared.background_seconds(3.0) == pytest.approx(2.0 + 2 * 1.5 * 2 / 3 + 2 * 0.5)
 
 
 # ------------------------------------------------------------ in a fleet
@@ -120,9 +135,11 @@ def request(rid: str, arrival: float) -> list[RequestSpec]:
     return [RequestSpec(rid, ((hash(rid) & 0xFFFF, 40),), 4, 7, arrival=arrival)]
 
 
-def finish_times(cores: float | None, arrivals: tuple[float, ...]) -> dict:
+def finish_times(cores: float | None, arrivals: tuple[float, ...],
+                 background: float = 0.0) -> dict:
     sessions = [request(f"r{i}", t) for i, t in enumerate(arrivals)]
-    result = run_fleet(unit_config(), FleetSpec(len(arrivals), "round_robin", cores), sessions)
+    fleet = FleetSpec(len(arrivals), "round_robin", cores, background)
+    result = run_fleet(unit_config(), fleet, sessions)
     times = {}
     for replica in result.replicas:
         req = replica.metrics.request_arrays()
@@ -151,8 +168,13 @@ def test_three_replicas_on_two_cores_run_at_two_thirds():
 
 def test_a_share_of_a_core_slows_even_a_lone_replica():
     # what other work leaves of one core: a quarter, and a lone step too
-    times = finish_times(0.25, (0.0,))
-    assert times[0.0] == pytest.approx((4.0, 16.0))
+    assert finish_times(0.25, (0.0,))[0.0] == pytest.approx((4.0, 16.0))
+    # one replica beside two runnable threads of other work on one core: a third
+    assert finish_times(1, (0.0,), background=2.0)[0.0] == pytest.approx((3.0, 12.0))
+    result = run_fleet(unit_config(), FleetSpec(1, "round_robin", 1, 2.0), [request("r", 0.0)])
+    machine = result.summary["machine"]  # the two threads had two thirds of the core
+    assert machine["seconds"] == pytest.approx(12.0)
+    assert machine["background_cpu_s"] == pytest.approx(8.0)
 
 
 def test_a_fleet_on_as_many_cores_as_replicas_runs_as_without_sharing():
