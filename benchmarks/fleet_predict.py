@@ -49,7 +49,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fleet_gateway import build_model, counter  # noqa: E402
+from benchmarks.fleet_gateway import (  # noqa: E402
+    add_fleet_options,
+    build_model,
+    counter,
+    workload_args,
+)
 from tests.fleet import Fleet, httpx  # noqa: E402
 
 #: SMG policy -> the simulator's router of the same rule.
@@ -57,15 +62,6 @@ ROUTER_OF = {"round_robin": "round_robin", "cache_aware": "cache_aware"}
 #: SMG 1.13's `--cache-threshold` default (the gateway is launched without it).
 SMG_CACHE_THRESHOLD = 0.3
 SIMULATE_LINE = re.compile(r"the same pool in the simulator: blockmgr simulate (.*)$", re.MULTILINE)
-
-
-def workload_args(args: argparse.Namespace) -> list[str]:
-    """The workload options bench and simulate both read."""
-    return ["--workload", "multiturn", "-n", str(args.requests), "--arrival", "closed",
-            "--concurrency", str(args.concurrency), "--system-len", f"fixed:{args.system_len}",
-            "--user-len", f"fixed:{args.user_len}", "--output-len", f"fixed:{args.output_len}",
-            "--turns", f"fixed:{args.turns}", "--think-time", "0",
-            "--num-system-prompts", str(args.num_system_prompts), "--seed", "0"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -290,18 +286,7 @@ def print_verdict(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="round_robin,cache_aware")
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=6, help="closed-loop clients")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=256)
-    parser.add_argument("--user-len", type=int, default=48)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--num-system-prompts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--kv-memory", default="256MiB", help="each replica's KV pool")
+    add_fleet_options(parser)
     parser.add_argument("--cores", type=float, default=float(os.cpu_count() or 1),
                         help="cores the simulated replicas share (default this machine's)")
     parser.add_argument("--blas-threads", default="1",
