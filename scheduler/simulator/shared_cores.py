@@ -2,23 +2,21 @@
 
 The cost model prices a step as the time it takes with a core to itself
 (a profile calibrated by the CPU clock with one BLAS thread). Replicas on
-one machine take turns on its cores: while more steps are in flight than
-there are cores, each runs at `cores / in_flight` of its own speed
-(processor sharing, what the OS's scheduler gives runnable single-threaded
-processes of equal priority). `background` threads of other work (other
-people's jobs, a gateway, the servers' own HTTP threads) are runnable all
-along and take their equal share: with n steps in flight each runs at
-`min(1, cores / (n + background))`, and the other work uses
-`background x min(1, cores / (n + background))` cores (`background_seconds`
-sums it, to match a background to the CPU other work was measured to use).
-So the end of every step in flight moves
-whenever another replica's step begins or ends: a step's work is what the
-cost model priced, and its duration is how long that work takes at the
+one machine take turns on its cores (processor sharing: what the OS's
+scheduler gives runnable single-threaded processes of equal priority),
+beside `background` threads of other work (other people's jobs, a
+gateway, the servers' own HTTP threads) that are runnable all along:
+with n steps in flight, each runs at `min(1, cores / (n + background))`
+of its own speed, and the other work uses `background` times that
+(`background_seconds` sums it, to match a background to the CPU other
+work was measured to use). So the end of every step in flight moves
+whenever another replica's step begins or ends: a step's work is what
+the cost model priced, its duration how long that work takes at the
 rates the sharing gave it.
 
-A step that never shared (in flight only while at most `cores` steps
-were) keeps its priced duration exactly, so a fleet on as many cores as
-replicas runs as one without sharing.
+A step that never shared (in flight only while it ran at full speed)
+keeps its priced duration exactly, so a fleet on as many cores as
+replicas, with no background, runs as one without sharing.
 
 Costs: `begin` and `end` O(steps in flight); `end_time` O(1).
 """
@@ -28,6 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+from blockmgr.errors import InvalidArgument
+
+
+def _check_count(name: str, value: object, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidArgument(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -39,14 +46,12 @@ class _Work:
 class SharedCores:
     """Steps in flight on `cores` cores beside `background` runnable threads
     of other work. Time only moves forward: every call's `now` is at least
-    the previous one's (ValueError otherwise)."""
+    the previous one's. Bad calls raise `InvalidArgument` and change
+    nothing."""
 
     def __init__(self, cores: float, background: float = 0.0) -> None:
-        for name, value, least in (("cores", cores, None), ("background", background, 0.0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0 or (least is None and value == 0):
-                bound = "> 0" if least is None else ">= 0"
-                raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+        _check_count("cores", cores, allow_zero=False)
+        _check_count("background", background, allow_zero=True)
         self.cores = float(cores)
         self.background = float(background)
         self._work: dict[Hashable, _Work] = {}
@@ -68,7 +73,7 @@ class SharedCores:
 
     def _advance(self, now: float) -> None:
         if now < self._last:
-            raise ValueError(f"time went back: {now!r} < {self._last!r}")
+            raise InvalidArgument(f"time went back: {now!r} < {self._last!r}")
         rate = self.rate
         done = (now - self._last) * rate
         for work in self._work.values():
@@ -84,9 +89,8 @@ class SharedCores:
     def begin(self, key: Hashable, now: float, work: float) -> None:
         """Step `key` starts at `now` with `work` seconds of work."""
         if key in self._work:
-            raise ValueError(f"step {key!r} is in flight already")
-        if not math.isfinite(work) or work < 0:
-            raise ValueError(f"work must be a finite number >= 0, got {work!r}")
+            raise InvalidArgument(f"step {key!r} is in flight already")
+        _check_count("work", work, allow_zero=True)
         self._advance(now)
         self._work[key] = _Work(work, False)
         self._mark_shared()
@@ -94,7 +98,7 @@ class SharedCores:
     def end(self, key: Hashable, now: float) -> None:
         """Step `key` ends at `now` (its `end_time`)."""
         if key not in self._work:
-            raise ValueError(f"step {key!r} is not in flight")
+            raise InvalidArgument(f"step {key!r} is not in flight")
         self._advance(now)
         del self._work[key]
         self._mark_shared()
