@@ -145,11 +145,11 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) 
               - client_before.ru_utime - client_before.ru_stime)
     busy, steal, _ = (a - b for a, b in zip(machine_after, machine_before))
     others = max(0.0, busy - sum(cpu) - client)  # other people's jobs, this script
-    # What the replicas' engine threads had: the cores less what other jobs,
-    # the hypervisor, the gateway, the client and the replicas' serving
-    # threads (HTTP, streaming; every thread but the busiest) took.
-    serving = sum(sum(t[1:]) for t in threads)
-    free_cores = (os.cpu_count() or 1) - (others + steal + cpu[-1] + client + serving) / wall
+    # What the replicas had: the cores less what other jobs, the hypervisor,
+    # the gateway and the client took. (A replica's own threads are all its
+    # steps': MLX computes on a thread of its own, the engine thread
+    # schedules, samples and streams; the profile timed them all.)
+    free_cores = (os.cpu_count() or 1) - (others + steal + cpu[-1] + client) / wall
     return {"policy": policy, "source": "real", "prompt_tokens": prompt,
             "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
@@ -161,7 +161,7 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) 
                                      for m in metrics],
             "cpu_s_per_replica": cpu[:-1], "gateway_cpu_s": cpu[-1], "client_cpu_s": client,
             "wall_s": wall, "load": [load_before, load_after], "others_cpu_s": others,
-            "steal_s": steal, "serving_threads_cpu_s": serving, "free_cores": free_cores, "replica_threads_cpu_s": threads,
+            "steal_s": steal, "free_cores": free_cores, "replica_threads_cpu_s": threads,
             "finished": summary["requests"]["finished"], "pool_options": options}
 
 
@@ -191,8 +191,8 @@ def fit_background(args: argparse.Namespace, config, sessions: list, policy: str
                    used: float) -> float:
     """The count of runnable background threads whose CPU use in the
     simulated run (`FleetSpec.background`) is `used` cores on average: what
-    the other work (other jobs, the hypervisor, the gateway, the client, the
-    replicas' serving threads) was measured to use. Bisection."""
+    the other work (other jobs, the hypervisor, the gateway, the client) was
+    measured to use. Bisection."""
     from scheduler.simulator.fleet import FleetSpec, run_fleet
     from scheduler.simulator.routers import RouterSettings
 
@@ -341,9 +341,8 @@ def main() -> None:
             print(f"{r['policy']}: load average {r['load'][0]:.2f} -> {r['load'][1]:.2f}, "
                   f"wall {r['wall_s']:.1f} s, gateway CPU {r['gateway_cpu_s']:.1f} s, "
                   f"client CPU {r['client_cpu_s']:.1f} s, other jobs {r['others_cpu_s']:.1f} "
-                  f"CPU s, steal {r['steal_s']:.1f} s, the replicas' serving threads "
-                  f"{r.get('serving_threads_cpu_s', 0):.1f} s: {r['free_cores']:.2f} cores left "
-                  f"for the engine threads")
+                  f"CPU s, steal {r['steal_s']:.1f} s: {r['free_cores']:.2f} cores left for "
+                  f"the replicas")
             print(f"  each replica's threads, CPU s: {r['replica_threads_cpu_s']}")
     print_rows(rows)
     print_verdict(rows)

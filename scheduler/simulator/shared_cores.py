@@ -5,7 +5,7 @@ The cost model prices a step as the time it takes with a core to itself
 one machine take turns on its cores (processor sharing: what the OS's
 scheduler gives runnable single-threaded processes of equal priority),
 beside `background` threads of other work (other people's jobs, a
-gateway, the servers' own HTTP threads) that are runnable all along:
+gateway, a load generator) that are runnable all along:
 with n steps in flight, each runs at `min(1, cores / (n + background))`
 of its own speed, and the other work uses `background` times that
 (`background_seconds` sums it, to match a background to the CPU other
