@@ -66,20 +66,40 @@ def counter(metrics: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+def add_fleet_options(parser: argparse.ArgumentParser) -> None:
+    """The fleet's, the model's and the multi-session workload's options."""
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=6, help="closed-loop clients")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-len", type=int, default=256)
+    parser.add_argument("--user-len", type=int, default=48)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--num-system-prompts", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--kv-memory", default="256MiB", help="each replica's KV pool")
+
+
+def workload_args(args: argparse.Namespace) -> list[str]:
+    """The multi-session workload's options, as `blockmgr bench` and
+    `blockmgr simulate` both read them."""
+    return ["--workload", "multiturn", "-n", str(args.requests), "--arrival", "closed",
+            "--concurrency", str(args.concurrency), "--system-len", f"fixed:{args.system_len}",
+            "--user-len", f"fixed:{args.user_len}", "--output-len", f"fixed:{args.output_len}",
+            "--turns", f"fixed:{args.turns}", "--think-time", "0",
+            "--num-system-prompts", str(args.num_system_prompts), "--seed", "0"]
+
+
 def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) -> dict:
     serve_args = ("--kv-memory", args.kv_memory, "--block-size", "16",
                   "--max-num-seqs", str(args.concurrency), "--status-interval", "0")
     with Fleet(model_dir, args.replicas, policy, out / "logs", serve_args=serve_args,
                timeout=300) as fleet:
         cmd = [sys.executable, "-m", "scheduler.cli", "bench", "--url", fleet.url,
-               "--model", "model", "--workload", "multiturn", "-n", str(args.requests),
-               "--arrival", "closed", "--concurrency", str(args.concurrency),
-               "--system-len", f"fixed:{args.system_len}", "--user-len",
-               f"fixed:{args.user_len}", "--output-len", f"fixed:{args.output_len}",
-               "--turns", f"fixed:{args.turns}", "--think-time", "0",
-               "--num-system-prompts", str(args.num_system_prompts), "--vocab-size",
-               str(args.vocab), "--seed", "0", "--out", str(out / "bench"), "--no-progress",
-               "--no-plots", "--json"]
+               "--model", "model", *workload_args(args), "--vocab-size", str(args.vocab),
+               "--out", str(out / "bench"), "--no-progress", "--no-plots", "--json"]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
         metrics = [httpx.get(url + "/metrics", timeout=10).text for url in fleet.replica_urls]
@@ -103,18 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="SMG policies, comma-separated (default round_robin,cache_aware)")
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=6, help="closed-loop clients")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=256)
-    parser.add_argument("--user-len", type=int, default=48)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--num-system-prompts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--kv-memory", default="256MiB", help="each replica's KV pool")
+    add_fleet_options(parser)
     parser.add_argument("--out", default="fleet-bench", help="folder for reports and logs")
     args = parser.parse_args()
 

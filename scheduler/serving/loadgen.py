@@ -31,6 +31,7 @@ server's answer, so every server sees the same prompts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -209,6 +210,32 @@ class PromptBuilder:
             role = "system" if i == 0 else ("user" if i % 2 else "assistant")
             messages.append({"role": role, "content": prompt_text(self.tokens.text(key, length))})
         return messages
+
+
+def served_sessions(sessions: Iterable[list[RequestSpec]], builder: PromptBuilder,
+                    encode: Callable[[str | list[dict]], list[int]]) -> list[list[RequestSpec]]:
+    """The sessions as the server computes them: each request's prompt
+    replaced by the token ids the server's tokenizer makes of what
+    `builder` sends (`encode`: text or chat messages -> ids, the server's
+    own `TextCodec.encode`; token-id prompts are sent as they are), every
+    other field kept. Simulating these computes what the server computed:
+    the chat template's tokens included, and a follow-up that quotes the
+    workload's answer where the server cached its model's own answer.
+    O(prompt tokens) per request."""
+    options = builder.options
+    served = []
+    for session in sessions:
+        specs = []
+        for spec in session:
+            if options.api == "chat":
+                tokens = encode(builder.messages(spec))
+            elif options.prompt_format == "tokens":
+                tokens = builder.token_ids(spec)
+            else:
+                tokens = encode(prompt_text(builder.token_ids(spec)))
+            specs.append(dataclasses.replace(spec, tokens=tuple(tokens)))
+        served.append(specs)
+    return served
 
 
 def _cache_salt(run: str | None, namespace: object) -> str | None:

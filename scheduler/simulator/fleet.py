@@ -15,8 +15,15 @@ step's end, as it would on one server. So the router sees each replica as
 it is at the request's arrival (a step in flight shows its scheduled
 state), and a fleet of one makes exactly one server's run (tested).
 
-Costs: per event O(log replicas) plus the replica's step; per request the
-router's cost (`routers.py`).
+With `cores` (`FleetSpec`), the replicas share one machine's cores
+(`shared_cores.py`): a step's priced time is its work, and while more
+steps are in flight than there are cores they share them, so every step
+in flight ends later than priced. Without it each replica has a machine
+of its own.
+
+Costs: per event O(log replicas) plus the replica's step (with `cores`:
+plus O(steps in flight x log replicas)); per request the router's cost
+(`routers.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from scheduler.simulator.runner import (
     SimulationResult,
     sessions_of,
 )
+from scheduler.simulator.shared_cores import SharedCores
 from scheduler.simulator.workloads import RequestSpec
 
 #: Event priorities at equal times: a step ends, then requests arrive, then a step begins.
@@ -53,11 +61,16 @@ MAX_REPLICAS = 4096
 
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
-    """The fleet around one server's `SimulationConfig`: how many replicas
-    and which router (a name of `routers.ROUTERS`). Raises ValueError."""
+    """The fleet around one server's `SimulationConfig`: how many replicas,
+    which router (a name of `routers.ROUTERS`), and `cores`: the cores of
+    the one machine all replicas run on (None: a machine each), beside
+    `background` runnable threads of other work (`shared_cores.py`).
+    Raises ValueError."""
 
     num_replicas: int = 1
     router: str = "round_robin"
+    cores: float | None = None
+    background: float = 0.0
 
     def __post_init__(self) -> None:
         n = self.num_replicas
@@ -65,15 +78,27 @@ class FleetSpec:
             raise ValueError(f"replicas must be an int in [1, {MAX_REPLICAS}], got {n!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
+        if self.cores is not None:
+            SharedCores(self.cores, self.background)  # raises for bad counts
+        elif self.background:
+            raise ValueError("background threads need the fleet's cores")
 
     def to_dict(self) -> dict:
-        return {"replicas": self.num_replicas, "router": self.router}
+        data = {"replicas": self.num_replicas, "router": self.router}
+        if self.cores is not None:
+            data["cores"] = self.cores
+        if self.background:
+            data["background"] = self.background
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "FleetSpec":
-        if not isinstance(data, dict) or set(data) - {"replicas", "router"}:
-            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME}}, got {data!r:.80}")
-        return cls(data.get("replicas", 1), data.get("router", "round_robin"))
+        keys = {"replicas", "router", "cores", "background"}
+        if not isinstance(data, dict) or set(data) - keys:
+            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C, "
+                             f"'background': B]}}, got {data!r:.80}")
+        return cls(data.get("replicas", 1), data.get("router", "round_robin"),
+                   data.get("cores"), data.get("background", 0.0))
 
 
 @dataclass(slots=True)
@@ -159,6 +184,7 @@ class Fleet:
         self._bound = PrefixBound() if config.trace is not None else None
         self._progress = progress
         self._num_events = 0
+        self._cores = None if fleet.cores is None else SharedCores(fleet.cores, fleet.background)
 
     # -------------------------------------------------------------- routing
 
@@ -220,12 +246,31 @@ class Fleet:
         heapq.heappop(events)
         self.now = when
         replica = replicas[index]
+        ending = replica.step is not None
         replica.run_event()
         self._schedule(replica)
+        if self._cores is not None:
+            self._share(replica, ending)
         self._num_events += 1
         if self._progress is not None and self._num_events % 256 == 0:
             self._report_progress()
         return True
+
+    def _share(self, replica: _Replica, ending: bool) -> None:
+        """A step of `replica` ended (`ending`) or began: every step in
+        flight that shares the cores gets its new end."""
+        cores = self._cores
+        assert cores is not None
+        if ending:
+            cores.end(replica.index, self.now)
+        elif replica.step is not None:
+            cores.begin(replica.index, self.now, replica.step.dt)
+        for index in cores.in_flight():
+            if cores.shared(index):
+                other = self.replicas[index]
+                assert other.step is not None
+                other.step.dt = cores.end_time(index) - other.sim.now
+                self._schedule(other)
 
     def _report_progress(self) -> None:
         assert self._progress is not None
@@ -247,6 +292,11 @@ class Fleet:
         }
         if self._bound is not None:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
+        if self._cores is not None:
+            summary["machine"] = {
+                "cores": self._cores.cores, "background": self._cores.background,
+                "background_cpu_s": self._cores.background_seconds(self.now),
+                "seconds": self.now}
         summary["replicas"] = [r.summary for r in results]
         return FleetResult(self.config, self.fleet, summary, results, self.routes,
                            len(self.routes))
