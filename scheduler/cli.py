@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate a fleet of N such servers behind --router (sweep: replicas=...)")
     r.add_argument("--router", metavar="POLICY", help="the fleet's router: round_robin (default), "
                    "least_load, cache_aware, precise (sweep: router=...)")
+    r.add_argument("--cores", type=_positive_float, metavar="C",
+                   help="the fleet's replicas share one machine of C cores, a step in flight "
+                        "beside others ending later than priced (default: a machine each)")
+    r.add_argument("--background", type=_nonneg_float, metavar="B",
+                   help="with --cores: B runnable threads of other work share those cores "
+                        "(default 0)")
 
     rep = sub.add_parser(
         "replay",
@@ -859,12 +865,16 @@ def cmd_simulate(args) -> int:
 
 
 def fleet_of(args):
-    """The fleet `--replicas` and `--router` ask for (None: one server)."""
-    if args.replicas is None and args.router is None:
+    """The fleet `--replicas`, `--router`, `--cores` and `--background` ask
+    for (None: one server)."""
+    if args.replicas is None and args.router is None and args.cores is None:
+        if args.background is not None:
+            raise ValueError("--background needs --cores (the machine the replicas share)")
         return None
     from scheduler.simulator.fleet import FleetSpec
 
-    return FleetSpec(args.replicas or 1, args.router or "round_robin")
+    return FleetSpec(args.replicas or 1, args.router or "round_robin", args.cores,
+                     args.background or 0.0)
 
 
 def cmd_replay(args) -> int:

@@ -288,3 +288,26 @@ def test_the_tree_refuses_a_bad_page_size():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="page_size"):
             ApproxPrefixTree(bad)
+
+
+def test_replicas_on_shared_cores_take_longer_than_on_a_machine_each(tmp_path, capsys):
+    """`--cores` puts the replicas on one machine: the same requests, routed
+    the same way, finish later when three replicas share two cores (and
+    later still beside background work) than with a machine each."""
+    def run(*extra: str) -> dict:
+        out = tmp_path / "-".join(extra or ("own",))
+        code = main(["simulate", "--workload", "chat", "-n", "60", "--rate", "20",
+                     "--replicas", "3", "--out", str(out), "--no-progress", "--no-plots",
+                     *extra])
+        assert code == 0, capsys.readouterr().err
+        return json.loads((out / "report.json").read_text())
+
+    own, shared, busy = run(), run("--cores", "2"), run("--cores", "2", "--background", "1")
+    assert shared["fleet"] == {"replicas": 3, "router": "round_robin", "cores": 2.0}
+    assert shared["summary"]["machine"]["cores"] == 2.0 and "machine" not in own["summary"]
+    routed = [r["summary"]["routing"]["requests"] for r in (own, shared, busy)]
+    assert routed[0] == routed[1] == routed[2]
+    tpot = [r["summary"]["latency"]["tpot_s"]["mean"] for r in (own, shared, busy)]
+    assert tpot[0] < tpot[1] < tpot[2]
+    assert main(["simulate", "-n", "5", "--background", "1", "--no-progress",
+                 "--no-plots", "--out", str(tmp_path / "bad")]) != 0
