@@ -32,6 +32,7 @@ import heapq
 import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -267,7 +268,7 @@ class Fleet:
             cores.begin(replica.index, self.now, replica.step.dt)
         for index in cores.in_flight():
             if cores.shared(index):
-                other = self.replicas[index]
+                other = self.replicas[cast(int, index)]  # the fleet's keys are indices
                 assert other.step is not None
                 other.step.dt = cores.end_time(index) - other.sim.now
                 self._schedule(other)
