@@ -3,6 +3,8 @@ local processes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scheduler.cli import main
@@ -27,3 +29,23 @@ def test_a_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "-n", "20", "--ray", "local", "--out", str(tmp_path)]) == 2
     assert "--ray only applies to --sweep" in capsys.readouterr().err
+
+
+def test_a_fleet_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):
+    """`--sweep` over replicas x routers: the fleets Ray runs give the rows
+    local processes give."""
+    def sweep(out, *extra):
+        code = main(["simulate", "--workload", "chat,multiturn", "-n", "60", "--replicas", "2",
+                     "--sweep", "replicas=2,3;router=round_robin,cache_aware", "--no-plots",
+                     "--no-progress", "--out", str(tmp_path / out), *extra])
+        assert code == 0, capsys.readouterr().err
+        return json.loads((tmp_path / out / "sweep.json").read_text())
+
+    on_ray, local = sweep("ray", "--ray", "local"), sweep("local", "--jobs", "1")
+    rows, local_rows = on_ray["points"], local["points"]
+    assert [r["params"] for r in rows] == [r["params"] for r in local_rows]
+    assert {(p["replicas"], p["router"]) for p in (r["params"] for r in rows)} == {
+        (2, "round_robin"), (2, "cache_aware"), (3, "round_robin"), (3, "cache_aware")}
+    assert [deterministic(r["summary"]) for r in rows] == [
+        deterministic(r["summary"]) for r in local_rows]
+    assert not ray.is_initialized()
