@@ -35,6 +35,11 @@ pytest.importorskip("smg_grpc_proto", reason="needs smg-grpc-proto (pip install 
 from tests.fleet import Fleet, httpx, smg_binary  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
 from tests.scheduler.serving.test_fleet_gateway import (  # noqa: E402 - the same sessions
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    NUM_REPLICAS,
+    NUM_SESSIONS,
+    NUM_TURNS,
     _lcp,
     _session_prefix,
     _user_turn,
@@ -44,12 +49,6 @@ from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 if smg_binary() is None:
     pytest.skip("the precise-routing test needs the smg binary: pip install 'mlx-blockmgr[fleet]'",
                 allow_module_level=True)
-
-NUM_REPLICAS = 3
-NUM_SESSIONS = 6
-NUM_TURNS = 3
-MAX_TOKENS = 8
-BLOCK_SIZE = 8
 
 
 def _generate(client, url: str, prompt: str, max_tokens: int) -> dict:
