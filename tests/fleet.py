@@ -147,3 +147,62 @@ class Fleet:
         for out in self.files:
             out.close()
         self.procs, self.files = [], []
+
+
+class EventView:
+    """A router's view rebuilt from SMG's `SubscribeKvEvents` batches, read as
+    SMG reads them: block hash -> (parent hash, the block's tokens) and its
+    namespace (`lora_name`); a store chained to a parent it holds (or none),
+    removals of blocks it holds, every block `block_size` tokens. `numbered`:
+    batches also come numbered without a gap (a snapshot restarts the count
+    and begins with a clear)."""
+
+    def __init__(self, block_size: int, numbered: bool = False) -> None:
+        self.block_size = block_size
+        self.numbered = numbered
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self.namespaces: dict[int, str | None] = {}
+        self.last: int | None = None
+        self.num_batches = 0
+        self.error: Exception | None = None
+
+    def apply(self, batch) -> None:
+        if self.numbered:
+            if batch.HasField("snapshot"):
+                assert batch.events[0].WhichOneof("data") == "cleared"
+            elif self.last is not None:
+                assert batch.sequence_number == self.last + 1, (self.last, batch.sequence_number)
+            self.last = batch.sequence_number
+        for event in batch.events:
+            kind = event.WhichOneof("data")
+            if kind == "cleared":
+                self.blocks.clear()
+            elif kind == "removed":
+                for digest in event.removed.block_hashes:
+                    del self.blocks[digest]
+            else:
+                self._store(event.stored)
+        self.num_batches += 1
+
+    def _store(self, stored) -> None:
+        parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
+        assert parent is None or parent in self.blocks, "stored before its parent"
+        namespace = stored.lora_name if stored.HasField("lora_name") else None
+        for block in stored.blocks:
+            assert block.block_size == self.block_size
+            self.blocks[block.block_hash] = (parent, tuple(block.token_ids))
+            self.namespaces[block.block_hash] = namespace
+            parent = block.block_hash
+
+    def prefixes(self, namespaced: bool = False) -> set:
+        """Every held block's whole prefix (with its namespace: `namespaced`)."""
+        result: set = set()
+        for digest in self.blocks:
+            runs: list[tuple[int, ...]] = []
+            current: int | None = digest
+            while current is not None:
+                current, tokens = self.blocks[current]
+                runs.append(tokens)
+            tokens = tuple(t for run in reversed(runs) for t in run)
+            result.add((self.namespaces[digest], tokens) if namespaced else tokens)
+        return result

@@ -39,51 +39,11 @@ from tests.scheduler.serving.test_kv_events import (  # noqa: E402
     wait_sent,
     workload,
 )
+from tests.fleet import EventView  # noqa: E402
 from tests.tiny_models import built  # noqa: E402
 
 
-class RelayedView:
-    """A router's view rebuilt from the relayed protobuf batches: block hash
-    -> (parent hash, the block's tokens), chained into prefixes."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        self.num_batches = 0
-        self.error: Exception | None = None
-
-    def apply(self, batch) -> None:
-        for event in batch.events:
-            kind = event.WhichOneof("data")
-            if kind == "cleared":
-                self.blocks.clear()
-            elif kind == "removed":
-                for digest in event.removed.block_hashes:
-                    del self.blocks[digest]
-            else:
-                stored = event.stored
-                parent = (stored.parent_block_hash if stored.HasField("parent_block_hash")
-                          else None)
-                assert parent is None or parent in self.blocks, "stored before its parent"
-                for block in stored.blocks:
-                    assert block.block_size == BLOCK_SIZE
-                    self.blocks[block.block_hash] = (parent, tuple(block.token_ids))
-                    parent = block.block_hash
-        self.num_batches += 1
-
-    def prefixes(self) -> set[tuple[int, ...]]:
-        result = set()
-        for digest in list(self.blocks):
-            runs: list[tuple[int, ...]] = []
-            current: int | None = digest
-            while current is not None:
-                parent, tokens = self.blocks[current]
-                runs.append(tokens)
-                current = parent
-            result.add(tuple(t for run in reversed(runs) for t in run))
-        return result
-
-
-def _subscribe(address: str, view: RelayedView, stop: threading.Event) -> None:
+def _subscribe(address: str, view: EventView, stop: threading.Event) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = proto.VllmEngineStub(channel)
         stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
@@ -110,7 +70,7 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
         address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}", "blockmgr-test",
         block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
         kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
-    view, stop = RelayedView(), threading.Event()
+    view, stop = EventView(BLOCK_SIZE), threading.Event()
     reader = threading.Thread(target=_subscribe, args=(address, view, stop), daemon=True)
     try:
         reader.start()

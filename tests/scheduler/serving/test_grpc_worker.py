@@ -46,6 +46,7 @@ from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler import Engine  # noqa: E402
 from scheduler.serving.grpc_events import KvEventRelay, attach  # noqa: E402
 from scheduler.serving.grpc_worker import GrpcWorker, WorkerModel  # noqa: E402
+from tests.fleet import EventView  # noqa: E402
 from tests.leaks import assert_only_the_cache_holds  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
 from tests.scheduler.serving.test_kv_events import (  # noqa: E402
@@ -136,53 +137,6 @@ def _read(stream, view, stop, numbers, apply):
         view.error = error
 
 
-class View:
-    """SMG's reading of the stream: numbered batches without a gap, a store
-    chained to a parent it holds (or none), removals of blocks it holds."""
-
-    def __init__(self):
-        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-        self.namespaces: dict[int, str | None] = {}
-        self.last: int | None = None
-        self.error: Exception | None = None
-
-    def apply(self, batch):
-        if batch.HasField("snapshot"):
-            assert batch.events[0].WhichOneof("data") == "cleared"
-        elif self.last is not None:
-            assert batch.sequence_number == self.last + 1, (self.last, batch.sequence_number)
-        self.last = batch.sequence_number
-        for event in batch.events:
-            kind = event.WhichOneof("data")
-            if kind == "cleared":
-                self.blocks.clear()
-            elif kind == "removed":
-                for digest in event.removed.block_hashes:
-                    del self.blocks[digest]
-            else:
-                stored = event.stored
-                parent = stored.parent_block_hash if stored.HasField("parent_block_hash") \
-                    else None
-                assert parent is None or parent in self.blocks, "stored before its parent"
-                namespace = stored.lora_name if stored.HasField("lora_name") else None
-                for block in stored.blocks:
-                    assert block.block_size == BLOCK_SIZE
-                    self.blocks[block.block_hash] = (parent, tuple(block.token_ids))
-                    self.namespaces[block.block_hash] = namespace
-                    parent = block.block_hash
-
-    def prefixes(self, namespaced=False):
-        result = set()
-        for digest in self.blocks:
-            runs, current = [], digest
-            while current is not None:
-                current, tokens = self.blocks[current]
-                runs.append(tokens)
-            tokens = tuple(t for run in reversed(runs) for t in run)
-            result.add((self.namespaces[digest], tokens) if namespaced else tokens)
-        return result
-
-
 def _servable(engine, sequences):
     """The full-page prefixes of `sequences` a hit of the store uses now."""
     store, result = engine.cache.store, set()
@@ -195,10 +149,11 @@ def _servable(engine, sequences):
 
 
 class Reader:
-    """A subscription read on its own thread into a `View`."""
+    """A subscription read on its own thread into an `EventView`."""
 
     def __init__(self, worker, start, apply=True):
-        self.view, self.stop, self.numbers = View(), threading.Event(), []
+        self.view = EventView(BLOCK_SIZE, numbered=True)
+        self.stop, self.numbers = threading.Event(), []
         self.stream = worker.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
             start_sequence_number=start))
         self.thread = threading.Thread(
@@ -396,7 +351,7 @@ def test_a_failing_sink_beside_the_relay_leaves_its_state_exact(name, vocab):
     async def snapshot():
         return await relay.subscribe(0).__anext__()
 
-    view = View()
+    view = EventView(BLOCK_SIZE, numbered=True)
     view.apply(asyncio.run(snapshot()))
     assert view.prefixes(namespaced=True) == servable_prefixes(engine.cache.store, seen[-1])
     assert engine.kv_events.num_errors > 0 and len(view.blocks) > 5
