@@ -49,10 +49,11 @@ def plan_growth(
         for group in groups:
             last_page = tables[group.index][-1]  # past the released pages: never None
             copies.append(group.pages.refcount(last_page) > 1)  # type: ignore[arg-type]
-    else:
+        needs = [num_pages + copy for copy in copies]
+    else:  # a full last page is never written again: no copy
         copies = [False] * len(groups)
+        needs = [num_pages] * len(groups)
     copy_slot = seq.slot is not None and slots is not None and slots.refcount(seq.slot) > 1
-    needs = [num_pages + copy for copy in copies]
     return Growth(num_pages, copies, copy_slot, needs,
                   bool(num_pages or copy_slot or True in copies))
 

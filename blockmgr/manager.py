@@ -116,7 +116,8 @@ class BlockManager:
         self._block_size = config.block_size
         #: Some group has a sliding window (appends then track computed counts).
         self._windowed = any(g.window is not None for g in self._groups)
-        # What `_fits_next_token` reads of each group, bound once: it runs per decoded token.
+        # What `_has_room_for_next_token` reads of each group, bound once: it runs per
+        # decoded token.
         self._room_checks = tuple(
             (g.index, g.pages.live_refcounts(), g.window) for g in self._groups)
         self._slots = RefCountedPool(config.num_slots) if config.is_hybrid else None
@@ -260,7 +261,7 @@ class BlockManager:
         sequences), over every group. O(groups)."""
         if self._trie is None:
             return 0
-        return sum(self._trie.num_pages_held(g.index) for g in self._groups)
+        return sum(map(self._trie.num_pages_held, range(len(self._groups))))
 
     @property
     def usage(self) -> float:
@@ -283,7 +284,7 @@ class BlockManager:
             num_query_tokens=self._num_query_tokens,
             num_hit_tokens=self._num_hit_tokens,
             num_evicted_pages=(
-                sum(trie.num_evicted_pages(g.index) for g in self._groups) if trie else 0
+                sum(map(trie.num_evicted_pages, range(len(self._groups)))) if trie else 0
             ),
             num_evicted_nodes=trie.num_evicted_nodes if trie else 0,
             num_trie_nodes=trie.num_nodes if trie else 0,
@@ -572,7 +573,7 @@ class BlockManager:
         """Would `append` of `num_tokens` tokens succeed now? Changes nothing."""
         seq = self._seqs.resident(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
-        if num_tokens == 1 and self._fits_next_token(seq):
+        if num_tokens == 1 and self._has_room_for_next_token(seq):
             return True  # the common decode step: room in the last page (`append`'s test)
         growth = self._growth(seq, num_tokens)
         return not growth.grows or self._room_error("need", growth.needs, growth.copy_slot) is None
@@ -608,20 +609,20 @@ class BlockManager:
                 return NO_OPS
         elif (
             num_computed is None or num_computed == len(seq.tokens) or not self._windowed
-        ) and self._fits_next_token(seq):
+        ) and self._has_room_for_next_token(seq):
             # The common decode step: nothing to plan (a computed count matters
             # only to a window release, and none can happen here).
             seq.tokens.append(new_tokens[0])
             return NO_OPS
         if num_computed is not None and seq.speculation is None:
             self._check_computed_window(seq, num_computed)
-        return self._append_tokens(seq, new_tokens, num_computed)
+        return self._append_tokens(seq, new_tokens, num_computed, self._growth(seq, len(new_tokens)))
 
     def _append_tokens(
-        self, seq: Sequence, new_tokens: list[int], num_computed: int | None
+        self, seq: Sequence, new_tokens: list[int], num_computed: int | None, growth: Growth
     ) -> Plan:
-        """`append` of checked tokens (at least one) to a resident sequence."""
-        growth = self._growth(seq, len(new_tokens))
+        """`append` of checked tokens (at least one) to a resident sequence,
+        with `growth` planned for them as of now."""
         ops: list[MemoryOp] = []
         if growth.grows:
             ops.extend(self._reserve(growth.needs, growth.copy_slot))  # may evict: events
@@ -642,24 +643,25 @@ class BlockManager:
     def _growth(self, seq: Sequence, num_new_tokens: int) -> Growth:
         return plan_growth(self._groups, self._slots, seq, num_new_tokens)
 
-    def _fits_next_token(self, seq: Sequence) -> bool:
+    def _has_room_for_next_token(self, seq: Sequence) -> bool:
         """Would one more token go into the sequence's own last page in every
-        group, with no page, copy, slot copy or window release? O(groups).
+        group, with no page, copy, slot copy or window release? O(groups):
+        the decode step asks it once per row.
 
-        A group fits it when its last page has one reference (the
+        A group has room when its last page has one reference (the
         sequence's) and, with a window W, the token at n releases no page:
         (n - W + 1) // bs pages are dead, no more than already released."""
         num_tokens = len(seq.tokens)
-        block_size = self._block_size
-        if num_tokens % block_size == 0 or seq.slot is not None or seq.recompute_from is not None:
+        if num_tokens % self._block_size == 0 or seq.slot is not None or (
+            seq.recompute_from is not None
+        ):
             return False
         tables = seq.tables
         for index, refcounts, window in self._room_checks:
             # past the released pages the last entry is a page, never None
-            if refcounts[tables[index][-1]] != 1:  # type: ignore[index]
-                return False
-            if window is not None and (
-                (num_tokens - window + 1) // block_size > seq.released[index]
+            if refcounts[tables[index][-1]] != 1 or (  # type: ignore[index]
+                window is not None
+                and (num_tokens - window + 1) // self._block_size > seq.released[index]
             ):
                 return False
         return True
@@ -724,10 +726,15 @@ class BlockManager:
             return NO_OPS
         ops: list[MemoryOp] = []
         for index, (seq, token) in enumerate(zip(seqs, checked)):
-            if index in growing:
-                ops.extend(self._append_tokens(seq, [token], None))
-            else:
+            if index not in growing:
                 seq.tokens.append(token)
+                continue
+            growth = growing[index]
+            if growth.copy_slot or True in growth.copies:
+                # A copy planned as of the call: an earlier row's copy or an
+                # eviction may have left this row the sole owner since.
+                growth = self._growth(seq, 1)
+            ops.extend(self._append_tokens(seq, [token], None, growth))
         return tuple(ops)
 
     def _decode_seqs(self, seq_ids: object) -> list[Sequence]:
@@ -743,29 +750,28 @@ class BlockManager:
             raise InvalidArgument(f"seq_ids repeats a sequence: {seq_ids!r:.120}")
         return seqs
 
-    def _plan_decode(self, seqs: list[Sequence]) -> tuple[set[int], list[int], int]:
-        """The rows of a decode step that need more than a slot in their own
-        last page (`growing`), and the pages of each group and the slots
-        they take at most. Pure; raises `SequenceSwapped` for a row swapped
-        out."""
-        growing: set[int] = set()
+    def _plan_decode(self, seqs: list[Sequence]) -> tuple[dict[int, Growth], list[int], int]:
+        """The growth of each row of a decode step that needs more than a
+        slot in its own last page (`growing`, by row index), and the pages
+        of each group and the slots they take at most. Pure; raises
+        `SequenceSwapped` for a row swapped out."""
+        growing: dict[int, Growth] = {}
         needs = [0] * len(self._groups)
         num_slots = 0
-        fits = self._fits_next_token
+        has_room = self._has_room_for_next_token
         for index, seq in enumerate(seqs):
             if seq.swapped:
                 self._seqs.resident(seq.seq_id)  # raises
-            if fits(seq):
+            if has_room(seq):
                 continue
-            growing.add(index)
-            growth = self._growth(seq, 1)
+            growth = growing[index] = self._growth(seq, 1)
             for group, need in enumerate(growth.needs):
                 needs[group] += need
             num_slots += growth.copy_slot
         return growing, needs, num_slots
 
     def _decode_room(
-        self, growing: set[int], needs: list[int], num_slots: int
+        self, growing: dict[int, Growth], needs: list[int], num_slots: int
     ) -> OutOfBlocks | OutOfSlots | None:
         """The error a decode step would raise for lack of room, or None when
         it fits. Pure."""

@@ -1,6 +1,6 @@
 """The decode-row path (the scheduler's `_decode_rows`, one `append_decode`
 store call per run of rows; a row is a batch of one after a refusal; the
-block manager's `_fits_next_token` skip of a row that fits its last page)
+block manager's `_has_room_for_next_token` skip of a row that fits its last page)
 against rows one at a time and the store's general growth path.
 
 Each simulation runs twice: as is, and with every row a batch of one and
@@ -69,8 +69,7 @@ def _same_series(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     config = _config(**CASES[name])
-    taken = {"rows": 0, "appends": 0, "batched": 0, "batched_fits": 0}
-    fits_last_page = BlockManager._fits_next_token
+    taken = {"rows": 0, "batched": 0, "batched_fits": 0}
     decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
 
     def counted_decode_rows(running, start, limit):
@@ -85,12 +84,6 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
         taken["batched_fits"] += len(seqs) - len(growing)
         return plan
 
-    def counted_fits(self, seq):
-        fits = fits_last_page(self, seq)
-        taken["appends"] += fits
-        return fits
-
-    monkeypatch.setattr(BlockManager, "_fits_next_token", counted_fits)
     monkeypatch.setattr(scheduler_module, "_decode_rows", counted_decode_rows)
     monkeypatch.setattr(BlockManager, "_plan_decode", counted_plan_decode)
     fast = _recorded(config)
@@ -102,7 +95,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
 
     monkeypatch.setattr(scheduler_module, "_decode_rows",
                         lambda running, start, limit: decode_rows(running, start, 1))
-    monkeypatch.setattr(BlockManager, "_fits_next_token", lambda self, seq: False)
+    monkeypatch.setattr(BlockManager, "_has_room_for_next_token", lambda self, seq: False)
     generic = _recorded(config)
 
     assert fast[0]["preemptions"]["total"] > 0 or name in ("hybrid", "sliding")
