@@ -200,14 +200,15 @@ class DecodeRows:
 class SchedulerOutput:
     """What one step computes.
 
-    `seqs`: every scheduled sequence's work as `ScheduledSeq`s, in running
-    order. The scheduler keeps its decode rows in columns (`rows`, a
-    `DecodeRows`) and the rest as records (`items`: prefill chunks,
-    recomputes); `item_rows[k]` rows come before `items[k]` in running
-    order. `seqs` builds the rows' records when first read (O(rows), once);
-    a consumer that handles many rows per step (the simulator,
-    `Scheduler.update`) reads `rows` and `items` instead. An output built
-    from records (`SchedulerOutput(step, seqs)`) has them all in `items`.
+    Each piece of work is stored once: the decode rows in columns (`rows`,
+    a `DecodeRows`) and the rest as records (`items`: prefill chunks,
+    recomputes, speculative rows); `item_rows[k]` rows come before
+    `items[k]` in running order. `seqs` is a view over both, every
+    scheduled sequence's work as `ScheduledSeq`s in running order, built
+    on each read (O(rows + items)); a consumer that handles many rows per
+    step (the simulator, `Scheduler.update`) reads `rows` and `items`
+    instead. An output built from records (`SchedulerOutput(step, seqs)`)
+    has them all in `items`.
 
     `ops`: the `BlockManager` plans of this step's bookkeeping (and of the
     previous `update`), in call order, to apply before the forward pass
@@ -215,7 +216,7 @@ class SchedulerOutput:
     """
 
     __slots__ = ("step", "items", "item_rows", "rows", "num_batched_tokens", "num_prefill_tokens",
-                 "num_decode_tokens", "preempted", "ops", "_seqs")
+                 "num_decode_tokens", "preempted", "ops")
 
     def __init__(
         self,
@@ -237,22 +238,19 @@ class SchedulerOutput:
         self.num_decode_tokens = num_decode_tokens
         self.preempted: list[Hashable] = [] if preempted is None else preempted
         self.ops = ops
-        self._seqs: list[ScheduledSeq] | None = None
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
-        """Every scheduled sequence's work, in running order. O(rows + items)
-        on first read, O(1) after."""
-        if self._seqs is None:
-            rows, done = self.rows, 0
-            records: list[ScheduledSeq] = []
-            for item, mark in zip(self.items, self.item_rows):
-                records += map(rows.record, range(done, mark))
-                records.append(item)
-                done = mark
-            records += map(rows.record, range(done, len(rows)))
-            self._seqs = records
-        return self._seqs
+        """Every scheduled sequence's work, in running order: a new list of
+        the rows' records and the items, O(rows + items) a read."""
+        rows, done = self.rows, 0
+        records: list[ScheduledSeq] = []
+        for item, mark in zip(self.items, self.item_rows):
+            records += map(rows.record, range(done, mark))
+            records.append(item)
+            done = mark
+        records += map(rows.record, range(done, len(rows)))
+        return records
 
     @property
     def is_empty(self) -> bool:
