@@ -403,6 +403,32 @@ def test_free_of_a_swapped_sequence_returns_host_memory():
     bm.check_integrity()
 
 
+def test_page_refcount_counts_each_owner_of_a_page():
+    """One reference per table that owns a page and per trie node holding
+    it; a sequence that hits a locked node borrows its full pages (no
+    reference of its own); 0 once free. Bad pages and groups are refused."""
+    bm = make(num_blocks=8, block_size=4)
+    bm.allocate("a", [*range(8), 1])  # pages of 4, 4 and 1 tokens
+    first, second, last = bm.block_table("a")
+    assert [bm.page_refcount(p) for p in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+    bm.fork("a", "b")  # shares every page
+    assert [bm.page_refcount(p, 0) for p in (first, second, last)] == [2, 2, 2]
+    bm.free("b")
+    bm.free("a")  # the trie keeps the three pages, the partial one too
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 5
+    assert [bm.page_refcount(p) for p in (first, second, last)] == [1, 1, 1]
+    bm.allocate("x", [*range(8), 2])
+    bm.free("x")  # [0, 8) is now a node of its own
+    bm.allocate("c", [*range(8), 3])  # locks it: borrows its two pages
+    first_c, second_c, own = bm.block_table("c")
+    assert (first_c, second_c) == (first, second) and own not in (first, second, last)
+    assert [bm.page_refcount(p) for p in (first, second, own)] == [1, 1, 1]
+    assert sum(bm.page_refcount(p) for p in range(8)) == 5  # x's last page: the trie's
+    for page, group in ((8, None), (-1, None), (True, None), (0, 1)):
+        with pytest.raises(InvalidArgument):
+            bm.page_refcount(page, group)
+
+
 # ------------------------------------------------------------------ integrity
 
 
