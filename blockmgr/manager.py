@@ -200,6 +200,16 @@ class BlockManager:
         seq = self._seqs.live(seq_id)
         return list(seq.tables[0 if group is None else self._group_index(group)])
 
+    def page_refcount(self, page: int, group: int | None = None) -> int:
+        """The references held on device page `page` of page group `group`
+        (None: the first): one per trie node that holds it, one per
+        sequence whose table holds it as its own (a page a sequence borrows
+        from the node it locks counts only the node's); 0: the page is free.
+        The counts `check_integrity` recounts. Refuses a page or group out
+        of range (`InvalidArgument`). O(1)."""
+        pages = self._groups[0 if group is None else self._group_index(group)].pages
+        return pages.refcount(check_int("page", page, 0, pages.num_items - 1))
+
     def group_usage(self) -> tuple[PageGroupUsage, ...]:
         """Each page group's pool, free, cached and evicted pages. O(groups)."""
         trie = self._trie

@@ -19,6 +19,7 @@ from scheduler.core.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
+    SequenceInfo,
     StaleSchedulerOutput,
 )
 from scheduler.engine.config import CacheConfig, EngineConfig
@@ -60,5 +61,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SequenceInfo",
     "StaleSchedulerOutput",
 ]

@@ -33,6 +33,7 @@ DEFINED = {
     "SchedulerConfig": "scheduler.core.scheduler",
     "SchedulerOutput": "scheduler.core.scheduler",
     "SchedulerStats": "scheduler.core.scheduler",
+    "SequenceInfo": "scheduler.core.scheduler",
     "StaleSchedulerOutput": "scheduler.core.scheduler",
 }
 

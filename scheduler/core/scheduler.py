@@ -331,6 +331,27 @@ class SchedulerStats:
         return self.num_preempted_recompute_total + self.num_preempted_swap_total
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceInfo:
+    """One sequence as the scheduler tracks it: a snapshot, read only.
+
+    num_computed: its tokens whose KV the store holds as computed;
+    num_reserved: its tokens with pages in the store (0: it holds none);
+    swapped: preempted by swap (its pages in host memory until it is back);
+    in_flight: scheduled in the last step, not yet applied by `update`;
+    done: finished, stopped, aborted or replaced by its forks.
+    """
+
+    seq_id: Hashable
+    request_id: Hashable
+    num_tokens: int
+    num_computed: int
+    num_reserved: int
+    swapped: bool
+    in_flight: bool
+    done: bool
+
+
 # -------------------------------------------------------------- sequences
 
 
@@ -464,6 +485,23 @@ class Scheduler:
 
     def waiting_ids(self) -> list[Hashable]:
         return [s.seq_id for s in self._waiting]
+
+    def request_ids(self) -> list[Hashable]:
+        """The ids of the live requests (added, not finished or aborted), in
+        the order they were added. O(live requests)."""
+        return list(self._requests)
+
+    def sequence_info(self, seq_id: Hashable) -> SequenceInfo | None:
+        """What the scheduler tracks of sequence `seq_id` (a live request's
+        prompt or sample: `Request.seq_id`), None for an id of no live
+        request. A snapshot: it does not follow later steps. O(samples of
+        its request)."""
+        request_id = seq_id[0] if isinstance(seq_id, tuple) else seq_id
+        for seq in self._seqs_of.get(request_id, ()):
+            if seq.seq_id == seq_id:
+                return SequenceInfo(seq.seq_id, request_id, seq.num_tokens, seq.num_computed,
+                                    seq.num_reserved, seq.swapped, seq.in_flight, seq.done)
+        return None
 
     def debug_state(self) -> tuple:
         """Everything the scheduler tracks, as plain values: equal before and

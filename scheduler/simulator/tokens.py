@@ -20,7 +20,9 @@ import numpy as np
 TABLE_BITS = 20
 SALT_BITS = 15
 _TABLE_SIZE = 1 << TABLE_BITS
-_TABLE_SEED = 0x5EED_B10C
+#: The seed of the table's generator (`numpy.random.default_rng`): with
+#: `TABLE_BITS` and `SALT_BITS`, what a text is recomputed from elsewhere.
+TABLE_SEED = 0x5EED_B10C
 
 
 #: Texts a `TokenSource` keeps expanded (those seen twice: shared system
@@ -53,7 +55,7 @@ class TokenSource:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
         self.vocab_size = vocab_size
-        rng = np.random.default_rng(_TABLE_SEED)
+        rng = np.random.default_rng(TABLE_SEED)
         # Twice the size so any slice of length <= table size is contiguous.
         table = rng.integers(0, 1 << SALT_BITS, size=_TABLE_SIZE, dtype=np.int64)
         self._table = np.concatenate([table, table])

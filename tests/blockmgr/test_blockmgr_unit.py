@@ -403,12 +403,39 @@ def test_free_of_a_swapped_sequence_returns_host_memory():
     bm.check_integrity()
 
 
+def test_page_refcount_counts_each_owner_of_a_page():
+    """One reference per table that owns a page and per trie node holding
+    it; a sequence that hits a locked node borrows its full pages (no
+    reference of its own); 0 once free. Bad pages and groups are refused."""
+    bm = make(num_blocks=8, block_size=4)
+    bm.allocate("a", [*range(8), 1])  # pages of 4, 4 and 1 tokens
+    first, second, last = bm.block_table("a")
+    assert [bm.page_refcount(p) for p in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+    bm.fork("a", "b")  # shares every page
+    assert [bm.page_refcount(p, 0) for p in (first, second, last)] == [2, 2, 2]
+    bm.free("b")
+    bm.free("a")  # the trie keeps the three pages, the partial one too
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 5
+    assert [bm.page_refcount(p) for p in (first, second, last)] == [1, 1, 1]
+    bm.allocate("x", [*range(8), 2])
+    bm.free("x")  # [0, 8) is now a node of its own
+    bm.allocate("c", [*range(8), 3])  # locks it: borrows its two pages
+    first_c, second_c, own = bm.block_table("c")
+    assert (first_c, second_c) == (first, second) and own not in (first, second, last)
+    assert [bm.page_refcount(p) for p in (first, second, own)] == [1, 1, 1]
+    assert sum(bm.page_refcount(p) for p in range(8)) == 5  # x's last page: the trie's
+    for page, group in ((8, None), (-1, None), (True, None), (0, 1)):
+        with pytest.raises(InvalidArgument):
+            bm.page_refcount(page, group)
+
+
 # ------------------------------------------------------------------ integrity
 
 
 def test_check_integrity_catches_a_wrong_refcount():
     bm = make()
     bm.allocate("a", range(5))
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     bm._groups[0].pages.incref(bm.block_table("a")[0])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
@@ -417,6 +444,7 @@ def test_check_integrity_catches_a_wrong_refcount():
 def test_check_integrity_catches_a_page_both_free_and_used():
     bm = make()
     bm.allocate("a", range(5))
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     bm._groups[0].pages._free.append(bm.block_table("a")[0])
     with pytest.raises(IntegrityError):
         bm.check_integrity()
@@ -433,6 +461,7 @@ def test_pool_check_names_each_broken_count():
 
     pool = broken(lambda p: None)
     pool.check_integrity(pool.refcounts(), "page")
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     cases = (
         (lambda p: p._free.append(p._free[0]), "on the free list twice"),
         (lambda p: p._refcounts.__setitem__(p._free[1], 1), "is free but referenced"),
@@ -449,6 +478,7 @@ def test_check_integrity_catches_a_wrong_count_of_trie_pages():
     bm.allocate("a", range(9))
     bm.free("a")
     bm.check_integrity()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     bm._trie._groups[0].num_pages_held -= 1
     with pytest.raises(IntegrityError, match="num_pages_held of group 0"):
         bm.check_integrity()
@@ -466,6 +496,7 @@ def test_check_integrity_catches_a_locked_path_that_spells_other_tokens():
         bm.free("c")
         bm.allocate("b", [*range(13), 99])  # locks 13 tokens (two nodes), borrows 3 pages
         bm.check_integrity()
+        # private on purpose: corrupts what no public call can, for check_integrity to catch
         seq = bm._seqs["b"]
         seq.anchored = anchored  # not anchored: as after a truncate, borrowing still
         bm.check_integrity()
@@ -478,6 +509,7 @@ def test_check_integrity_catches_a_locked_path_that_spells_other_tokens():
 def test_check_integrity_catches_a_table_that_does_not_cover_the_tokens():
     bm = make(block_size=4)
     bm.allocate("a", range(5))
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     bm._seqs["a"].tokens.extend(range(10))
     with pytest.raises(IntegrityError):
         bm.check_integrity()
@@ -490,6 +522,7 @@ def test_check_integrity_catches_a_page_borrowed_from_no_locked_node():
         bm.free(seq_id)
     bm.allocate("c", [*range(8), 3])  # locks the cached [0, 8): borrows 2 pages
     bm.check_integrity()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     seq = bm._seqs["c"]
     assert seq.num_borrowed == 2
     seq.num_borrowed = 3  # its last page is its own, held by no trie node
@@ -504,6 +537,7 @@ def test_check_integrity_catches_a_borrowed_page_that_is_not_the_cached_one():
         bm.allocate(seq_id, [*range(8), last])
         bm.free(seq_id)
     bm.allocate("c", [*range(8), 3])
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     seq = bm._seqs["c"]
     (own,) = bm._groups[0].pages.take(1)
     bm._groups[0].pages.release(own)

@@ -29,12 +29,15 @@ def cached_store() -> tuple[GroupedStore, object]:
 
 
 def the_node(manager):
+    """The cached leaf, whose page lists the tests below corrupt."""
+    # private on purpose: no public call gives a trie node (only its tokens or a hit's pages)
     (node,) = [n for n in manager._trie._nodes.values() if not n.children]
     return node
 
 
 def test_the_intact_structure_passes_with_holes_in_group_1():
     store, manager = cached_store()
+    # private on purpose: the shape the corruptions below rely on, in the node itself
     node = the_node(manager)
     assert None in node.pages[1] and None not in node.pages[0]  # the window keeps its end only
     assert store.block_table("b", 1)[0] is None  # released before the window
@@ -43,6 +46,7 @@ def test_the_intact_structure_passes_with_holes_in_group_1():
 
 def test_a_node_page_of_group_1_that_is_another_page_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     node = the_node(manager)
     (spare,) = manager._groups[1].pages.take(1)
     node.pages[1][-1] = spare  # the reference counts now disagree with the node
@@ -52,6 +56,7 @@ def test_a_node_page_of_group_1_that_is_another_page_is_caught():
 
 def test_a_node_without_its_group_1_pages_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     del the_node(manager).pages[1]
     with pytest.raises(IntegrityError, match="other groups"):
         store.check_integrity()
@@ -59,6 +64,7 @@ def test_a_node_without_its_group_1_pages_is_caught():
 
 def test_a_node_page_of_group_1_before_a_hole_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     pages = the_node(manager).pages[1]
     first_held = pages.count(None)
     pages[first_held - 1], pages[first_held] = pages[first_held], None
@@ -68,6 +74,7 @@ def test_a_node_page_of_group_1_before_a_hole_is_caught():
 
 def test_a_sequence_released_count_of_group_1_out_of_step_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     manager._seqs["b"].released[1] += 1
     with pytest.raises(IntegrityError, match="released out of order"):
         store.check_integrity()
@@ -75,6 +82,7 @@ def test_a_sequence_released_count_of_group_1_out_of_step_is_caught():
 
 def test_a_sequence_table_of_group_1_too_short_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     seq = manager._seqs["b"]
     manager._groups[1].pages.release(seq.tables[1].pop())
     with pytest.raises(IntegrityError, match="pages of group 1"):
@@ -83,6 +91,7 @@ def test_a_sequence_table_of_group_1_too_short_is_caught():
 
 def test_a_group_1_reference_count_off_by_one_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     manager._groups[1].pages.incref(store.block_table("b", 1)[-1])
     with pytest.raises(IntegrityError):
         store.check_integrity()
@@ -90,6 +99,7 @@ def test_a_group_1_reference_count_off_by_one_is_caught():
 
 def test_a_sequence_without_its_group_1_table_is_caught():
     store, manager = cached_store()
+    # private on purpose: corrupts what no public call can, for check_integrity to catch
     seq = manager._seqs["b"]
     manager._groups[1].pages.release_all(seq.tables[1][seq.released[1] :])
     del seq.tables[1], seq.released[1]

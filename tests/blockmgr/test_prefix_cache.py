@@ -259,8 +259,10 @@ def test_listener_follows_what_is_cached():
     assert bm.stats.num_evicted_nodes > 0
     # Splits and merges move pages between nodes; what the listener was told
     # is stored and not removed is still held by the trie.
+    # With no sequence live, a page with references is held by the trie alone.
+    assert bm.num_sequences == 0
     told = {page for page, refs in recorder.refs.items() if refs > 0}
-    assert told <= {p for p in range(24) if bm._trie._groups[0].trie_refs[p] > 0}
+    assert told <= {p for p in range(24) if bm.page_refcount(p) > 0}
 
 
 def test_stats_count_queries_and_hits():
@@ -315,7 +317,7 @@ def borrowing(h: Harness, seq_id, tokens) -> list[int]:
     # released (None): only the pages of the window are borrowed.
     borrowed = [page for page in alloc.block_table[: len(SYSTEM) // 4] if page is not None]
     assert borrowed
-    assert all(h.bm._groups[0].pages.refcount(page) == 1 for page in borrowed)  # the trie's only
+    assert all(h.bm.page_refcount(page) == 1 for page in borrowed)  # the trie's only
     return borrowed
 
 
@@ -326,7 +328,7 @@ def test_a_hit_on_locked_nodes_takes_no_page_references():
     borrowed = borrowing(h, "a", SYSTEM + [3, 4, 5])
     assert h.bm.num_free_blocks == free_before - 1  # only its own last page
     h.finish("a")
-    assert all(h.bm._groups[0].pages.refcount(page) == 1 for page in borrowed)
+    assert all(h.bm.page_refcount(page) == 1 for page in borrowed)
     h.bm.reset_prefix_cache()
     assert h.bm.num_free_blocks == h.bm.config.num_blocks
 
@@ -358,7 +360,7 @@ def test_a_fork_borrows_under_the_same_lock():
     h.shadow.apply(h.bm.fork("a", "child"))
     h.shadow.computed["child"] = h.shadow.computed["a"]
     h.bm.check_integrity()
-    assert all(h.bm._groups[0].pages.refcount(page) == 1 for page in borrowed)
+    assert all(h.bm.page_refcount(page) == 1 for page in borrowed)
     h.finish("a")
     h.bm.reset_prefix_cache()  # the child's lock keeps the borrowed pages
     h.bm.check_integrity()
@@ -372,7 +374,7 @@ def test_swap_out_of_a_borrowing_sequence_leaves_the_cache_intact():
     borrowed = borrowing(h, "a", SYSTEM + [3, 4, 5])
     h.shadow.apply(h.bm.swap_out("a"))
     h.bm.check_integrity()
-    assert all(h.bm._groups[0].pages.refcount(page) == 1 for page in borrowed)  # still cached
+    assert all(h.bm.page_refcount(page) == 1 for page in borrowed)  # still cached
     h.bm.reset_prefix_cache()
     h.bm.check_integrity()
     h.shadow.apply(h.bm.swap_in("a"))
@@ -405,6 +407,6 @@ def test_a_sliding_window_never_releases_borrowed_pages():
         h.shadow.compute("a")
         h.bm.check_integrity()
     assert h.bm.block_table("a")[0] is None  # the window moved past them
-    assert all(h.bm._groups[0].pages.refcount(page) == 1 for page in borrowed)
+    assert all(h.bm.page_refcount(page) == 1 for page in borrowed)
     h.finish("a")
     h.bm.check_integrity()

@@ -56,12 +56,14 @@ OTHER_USE = {("calibrate", "disk_cache"): "serve --disk-cache",
 
 def subparser(command: str) -> argparse.ArgumentParser:
     parser = cli.build_parser()
+    # argparse's own private names: the standard library has no public call listing actions
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices[command]
 
 
 def options_of(command: str) -> dict[str, argparse.Action]:
     """Option string -> action, hidden ones included."""
+    # argparse's `_actions`: `--help` text would miss the hidden (deprecated) options
     return {opt: action for action in subparser(command)._actions
             for opt in action.option_strings}
 

@@ -20,6 +20,7 @@ from scheduler import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    SequenceInfo,
 )
 from tests.shadow import ShadowStorage
 
@@ -247,6 +248,41 @@ def test_hybrid_chunks_end_at_branch_point_and_page_boundaries():
     assert_no_leak(bm)
 
 
+def test_queries_follow_each_sequence_through_fork_swap_and_abort():
+    """`request_ids` and `sequence_info` against the steps as scheduled:
+    a prompt with two samples forks after its prompt, a preempted sample is
+    swapped out holding nothing on the device, an aborted request is gone."""
+    bm, s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64, host=20,
+                 preemption="swap")
+    s.add_request(req("a", tokens=list(range(6)), max_tokens=8))
+    s.add_request(req("b", tokens=list(range(100, 107)), max_tokens=8, n=2))
+    assert s.request_ids() == ["a", "b"]
+    assert s.sequence_info("a") == SequenceInfo("a", "a", 6, 0, 0, False, False, False)
+    assert s.sequence_info("b").num_tokens == 7 and s.sequence_info(("b", 0)) is None
+    assert s.sequence_info("nobody") is None
+    out = s.schedule()
+    assert s.sequence_info("b") == SequenceInfo("b", "b", 7, 0, 7, False, True, False)
+    s.update(out, {"a": 1, "b": [2, 3]})
+    assert s.sequence_info("b") is None  # forked into its samples
+    for i in range(2):
+        assert s.sequence_info(("b", i)) == SequenceInfo(("b", i), "b", 8, 7, 7, False,
+                                                         False, False)
+    for _ in range(4):  # 6 pages: the three sequences outgrow them
+        if s.waiting_ids():
+            break
+        step(s)
+    (victim,) = s.waiting_ids()  # preempted by swap, its pages in host memory
+    info = s.sequence_info(victim)
+    assert bm.is_swapped(victim) and info.swapped and info.num_reserved == info.num_computed
+    assert info.num_computed == info.num_tokens - 1 and not info.in_flight
+    s.abort("a")
+    assert s.request_ids() == ["b"] and s.sequence_info("a") is None
+    while s.has_unfinished():
+        step(s)
+    assert s.request_ids() == [] and s.sequence_info(("b", 0)) is None
+    assert_no_leak(bm)
+
+
 # ---------------------------------------------------------------- random runs
 
 
@@ -255,7 +291,7 @@ def drive(s, bm, shadow, rng, steps_limit=3000, new=None, abort_p=0.05):
     steps = 0
     while (new is not None and new()) or s.has_unfinished():
         if rng.random() < abort_p:
-            ids = list(s._requests)
+            ids = s.request_ids()
             if ids:
                 s.abort(rng.choice(ids))
         shadow_step(s, bm, shadow, rng)

@@ -70,6 +70,7 @@ def _same_series(a: dict, b: dict) -> bool:
 def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     config = _config(**CASES[name])
     taken = {"rows": 0, "batched": 0, "batched_fits": 0}
+    # private on purpose: counts or turns off an internal shortcut; no public call can
     decode_rows, plan_decode = scheduler_module._decode_rows, BlockManager._plan_decode
 
     def counted_decode_rows(running, start, limit):
@@ -93,6 +94,7 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     if fast[0]["preemptions"]["total"]:
         assert taken["rows"] > 0  # rows after a refused batch went one by one
 
+    # private on purpose: counts or turns off an internal shortcut; no public call can
     monkeypatch.setattr(scheduler_module, "_decode_rows",
                         lambda running, start, limit: decode_rows(running, start, 1))
     monkeypatch.setattr(BlockManager, "_has_room_for_next_token", lambda self, seq: False)
@@ -123,6 +125,7 @@ def _drive(monkeypatch, batched: bool) -> list[tuple]:
     """Steps of a small pressured run (forks, preemption) over a refusing
     store; every step's scheduled work and the whole state after it."""
     if not batched:
+        # private on purpose: counts or turns off an internal shortcut; no public call can
         monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     bm = _RefusingDecodeStore(BlockManagerConfig(num_blocks=40, block_size=4))
     sched = scheduler_module.Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
@@ -161,6 +164,7 @@ def _scheduled_work(monkeypatch, as_records: bool) -> tuple[list, int]:
     scheduled as a record (the generic path, no columns). Also returns the
     number of steps with a record between two rows."""
     if as_records:
+        # private on purpose: counts or turns off an internal shortcut; no public call can
         monkeypatch.setattr(scheduler_module, "_decode_rows", _no_decode_rows)
     bm = BlockManager(BlockManagerConfig(num_blocks=48, block_size=4))
     sched = scheduler_module.Scheduler(

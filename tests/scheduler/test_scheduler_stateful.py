@@ -79,8 +79,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if live else s.add_request("not a request"),
             lambda: s.add_request(Request("huge", [1] * (bm.config.num_blocks * 4 + 1))),
             lambda: s.add_request(Request("wide", [1, 2], SamplingParams(n=6))),
-            lambda: s.update(SchedulerOutput(s._step + 1, []), {}),  # never scheduled
-            lambda: s.update(SchedulerOutput(s._step, []), {}) if s._applied_step == s._step
+            lambda: s.update(SchedulerOutput(s.stats.step + 1, []), {}),  # never scheduled
+            # the last step, applied: every rule updates what it schedules
+            lambda: s.update(SchedulerOutput(s.stats.step, []), {}) if s.stats.step
             else s.update("not an output", {}),
             lambda: s.update(self.last_output, {x.seq_id: value for x in self.last_output.seqs})
             if self.last_output is not None else s.add_request(None),
@@ -117,7 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.bm.check_integrity()
         running = set(self.s.running_ids())
-        waiting = self.s._waiting
+        waiting = [self.s.sequence_info(seq_id) for seq_id in self.s.waiting_ids()]
         swapped = {q.seq_id for q in waiting if q.swapped}
         held = {q.seq_id for q in waiting if q.num_reserved} - swapped
         assert not held, f"waiting sequences hold pages: {held}"

@@ -39,15 +39,21 @@ from tests.quant_models import built
 BLOCK = 8
 MAX_SEQS = 4
 
+
+def kv_shape(layers: int, head_dim: int = 32) -> dict:
+    """`--kv-shape`'s fields: two kv heads a layer, float32 weights."""
+    return {"layers": layers, "kv_heads": 2, "head_dim": head_dim, "dtype": "float32"}
+
+
 #: Each model's KV shape as its config states it (not read from any pool):
 #: attention layers, kv heads, head size; float32 weights.
 SHAPES = {
-    "llama": "layers=2,kv_heads=2,head_dim=32,dtype=float32",
-    "sliding": "layers=2,kv_heads=2,head_dim=32,dtype=float32",  # one sliding, one full
-    "gemma3": "layers=4,kv_heads=2,head_dim=32,dtype=float32",
-    "qwen3": "layers=2,kv_heads=2,head_dim=64,dtype=float32",
-    "lfm2": "layers=1,kv_heads=2,head_dim=32,dtype=float32",  # 1 attention + 3 conv layers
-    "qwen3_next": "layers=1,kv_heads=2,head_dim=32,dtype=float32",  # 1 attention + 3 linear
+    "llama": kv_shape(2),
+    "sliding": kv_shape(2),  # one sliding, one full
+    "gemma3": kv_shape(4),
+    "qwen3": kv_shape(2, head_dim=64),
+    "lfm2": kv_shape(1),  # 1 attention + 3 conv layers
+    "qwen3_next": kv_shape(1),  # 1 attention + 3 linear
 }
 FORMATS = [KVFormat(), KVFormat(8, 8, 32), KVFormat(4, 4, 32), KVFormat(8, 4, 32),
            KVFormat(None, 4, 32), KVFormat(8, 8, 64)]
@@ -77,8 +83,8 @@ def reference_bytes(model, fmt: KVFormat) -> tuple[int, int]:
 
 
 def shape_of(name: str, slot: int) -> dict:
-    shape = cli._shape(SHAPES[name])
-    return {**shape, "slot_bytes": slot} if slot else shape
+    shape = SHAPES[name]
+    return {**shape, "slot_bytes": slot} if slot else dict(shape)
 
 
 def fits(name: str, fmt: KVFormat) -> bool:

@@ -367,7 +367,7 @@ def test_texts_are_the_documented_table_slices_as_exact_ints(monkeypatch, shared
     vocab = 3000
     source = TokenSource(vocab)
     bits, salt_bits = tokens_module.TABLE_BITS, tokens_module.SALT_BITS
-    table = np.random.default_rng(tokens_module._TABLE_SEED).integers(
+    table = np.random.default_rng(tokens_module.TABLE_SEED).integers(
         0, 1 << salt_bits, size=1 << bits, dtype=np.int64)
     for index in range(5):
         key = derive_key(11, index)
