@@ -190,7 +190,11 @@ class Engine:
     keywords), but not beside `config`. `self.config` holds the settings in
     effect (`max_model_len` resolved). The other arguments are objects,
     not settings: the clock, a step listener, the tokenizer, the KV-event
-    sink and the draft model. Not thread-safe: one caller drives `step()`.
+    sink, the draft model, and facts about the model: `model_context`, the
+    longest sequence it reads (its config.json's, `serve.model_context`;
+    None: unbounded). `max_model_len` defaults to the smaller of that
+    context and what the pool holds; a larger one asked for is refused
+    (`InvalidArgument`). Not thread-safe: one caller drives `step()`.
 
     `self.runner` (a `scheduler.engine.runner.Runner`, by default a
     `ModelRunner` of `model` over `self.cache`) runs each batch: the
@@ -241,6 +245,7 @@ class Engine:
         tokenizer: Any = None,
         kv_events: str | EventSink | None = None,
         draft_model: Any = None,
+        model_context: int | None = None,
         **settings: Any,
     ) -> None:
         config = _engine_config(config, scheduler_config, num_blocks, block_size, settings)
@@ -261,7 +266,7 @@ class Engine:
                            probe_prefill=config.prefill_batch > 1 or draft_model is not None)
             if config.batch_probe else BatchSupport()
         )
-        sched = self._bounded(sched, storage.block_size)
+        sched = self._bounded(sched, storage.block_size, model_context)
         #: the settings in effect (`scheduler.max_model_len` resolved)
         self.config = replace(config, scheduler=sched)
         self.vocab_size = _model_vocab_size(model) if config.vocab_size is None \
@@ -291,13 +296,17 @@ class Engine:
         self.kv_events = None if kv_events is None else open_publisher(
             self.cache, kv_events, tiered=self.cache if self.cache.tiers is not None else None)
 
-    def _bounded(self, sched: SchedulerConfig, block_size: int) -> SchedulerConfig:
-        """`sched` with its `max_model_len` resolved: a sample must stop
-        before one sequence outgrows the whole pool (a model whose layers
-        all slide releases pages as it goes, so any length fits there)."""
+    def _bounded(self, sched: SchedulerConfig, block_size: int,
+                 model_context: int | None) -> SchedulerConfig:
+        """`sched` with its `max_model_len` resolved: at most the model's
+        context, and a sample must stop before one sequence outgrows the
+        whole pool (a model whose layers all slide releases pages as it
+        goes, so any length fits there)."""
         capacity = self.cache.num_usable_blocks * block_size
         if sched.max_model_len is None:
-            return replace(sched, max_model_len=capacity)
+            longest = capacity if model_context is None else min(capacity, model_context)
+            return replace(sched, max_model_len=longest)
+        check_model_len(sched.max_model_len, model_context)
         if sched.max_model_len > capacity and None in self.cache.windows:
             raise InvalidArgument(
                 f"max_model_len {sched.max_model_len} is more than the pool can hold "
@@ -979,6 +988,15 @@ def _generation_output(request: Request, tracked: _Tracked | None) -> Generation
         logprobs = tracked.logprobs
     return GenerationOutput(request.request_id, request.prompt_tokens, request.outputs,
                             request.finish_reasons, request.metrics, texts, logprobs)
+
+
+def check_model_len(max_model_len: int | None, model_context: int | None) -> None:
+    """`InvalidArgument` when `max_model_len` is more than the model's
+    context (None: either is unbounded)."""
+    if max_model_len is not None and model_context is not None \
+            and max_model_len > model_context:
+        raise InvalidArgument(f"max_model_len {max_model_len} is more than the model's "
+                              f"context ({model_context} tokens)")
 
 
 def _num_slots(config: EngineConfig, hybrid: bool, speculative: bool) -> int:
