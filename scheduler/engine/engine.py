@@ -49,7 +49,7 @@ from cache import LayerKind, PagedCache, layer_specs
 from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.core.constraints import Grammars, RowMatcher
 from scheduler.engine.faults import ForwardFaults
-from scheduler.engine.kv_events import EventSink, open_publisher
+from scheduler.engine.kv_events import EventSink, KVEventPublisher, open_publisher
 from scheduler.core.prefill_groups import prefill_groups
 from scheduler.core.request import (
     Request,
@@ -293,8 +293,24 @@ class Engine:
         #: Waiting requests whose disk-cached prefixes are read ahead each
         #: step (admission prefetch; 0: read when allocated).
         self.num_prefetch_ahead = 4
-        self.kv_events = None if kv_events is None else open_publisher(
-            self.cache, kv_events, tiered=self.cache if self.cache.tiers is not None else None)
+        self.kv_events = None if kv_events is None else self._open_publisher(kv_events)
+
+    def _open_publisher(self, kv_events: str | EventSink) -> KVEventPublisher:
+        """A KV-event publisher on this engine's storage (media by tier when
+        its prefix cache has colder tiers)."""
+        cache = self.cache
+        return open_publisher(cache, kv_events, tiered=cache if cache.tiers is not None else None)
+
+    def add_kv_event_sink(self, sink: EventSink) -> None:
+        """Publish this engine's KV events to `sink` too (beside its own
+        publisher's sink, `KVEventPublisher.add_sink`; only to it when the
+        engine publishes none), starting with the current state. Call it
+        between steps. Cost: one publish (O(cached pages) the first time)."""
+        if self.kv_events is None:
+            self.kv_events = self._open_publisher(sink)
+        else:
+            self.kv_events.add_sink(sink)
+        self.kv_events.publish()
 
     def _bounded(self, sched: SchedulerConfig, block_size: int,
                  model_context: int | None) -> SchedulerConfig:
@@ -960,6 +976,19 @@ class Engine:
         self.cache.check_integrity()
         if self.speculator is not None:
             self.speculator.draft_cache.check_integrity()
+
+    def check_no_leaks(self) -> None:
+        """For the end of a run: no request left, and nothing but the prefix
+        cache holds storage (`PagedCache.check_no_leaks`, the draft model's
+        storage too). Raises `IntegrityError`. Drops the device prefix
+        caches. Cost: O(pages + cached prefixes)."""
+        scheduler = self.scheduler
+        if scheduler.has_unfinished():
+            raise IntegrityError(f"the scheduler still has {scheduler.num_running} running, "
+                                 f"{scheduler.num_waiting} waiting")
+        self.cache.check_no_leaks()
+        if self.speculator is not None:
+            self.speculator.draft_cache.check_no_leaks()
 
     def debug_state(self) -> tuple:
         """The scheduler's and the store's `debug_state()`, plus the engine's
