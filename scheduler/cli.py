@@ -1097,10 +1097,10 @@ def cmd_serve(args) -> int:
         print(f"blockmgr serve: {warning}", file=sys.stderr)
     kv_events = serve.open_kv_events(endpoint, args.kv_events_topic, args.kv_events_replay,
                                      bind=bind)
-    engine, name = serve.load_engine(
-        args.model, kv_memory=None if budget is None else str(budget.nbytes), kv_format=kv_format,
-        kv_events=kv_events, **tiers, **serve_settings(args), **serve_speculation(args),
-    )
+    config = serve.serve_config(kv_format=kv_format, **tiers, **serve_settings(args),
+                                **serve_speculation(args))
+    engine, name = serve.load_engine(args.model, config, budget=budget,
+                                     draft_model=args.draft_model, kv_events=kv_events)
     hint = serve.blas_hint()
     if hint:
         print(hint, file=sys.stderr)
@@ -1141,7 +1141,7 @@ def startup_line(engine, budget) -> str:
 
 
 def serve_settings(args) -> dict:
-    """`load_engine` keywords of serve's engine settings (`SERVED_SETTINGS`
+    """`serve_config` keywords of serve's engine settings (`SERVED_SETTINGS`
     but the cache tiers, which `serve.cache_tier_options` checks): those
     given or defaulted to a value."""
     tiers = ("disk_cache", "disk_cache_size", "host_cache_size")
@@ -1150,10 +1150,10 @@ def serve_settings(args) -> dict:
 
 
 def serve_speculation(args) -> dict:
-    """`load_engine` keywords of `--draft-model` and `--num-speculative-tokens`."""
+    """`serve_config` keywords of `--num-speculative-tokens` (with `--draft-model`)."""
     if args.draft_model is None:
         return {}
-    return {"draft_model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"num_speculative_tokens": args.num_speculative_tokens}
 
 
 def cmd_bench(args) -> int:

@@ -49,7 +49,7 @@ from cache import LayerKind, PagedCache, layer_specs
 from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.core.constraints import Grammars, RowMatcher
 from scheduler.engine.faults import ForwardFaults
-from scheduler.engine.kv_events import EventSink, open_publisher
+from scheduler.engine.kv_events import EventSink, KVEventPublisher, open_publisher
 from scheduler.core.prefill_groups import prefill_groups
 from scheduler.core.request import (
     Request,
@@ -190,7 +190,11 @@ class Engine:
     keywords), but not beside `config`. `self.config` holds the settings in
     effect (`max_model_len` resolved). The other arguments are objects,
     not settings: the clock, a step listener, the tokenizer, the KV-event
-    sink and the draft model. Not thread-safe: one caller drives `step()`.
+    sink, the draft model, and facts about the model: `model_context`, the
+    longest sequence it reads (its config.json's, `serve.model_context`;
+    None: unbounded). `max_model_len` defaults to the smaller of that
+    context and what the pool holds; a larger one asked for is refused
+    (`InvalidArgument`). Not thread-safe: one caller drives `step()`.
 
     `self.runner` (a `scheduler.engine.runner.Runner`, by default a
     `ModelRunner` of `model` over `self.cache`) runs each batch: the
@@ -241,6 +245,7 @@ class Engine:
         tokenizer: Any = None,
         kv_events: str | EventSink | None = None,
         draft_model: Any = None,
+        model_context: int | None = None,
         **settings: Any,
     ) -> None:
         config = _engine_config(config, scheduler_config, num_blocks, block_size, settings)
@@ -261,7 +266,7 @@ class Engine:
                            probe_prefill=config.prefill_batch > 1 or draft_model is not None)
             if config.batch_probe else BatchSupport()
         )
-        sched = self._bounded(sched, storage.block_size)
+        sched = self._bounded(sched, storage.block_size, model_context)
         #: the settings in effect (`scheduler.max_model_len` resolved)
         self.config = replace(config, scheduler=sched)
         self.vocab_size = _model_vocab_size(model) if config.vocab_size is None \
@@ -288,16 +293,36 @@ class Engine:
         #: Waiting requests whose disk-cached prefixes are read ahead each
         #: step (admission prefetch; 0: read when allocated).
         self.num_prefetch_ahead = 4
-        self.kv_events = None if kv_events is None else open_publisher(
-            self.cache, kv_events, tiered=self.cache if self.cache.tiers is not None else None)
+        self.kv_events = None if kv_events is None else self._open_publisher(kv_events)
 
-    def _bounded(self, sched: SchedulerConfig, block_size: int) -> SchedulerConfig:
-        """`sched` with its `max_model_len` resolved: a sample must stop
-        before one sequence outgrows the whole pool (a model whose layers
-        all slide releases pages as it goes, so any length fits there)."""
+    def _open_publisher(self, kv_events: str | EventSink) -> KVEventPublisher:
+        """A KV-event publisher on this engine's storage (media by tier when
+        its prefix cache has colder tiers)."""
+        cache = self.cache
+        return open_publisher(cache, kv_events, tiered=cache if cache.tiers is not None else None)
+
+    def add_kv_event_sink(self, sink: EventSink) -> None:
+        """Publish this engine's KV events to `sink` too (beside its own
+        publisher's sink, `KVEventPublisher.add_sink`; only to it when the
+        engine publishes none), starting with the current state. Call it
+        between steps. Cost: one publish (O(cached pages) the first time)."""
+        if self.kv_events is None:
+            self.kv_events = self._open_publisher(sink)
+        else:
+            self.kv_events.add_sink(sink)
+        self.kv_events.publish()
+
+    def _bounded(self, sched: SchedulerConfig, block_size: int,
+                 model_context: int | None) -> SchedulerConfig:
+        """`sched` with its `max_model_len` resolved: at most the model's
+        context, and a sample must stop before one sequence outgrows the
+        whole pool (a model whose layers all slide releases pages as it
+        goes, so any length fits there)."""
         capacity = self.cache.num_usable_blocks * block_size
         if sched.max_model_len is None:
-            return replace(sched, max_model_len=capacity)
+            longest = capacity if model_context is None else min(capacity, model_context)
+            return replace(sched, max_model_len=longest)
+        check_model_len(sched.max_model_len, model_context)
         if sched.max_model_len > capacity and None in self.cache.windows:
             raise InvalidArgument(
                 f"max_model_len {sched.max_model_len} is more than the pool can hold "
@@ -952,6 +977,19 @@ class Engine:
         if self.speculator is not None:
             self.speculator.draft_cache.check_integrity()
 
+    def check_no_leaks(self) -> None:
+        """For the end of a run: no request left, and nothing but the prefix
+        cache holds storage (`PagedCache.check_no_leaks`, the draft model's
+        storage too). Raises `IntegrityError`. Drops the device prefix
+        caches. Cost: O(pages + cached prefixes)."""
+        scheduler = self.scheduler
+        if scheduler.has_unfinished():
+            raise IntegrityError(f"the scheduler still has {scheduler.num_running} running, "
+                                 f"{scheduler.num_waiting} waiting")
+        self.cache.check_no_leaks()
+        if self.speculator is not None:
+            self.speculator.draft_cache.check_no_leaks()
+
     def debug_state(self) -> tuple:
         """The scheduler's and the store's `debug_state()`, plus the engine's
         own maps: equal before and after a refused call."""
@@ -979,6 +1017,15 @@ def _generation_output(request: Request, tracked: _Tracked | None) -> Generation
         logprobs = tracked.logprobs
     return GenerationOutput(request.request_id, request.prompt_tokens, request.outputs,
                             request.finish_reasons, request.metrics, texts, logprobs)
+
+
+def check_model_len(max_model_len: int | None, model_context: int | None) -> None:
+    """`InvalidArgument` when `max_model_len` is more than the model's
+    context (None: either is unbounded)."""
+    if max_model_len is not None and model_context is not None \
+            and max_model_len > model_context:
+        raise InvalidArgument(f"max_model_len {max_model_len} is more than the model's "
+                              f"context ({model_context} tokens)")
 
 
 def _num_slots(config: EngineConfig, hybrid: bool, speculative: bool) -> int:

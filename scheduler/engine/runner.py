@@ -121,6 +121,29 @@ class ModelRunner:
             mx.eval(tokens)
         return cast("list[int]", tokens.tolist())  # one int32 token per row
 
+    def forward_logits(self, seq_ids: Sequence[Hashable], inputs: Sequence[list[int]],
+                       picks: Sequence[list[int]], batched: bool = True) -> list[mx.array]:
+        """Forwards of `inputs[b]` (row b's new tokens) over `seq_ids[b]`'s
+        storage, right-padded, all rows in one forward (`batched`) or one by
+        one; per row its logits at positions `picks[b]`, evaluated (no
+        sampling: speculation's drafts and verification). A raising forward
+        computed nothing (`PagedCache.step` rolls it back). Cost: one
+        forward per group, plus the picked logits."""
+        groups = [list(range(len(inputs)))] if batched else [[b] for b in range(len(inputs))]
+        out: dict[int, mx.array] = {}  # row -> its logits
+        for group in groups:
+            lengths = [len(inputs[b]) for b in group]
+            width = max(lengths)
+            rows = [inputs[b] + [0] * (width - len(inputs[b])) for b in group]
+            with self.cache.step([seq_ids[b] for b in group], num_new=lengths) as views:
+                logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
+                picked = [logits[i, mx.array(picks[b])] for i, b in enumerate(group)]
+                mx.eval(picked)
+            self._flush_state()
+            for i, b in enumerate(group):
+                out[b] = picked[i]
+        return [out[b] for b in range(len(inputs))]
+
     def _flush_state(self) -> None:
         recurrent = self.cache.recurrent
         if recurrent is not None:

@@ -29,9 +29,11 @@ from typing import Any, cast
 import mlx.core as mx
 
 from blockmgr.errors import IntegrityError, OutOfBlocks, OutOfSlots
+from cache import PagedCache
 from scheduler.core.request import Request, SamplingParams
 from scheduler.engine.sampling import KeyChain, adjust_logits, filtered_logprobs
 from scheduler.core.scheduler import AcceptedTokens, ScheduledSeq
+from scheduler.engine.runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -79,7 +81,9 @@ class _Row:
 
 class Speculator:
     """Drafts with `draft_model` on `draft_cache`, verifies with the target
-    model on `target_cache` (both `cache.PagedCache`). Not thread-safe.
+    model on `target_cache` (both `cache.PagedCache`); every forward goes
+    through one `ModelRunner` per model (`self.draft`, `self.target`:
+    `forward_logits`). Not thread-safe.
 
     Cost per step: 1 + (k - 1) draft forwards and one target forward over
     rows of (pending + k) tokens, plus one slot copy per hybrid row and
@@ -89,9 +93,9 @@ class Speculator:
     def __init__(
         self,
         model: Any,
-        target_cache: Any,
+        target_cache: PagedCache,
         draft_model: Any,
-        draft_cache: Any,
+        draft_cache: PagedCache,
         num_speculative_tokens: int,
         *,
         batched: bool = True,
@@ -99,13 +103,40 @@ class Speculator:
     ) -> None:
         """`batched`: ragged multi-token rows may share a forward (the
         models' `BatchSupport.prefill`); else rows run one by one."""
-        self.model = model
-        self.cache = target_cache
-        self.draft_model = draft_model
-        self.draft_cache = draft_cache
+        #: the target's and the draft's forwards (`ModelRunner.forward_logits`)
+        self.target = ModelRunner(model, target_cache)
+        self.draft = ModelRunner(draft_model, draft_cache)
         self.k = num_speculative_tokens
         self.batched = batched
         self.max_model_len = max_model_len
+
+    @property
+    def model(self) -> Any:
+        """The target model (its runner's; a wrapper may replace it)."""
+        return self.target.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.target.model = model
+
+    @property
+    def draft_model(self) -> Any:
+        """The draft model (its runner's; a wrapper may replace it)."""
+        return self.draft.model
+
+    @draft_model.setter
+    def draft_model(self, model: Any) -> None:
+        self.draft.model = model
+
+    @property
+    def cache(self) -> PagedCache:
+        """The target's storage."""
+        return self.target.cache
+
+    @property
+    def draft_cache(self) -> PagedCache:
+        """The draft model's storage."""
+        return self.draft.cache
 
     def eligible(self, item: ScheduledSeq) -> bool:
         """Can this scheduled row be speculated? A sampling row of one
@@ -195,7 +226,7 @@ class Speculator:
             return
         inputs = [r.tokens[draft.num_computed(r.seq_id):len(r.request.prompt_tokens)]
                   for r in new]
-        _forward_last(self.draft_model, draft, new, inputs, self.batched)
+        _forward_last(self.draft, new, inputs, self.batched)
         counts.num_draft_forwards += 1 if self.batched else len(new)
         for r in new:
             try:
@@ -235,7 +266,7 @@ class Speculator:
     def _draft_step(self, rows: list[_Row], inputs: list[list[int]], keys, counts) -> None:
         """One draft forward over `inputs`; each row's next draft token from
         the last real position (its distribution kept for sampled rows)."""
-        last = _forward_last(self.draft_model, self.draft_cache, rows, inputs, self.batched)
+        last = _forward_last(self.draft, rows, inputs, self.batched)
         counts.num_draft_forwards += 1 if self.batched else len(rows)
         histories = [r.history(len(r.drafts)) for r in rows]
         adjusted = adjust_logits(last, [r.params for r in rows], histories)
@@ -269,7 +300,7 @@ class Speculator:
         if drafts:
             target.begin_speculation(drafts)
         inputs = [r.item.token_ids + r.drafts for r in rows]
-        logits = _forward_positions(self.model, target, rows, inputs, self.batched)
+        logits = _forward_positions(self.target, rows, inputs, self.batched)
         counts.num_target_forwards += 1 if self.batched else len(rows)
         results = [
             accept_greedy(r, logits[b]) if r.params.greedy
@@ -379,35 +410,16 @@ def _key(keys: Mapping[Hashable, KeyChain], row: _Row) -> KeyChain | None:
 # ---------------------------------------------------------------- forwards
 
 
-def _forward_last(model, cache, rows: list[_Row], inputs, batched: bool) -> mx.array:
+def _forward_last(runner: ModelRunner, rows: list[_Row], inputs, batched: bool) -> mx.array:
     """Logits ``[B, V]`` at each row's last input position."""
     picks = [[len(x) - 1] for x in inputs]
-    return mx.concatenate(_forward(model, cache, rows, inputs, picks, batched))
+    return mx.concatenate(runner.forward_logits([r.seq_id for r in rows], inputs, picks,
+                                                batched))
 
 
-def _forward_positions(model, cache, rows: list[_Row], inputs, batched: bool) -> list[mx.array]:
+def _forward_positions(runner: ModelRunner, rows: list[_Row], inputs,
+                       batched: bool) -> list[mx.array]:
     """Per row, logits ``[len(drafts) + 1, V]`` at the positions that predict
     each draft and the token after them."""
     picks = [list(range(len(x) - len(r.drafts) - 1, len(x))) for r, x in zip(rows, inputs)]
-    return _forward(model, cache, rows, inputs, picks, batched)
-
-
-def _forward(model, cache, rows, inputs, picks, batched: bool) -> list[mx.array]:
-    """Right-padded forwards (all rows at once, or one by one) on `cache`;
-    per row its logits at `picks[b]`, evaluated. A raising forward is
-    rolled back by `cache.step`."""
-    groups = [list(range(len(rows)))] if batched else [[b] for b in range(len(rows))]
-    out: dict[int, mx.array] = {}  # row -> its logits
-    for group in groups:
-        lengths = [len(inputs[b]) for b in group]
-        width = max(lengths)
-        batch = [inputs[b] + [0] * (width - len(inputs[b])) for b in group]
-        with cache.step([rows[b].seq_id for b in group], num_new=lengths) as views:
-            logits = model(mx.array(batch, dtype=mx.int32), cache=views)
-            picked = [logits[i, mx.array(picks[b])] for i, b in enumerate(group)]
-            mx.eval(picked)
-        if cache.recurrent is not None:
-            cache.recurrent.flush()
-        for i, b in enumerate(group):
-            out[b] = picked[i]
-    return [out[b] for b in range(len(rows))]
+    return runner.forward_logits([r.seq_id for r in rows], inputs, picks, batched)

@@ -40,7 +40,6 @@ from scheduler.engine.kv_events import (
     BlockStored,
     KVEvent,
     decode_batch,
-    open_publisher,
 )
 from smg_grpc_proto.generated import common_pb2
 
@@ -221,10 +220,5 @@ def attach(engine: Any, relay: KvEventRelay) -> None:
     """Make `engine` publish its KV events to `relay` too (its own
     publisher's sink and the relay, `KVEventPublisher.add_sink`), or only
     to it when it publishes none. Call it before the engine's thread runs:
-    it publishes the current state at once."""
-    if engine.kv_events is None:
-        tiered = engine.cache.store if engine.cache.tiers is not None else None
-        engine.kv_events = open_publisher(engine.cache.store, relay, tiered=tiered)
-    else:
-        engine.kv_events.add_sink(relay)
-    engine.kv_events.publish()
+    it publishes the current state at once (`Engine.add_kv_event_sink`)."""
+    engine.add_kv_event_sink(relay)

@@ -221,7 +221,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=sched.num_running + sched.num_waiting,
             uptime_seconds=time.time() - self.start_time, server_type="mlx-blockmgr-grpc",
-            data_parallel_size=1, block_size=engine.cache.store.config.block_size,
+            data_parallel_size=1, block_size=engine.cache.block_size,
             kv_cache_dtype=engine.cache.kv_format.name, max_num_seqs=sched.config.max_num_seqs)
 
     async def GetLoads(self, request: Any, context: Any) -> Any:

@@ -1,12 +1,15 @@
 """`blockmgr serve`: load a model directory, size the pool, run the server.
 
-`load_engine(path, ...)` loads an mlx-lm model directory (`mlx_lm.load`)
-and builds an `Engine` whose page pool fits a memory budget
-(`kv_memory`, e.g. "4GiB": a hybrid model's recurrent slots first, then
-pages of every layer group together; `size_pool`) unless a page count is
-given, and whose `max_model_len` is the model's context (`model_context`,
-read from config.json as vLLM reads it) or a smaller one asked for, never
-more than the pool holds. `run(...)` serves it with uvicorn until SIGINT or
+`load_engine(path, config, budget=...)` loads an mlx-lm model directory
+(`mlx_lm.load`) and builds an `Engine` of one `EngineConfig`
+(`serve_config()`: the engine's defaults with serve's). Sizing the page
+pool to a memory budget (`kv_budget`: `--kv-memory`, e.g. "4GiB", or a
+share of the memory available) is a step that makes a complete config
+before the engine is built (`fit_pool`: a hybrid model's recurrent slots
+first, then pages of every layer group together; `size_pool`). The
+engine's `max_model_len` is the model's context (`model_context`, read
+from config.json as vLLM reads it) or a smaller one asked for, never more
+than the pool holds. `run(...)` serves it with uvicorn until SIGINT or
 SIGTERM (uvicorn stops accepting, lets in-flight responses finish for
 `graceful_seconds`, then the engine ends what is left so that every
 response still ends cleanly: `scheduler.serving.shutdown`).
@@ -20,13 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from blockmgr.errors import IntegrityError, InvalidArgument
+from blockmgr.errors import InvalidArgument
 from blockmgr.kv_format import KVFormat, format_bytes, parse_bytes
+from scheduler.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from scheduler.engine.engine import Engine
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 #: Prefill chunks per forward in the server: a closed loop's clients arrive
@@ -294,65 +302,94 @@ def model_context(config: dict) -> int | None:
     return None
 
 
-def load_engine(path: str | Path, *, kv_memory: str | None = None,
-                num_blocks: int | None = None, block_size: int = 16,
-                prefill_batch: int = PREFILL_BATCH, max_model_len: int | None = None,
-                **engine_kwargs):
-    """(Engine, model name) for an mlx-lm model directory. Without
-    `num_blocks` the pool fits `kv_memory` (default: `KV_MEMORY_FRACTION`
-    of the memory available before loading, after the weights: `kv_budget`;
-    `size_pool`).
-    Prefill chunks that arrive together share forwards (`prefill_batch`,
-    default `PREFILL_BATCH`). `max_model_len` (prompt + output tokens of a
-    sequence) defaults to the model's context (`model_context`) and may not
-    exceed it; the engine then caps it at what the pool holds, and refuses a
-    larger one asked for. `draft_model` may be a model directory
-    (`load_draft`): the engine then speculates."""
+def serve_config(**settings: Any) -> EngineConfig:
+    """The `EngineConfig` of `blockmgr serve`: the engine's defaults with
+    `SERVE_DEFAULTS` over them, `settings` (flat, as `EngineConfig.of`
+    takes them) over both."""
+    return EngineConfig.of(**{**SERVE_DEFAULTS, **settings})
+
+
+def fit_pool(config: EngineConfig, model: Any, budget: int) -> tuple[EngineConfig, PoolSize]:
+    """`config` with its pool sized to `budget` bytes (`size_pool`, at the
+    config's page size, page format and running sequences): its page count,
+    and its recurrent slots unless the config sets them. The config given
+    is not changed. Cost: `size_pool`'s forwards."""
+    cache = config.cache
+    kv_format = KVFormat.of(cache.kv_format, cache.kv_bits, cache.kv_group_size)
+    size = size_pool(model, budget, cache.block_size, config.scheduler.max_num_seqs,
+                     kv_format if kv_format.quantized else None)
+    num_slots = cache.num_slots if cache.num_slots is not None else size.num_slots or None
+    return replace(config, cache=replace(cache, num_blocks=size.num_blocks,
+                                         num_slots=num_slots)), size
+
+
+def load_engine(path: str | Path, config: EngineConfig | None = None, *,
+                budget: KVBudget | None = None, draft_model: str | Path | Any = None,
+                kv_events: Any = None, **legacy: Any) -> tuple[Engine, str]:
+    """(Engine, model name) for an mlx-lm model directory, with `config`'s
+    settings (None: `serve_config()`, the pool sized to the default
+    `kv_budget`: `KV_MEMORY_FRACTION` of the memory available before
+    loading, after the weights). With a `budget` (`kv_budget`) the pool is
+    sized to it (`fit_pool`: a complete config, made before the engine is)
+    instead of the config's `num_blocks`. `max_model_len` (prompt + output
+    tokens of a sequence) defaults to the model's context (`model_context`)
+    and may not exceed it; the engine then caps it at what the pool holds,
+    and refuses a larger one asked for. `draft_model` may be a model
+    directory (`load_draft`): the engine then speculates. `kv_events`: the
+    engine's KV-event endpoint or sink.
+
+    Deprecated (kept for one release): the flat keywords `kv_memory`,
+    `num_blocks`, `block_size`, `prefill_batch` (default `PREFILL_BATCH`),
+    `max_model_len` and other engine settings in place of `config`."""
     import mlx_lm
 
     from scheduler.engine.engine import Engine
-    from scheduler.core.scheduler import SchedulerConfig
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{str(path)!r} is not an mlx-lm model directory (no config.json)")
+    if legacy:
+        if config is not None or budget is not None:
+            raise InvalidArgument("give either config (and budget) or setting keywords, "
+                                  "not both")
+        config, budget = _legacy_config(path, draft_model, legacy)
+    elif config is None:
+        config = serve_config()
+        budget = budget or kv_budget(None, _model_dirs(path, draft_model))
     context = model_context(json.loads((path / "config.json").read_text()))
-    if max_model_len is not None and context is not None and max_model_len > context:
-        raise InvalidArgument(f"--max-model-len {max_model_len} is more than the model's context "
+    asked = config.scheduler.max_model_len
+    if asked is not None and context is not None and asked > context:  # before loading
+        raise InvalidArgument(f"--max-model-len {asked} is more than the model's context "
                               f"({context} tokens in its config.json)")
-    budget = None
-    if num_blocks is None:
-        draft = engine_kwargs.get("draft_model")
-        dirs: list[str | Path] = [path]
-        if isinstance(draft, (str, Path)):
-            dirs.append(draft)
-        budget = kv_budget(kv_memory, dirs)
     # without return_config, load gives (model, tokenizer)
     model, tokenizer = cast("tuple[Any, Any]", mlx_lm.load(str(path)))
-    if engine_kwargs.get("draft_model") is not None:
-        engine_kwargs["draft_model"] = load_draft(engine_kwargs["draft_model"])
+    if isinstance(draft_model, (str, Path)):
+        draft_model = load_draft(draft_model)
     if budget is not None:
-        max_num_seqs = engine_kwargs.get("max_num_seqs", SchedulerConfig().max_num_seqs)
-        size = size_pool(model, budget.nbytes, block_size, max_num_seqs,
-                         engine_kwargs.get("kv_format"))
-        pool_blocks = size.num_blocks
-        engine_kwargs.setdefault("num_slots", size.num_slots or None)
-    elif num_blocks is not None:
-        pool_blocks = num_blocks
-    else:  # a budget is made exactly when no page count is given
-        raise IntegrityError("neither a page count nor a KV budget")
-    if max_model_len is not None:
-        engine_kwargs["max_model_len"] = max_model_len
-    engine = Engine(model, num_blocks=pool_blocks, block_size=block_size, tokenizer=tokenizer,
-                    prefill_batch=prefill_batch, **engine_kwargs)
-    config = engine.scheduler.config
-    if config.max_model_len is None:  # the Engine sets it (at most what the pool holds)
-        raise IntegrityError("the engine's scheduler has no max_model_len")
-    if max_model_len is None and context is not None and context < config.max_model_len:
-        config.max_model_len = context  # the pool holds more than the model reads
-        if engine.speculator is not None:
-            engine.speculator.max_model_len = context
+        config, _ = fit_pool(config, model, budget.nbytes)
+    engine = Engine(model, config=config, tokenizer=tokenizer, kv_events=kv_events,
+                    draft_model=draft_model, model_context=context)
     return engine, path.name
+
+
+def _model_dirs(path: Path, draft_model: Any) -> list[str | Path]:
+    """The model directories whose weights are still to load."""
+    return [path] + ([draft_model] if isinstance(draft_model, (str, Path)) else [])
+
+
+def _legacy_config(path: Path, draft_model: Any,
+                   keywords: dict[str, Any]) -> tuple[EngineConfig, KVBudget | None]:
+    """(config, budget) of `load_engine`'s deprecated flat keywords: without
+    `num_blocks` the pool fits `kv_memory` (or the default budget)."""
+    warnings.warn("load_engine's setting keywords are deprecated: pass an EngineConfig "
+                  "(serve_config(...)) and a kv_budget(...)", DeprecationWarning, stacklevel=3)
+    keywords = {"prefill_batch": PREFILL_BATCH, **keywords}
+    kv_memory = keywords.pop("kv_memory", None)
+    budget = None
+    if keywords.get("num_blocks") is None:
+        keywords.pop("num_blocks", None)
+        budget = kv_budget(kv_memory, _model_dirs(path, draft_model))
+    return EngineConfig.of(**keywords), budget
 
 
 def load_draft(path: str | Path) -> Any:
