@@ -14,9 +14,9 @@ cache_aware  SMG's approximate cache-aware policy (`cache_aware.rs`'s tree
              `ApproxPrefixTree` of the prompts it sent where. A prompt whose
              remembered share is above `cache_threshold` goes to the least
              loaded of the replicas holding that prefix (ties: at random),
-             unless the spill gate passes it over; below it, and on a spill,
-             to the least loaded replica. Blind to what a replica evicted
-             or never computed.
+             unless the spill gate passes it over (then the least loaded
+             replica); below it, to the replica of least expected wait
+             (below). Blind to what a replica evicted or never computed.
 precise      SMG's event-driven policy over the exact view: each replica
              store's own `cached_prefix_length` (what its next allocation
              would reuse: only servable, computed tokens), the longest wins
@@ -30,6 +30,17 @@ margin: `balance_abs_threshold`, capped at twice the square root of the
 mean (the in-flight count's natural swing) but never under 4 (unless the
 threshold is). Load is what SMG counts itself: requests it sent a replica
 that have not finished.
+
+The expected wait (SMG 1.13's `expected_wait_fallback` branch, its
+`least_load` score): from the load report SMG polls every
+`load_monitor_interval` seconds (waiting requests, the share of the pool
+live sequences hold, `k`) and the requests it sent a replica that way since
+that poll, each counted as `mean_prefill_tokens` (an HTTP request's tokens
+are unknown to it): (waiting + sent since the poll) x mean_prefill_tokens /
+default_throughput + kv_pressure_weight x k / (1 - k), the least wins, ties
+at random. So right after a poll the idle replicas tie and a new
+conversation lands at random; between polls the misses go round the
+replicas it has not just sent one to.
 
 Random ties draw from the router's own generator, seeded by
 `RouterSettings.seed`: a run is reproducible, another seed is another of
@@ -70,6 +81,17 @@ class ReplicaView(Protocol):
     @property
     def store(self) -> KVStore: ...
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not running (a load report's `num_waiting_reqs`)."""
+        ...
+
+    @property
+    def token_usage(self) -> float:
+        """The share of the pool live sequences hold (a load report's
+        `token_usage`, 0 to 1)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -87,7 +109,10 @@ class RouterSettings:
     """How a fleet's routers are tuned. The thresholds and the eviction
     interval are SMG 1.13's defaults (`--cache-threshold 0.3`,
     `--balance-abs-threshold 64`, `--balance-rel-threshold 1.5`,
-    `--eviction-interval-secs 60`). `max_tree_pages`: pages a replica keeps
+    `--eviction-interval-secs 60`), and so are the expected wait's
+    (`--load-monitor-interval 10`, `--least-load-mean-prefill-tokens 1024`,
+    `--least-load-default-throughput 2000`, `--least-load-kv-pressure-weight
+    0.15`; the replicas report no throughput). `max_tree_pages`: pages a replica keeps
     in the approximate tree (None: the replica's pool, as many as it can
     cache; SMG bounds the whole tree at 2**26 characters or tokens, which
     these runs never reach). `seed`: the random tie breaks'."""
@@ -101,6 +126,10 @@ class RouterSettings:
     eviction_interval: float = 60.0
     max_tree_pages: int | None = None
     seed: int = 0
+    load_monitor_interval: float = 10.0
+    mean_prefill_tokens: int = 1024
+    default_throughput: float = 2000.0
+    kv_pressure_weight: float = 0.15
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "pool_pages", "page_size"):
@@ -165,6 +194,37 @@ def least_loaded_of(candidates: Sequence[int], replicas: Sequence[ReplicaView],
     return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
 
 
+class ExpectedWait:
+    """SMG 1.13's expected-wait choice (the module docstring): a poll of the
+    replicas' load reports every `load_monitor_interval` seconds, and the
+    requests chosen since. O(replicas) per choice; a poll O(pages held)."""
+
+    def __init__(self, settings: RouterSettings, rng: random.Random) -> None:
+        self.settings = settings
+        self._rng = rng
+        self._polled_at: float | None = None
+        self._reports: list[tuple[int, float]] = []  # (waiting, token usage) per replica
+        self._sent: list[int] = []  # chosen since the poll, per replica
+
+    def choose(self, now: float, replicas: Sequence[ReplicaView]) -> int:
+        settings = self.settings
+        if self._polled_at is None or now - self._polled_at >= settings.load_monitor_interval:
+            self._reports = [(r.num_waiting, r.token_usage) for r in replicas]
+            self._sent = [0] * len(replicas)
+            self._polled_at = now
+        scores = []
+        for (waiting, usage), sent in zip(self._reports, self._sent):
+            k = min(max(usage, 0.0), 0.999)
+            work = (waiting + sent) * settings.mean_prefill_tokens
+            scores.append(work / settings.default_throughput
+                          + settings.kv_pressure_weight * k / (1.0 - k))
+        low = min(scores)
+        tied = [i for i, score in enumerate(scores) if score == low]
+        index = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
+        self._sent[index] += 1
+        return index
+
+
 class RoundRobin:
     """Replica 0, 1, ..., N-1, 0, ..."""
 
@@ -207,6 +267,7 @@ class CacheAware:
         self._max_pages = settings.pool_pages if pages is None else pages
         self._last_eviction = 0.0
         self._rng = random.Random(settings.seed)
+        self._expected_wait = ExpectedWait(settings, self._rng)
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
         settings, tree = self.settings, self.tree
@@ -219,7 +280,7 @@ class CacheAware:
             index = spilled(least_loaded_of(match.replicas, replicas, self._rng),
                             replicas, settings)
         else:
-            index = least_loaded(replicas)
+            index = self._expected_wait.choose(request.now, replicas)
         tree.insert(request.tokens, index, request.now, request.namespace)
         return index
 

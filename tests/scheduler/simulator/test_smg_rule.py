@@ -3,8 +3,10 @@
 out by hand: the matched share against `--cache-threshold` (0.3, strictly
 above), the least loaded of the replicas holding the match, the spill gate
 (load above 1.5x the mean and above the mean plus min(64, max(4, 2
-sqrt(mean)))), and the least loaded replica (fewest in flight, then fewest
-sent, then the first) on a miss or a spill."""
+sqrt(mean)))) to the least loaded replica (fewest in flight, then fewest
+sent, then the first), and on a miss the least expected wait: (waiting at
+the last poll + misses sent since) x 1024 / 2000 + 0.15 k / (1 - k), k the
+polled token usage, polls 10 s apart."""
 
 from __future__ import annotations
 
@@ -34,21 +36,31 @@ class View:
     load: int = 0
     num_routed: int = 0
     store: object = None
+    num_waiting: int = 0
+    token_usage: float = 0.0
 
 
-def fleet(loads, routed=(0, 0, 0)) -> list[View]:
-    return [View(i, load, sent) for i, (load, sent) in enumerate(zip(loads, routed))]
+def fleet(loads, routed=(0, 0, 0), waiting=(0, 0, 0), usage=(0.0, 0.0, 0.0)) -> list[View]:
+    return [View(i, load, sent, None, queued, used)
+            for i, (load, sent, queued, used) in enumerate(zip(loads, routed, waiting, usage))]
+
+
+#: The load reports of the poll at time 0: token usage 0, 0.5, 0.2, so
+#: expected waits 0, 0.15 x 0.5 / 0.5 = 0.15, 0.15 x 0.2 / 0.8 = 0.0375 s.
+USAGE_AT_0 = (0.0, 0.5, 0.2)
 
 
 def router_with_p1(seed: int = 0):
+    """P1 sent at time 0 (a miss: the least expected wait, replica 0)."""
     router = make_router("cache_aware", RouterSettings(3, pool_pages=1000, page_size=PAGE,
                                                        seed=seed))
-    assert router.route(RouteRequest("p1", P1, None, 0.0), fleet((0, 0, 0))) == 0
+    first = fleet((0, 0, 0), usage=USAGE_AT_0)
+    assert router.route(RouteRequest("p1", P1, None, 0.0), first) == 0
     return router
 
 
-def route(router, tokens, loads, routed=(0, 0, 0)) -> int:
-    return router.route(RouteRequest("q", tokens, None, 1.0), fleet(loads, routed))
+def route(router, tokens, loads, routed=(0, 0, 0), now=1.0, **reports) -> int:
+    return router.route(RouteRequest("q", tokens, None, now), fleet(loads, routed, **reports))
 
 
 def test_the_settings_are_smg_113_defaults():
@@ -58,9 +70,10 @@ def test_the_settings_are_smg_113_defaults():
 
 
 @pytest.mark.parametrize("tokens, loads, routed, expected", [
-    # share 0.3 is not above 0.3: a miss, the least loaded. Loads tie at 1;
-    # replica 0 was sent one request, 1 and 2 none: replica 1 (the first).
-    (AT_THRESHOLD, (1, 1, 1), (1, 0, 0), 1),
+    # share 0.3 is not above 0.3: a miss, the least expected wait since the
+    # poll at 0: replica 0 0.0 + 1024 / 2000 (P1) = 0.512, 1 0.15, 2 0.0375:
+    # replica 2, though it has the most in flight.
+    (AT_THRESHOLD, (0, 0, 5), (1, 0, 0), 2),
     # share 0.6: P1's holder, replica 0, though it is the busiest (mean
     # 4/3; 2 is not above 1.5 x 4/3 = 2).
     (ABOVE, (2, 1, 1), (0, 0, 0), 0),
@@ -79,20 +92,36 @@ def test_one_decision_worked_by_hand(tokens, loads, routed, expected):
     assert route(router_with_p1(), tokens, loads, routed) == expected
 
 
+def test_misses_follow_the_expected_wait_and_the_polls():
+    """Misses between polls count what was sent since the poll; a poll
+    (10 s on) reads the reports anew and forgets them."""
+    router = router_with_p1()
+    # 0.512 / 0.15 / 0.0375 -> 2; then 0.512 / 0.15 / 0.5495 -> 1.
+    assert route(router, AT_THRESHOLD, (0, 0, 0)) == 2
+    assert route(router, [50] * 10, (0, 0, 0)) == 1
+    # 10 s after the poll at 0 another: waiting 1, 0, 0 and no usage:
+    # 0.512 / 0 / 0 -> 1 or 2 at random, never 0.
+    chosen = set()
+    for seed in range(40):
+        router = router_with_p1(seed)
+        chosen.add(route(router, [60] * 10, (0, 0, 0), now=10.0, waiting=(1, 0, 0)))
+    assert chosen == {1, 2}
+
+
 def test_the_least_loaded_holder_wins_and_ties_are_random():
-    """P1 on replica 0, then AT_THRESHOLD (a miss) on replica 1: P1's first
-    page is held by 0 and 1. FIRST_PAGE matches that page (0.5): of the
-    holders the less loaded, though replica 2 is idle; at equal loads either
-    holder, at random, never replica 2."""
+    """P1 on replica 0, then AT_THRESHOLD (a miss) on replica 2: P1's first
+    page is held by 0 and 2. FIRST_PAGE matches that page (0.5): of the
+    holders the less loaded, though replica 1 is idle; at equal loads either
+    holder, at random, never replica 1."""
     def primed(seed: int):
         router = router_with_p1(seed)
-        assert route(router, AT_THRESHOLD, (1, 0, 0), (1, 0, 0)) == 1
+        assert route(router, AT_THRESHOLD, (0, 0, 0)) == 2
         return router
 
-    assert route(primed(0), FIRST_PAGE, (2, 1, 0)) == 1
-    assert route(primed(0), FIRST_PAGE, (1, 2, 0)) == 0
-    chosen = {route(primed(seed), FIRST_PAGE, (1, 1, 0)) for seed in range(40)}
-    assert chosen == {0, 1}
+    assert route(primed(0), FIRST_PAGE, (2, 0, 1)) == 2
+    assert route(primed(0), FIRST_PAGE, (1, 0, 2)) == 0
+    chosen = {route(primed(seed), FIRST_PAGE, (1, 0, 1)) for seed in range(40)}
+    assert chosen == {0, 2}
 
 
 def test_a_spilled_request_makes_its_target_a_holder():
