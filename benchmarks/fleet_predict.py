@@ -109,7 +109,18 @@ def pool_options(log: str) -> list[str]:
     return words
 
 
-def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) -> dict:
+def smg_branches(text: str) -> dict[str, float]:
+    """SMG's cache-aware decisions by branch (its Prometheus
+    `smg_cache_aware_policy_branch_total`): hits, misses, spills, warm-up."""
+    out: dict[str, float] = {}
+    for match in re.finditer(r'^smg_cache_aware_policy_branch_total\{[^}]*branch="([^"]+)"'
+                             r'[^}]*\} ([0-9.e+]+)$', text, re.MULTILINE):
+        out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
+    return out
+
+
+def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path,
+             run: int = 0) -> dict:
     serve_args = ("--kv-memory", args.kv_memory, "--block-size", "16",
                   "--max-num-seqs", str(args.concurrency), "--status-interval", "0")
     with Fleet(model_dir, args.replicas, policy, out / "logs", serve_args=serve_args,
@@ -136,6 +147,7 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) 
                    for u in used]
         load_after = load_average()
         metrics = [httpx.get(url + "/metrics", timeout=10).text for url in fleet.replica_urls]
+        branches = smg_branches(httpx.get(fleet.metrics_url, timeout=10).text)
         options = pool_options(fleet.replica_log(0))
     summary = json.loads((out / "bench" / "report.json").read_text())["summary"]
     prompt = sum(counter(m, "blockmgr_prompt_tokens_total") for m in metrics)
@@ -150,7 +162,8 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) 
     # steps': MLX computes on a thread of its own, the engine thread
     # schedules, samples and streams; the profile timed them all.)
     free_cores = (os.cpu_count() or 1) - (others + steal + cpu[-1] + client) / wall
-    return {"policy": policy, "source": "real", "prompt_tokens": prompt,
+    return {"policy": policy, "source": "real" if run == 0 else f"real, run {run + 1}",
+            "prompt_tokens": prompt, "smg_branches": branches,
             "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "output_tokens_per_s": summary["throughput"]["output_tokens_per_s"],
             "requests_per_s": summary["throughput"]["requests_per_s"],
@@ -212,13 +225,13 @@ def fit_background(args: argparse.Namespace, config, sessions: list, policy: str
 
 
 def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
-            cores: float | None, background: float = 0.0) -> dict:
+            cores: float | None, background: float = 0.0, seed: int = 0) -> dict:
     from scheduler.simulator.fleet import FleetSpec, run_fleet
     from scheduler.simulator.routers import RouterSettings
 
     settings = RouterSettings(args.replicas, config.block_manager.num_blocks,
                               config.block_manager.block_size,
-                              cache_threshold=SMG_CACHE_THRESHOLD)
+                              cache_threshold=SMG_CACHE_THRESHOLD, seed=seed)
     start = time.process_time()
     fleet = FleetSpec(args.replicas, ROUTER_OF[policy], cores, background)
     result = run_fleet(config, fleet, sessions, settings=settings)
@@ -230,6 +243,7 @@ def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
     work = [float(r.metrics.step_arrays()["step_time"].sum()) for r in result.replicas]
     source = "sim, a machine each" if cores is None else f"sim, {cores:g} cores"
     source += f" + {background:g} other threads" if background else ""
+    source += f", seed {seed}" if seed else ""
     return {"policy": policy, "source": source,
             "prompt_tokens": float(prompt), "cached_tokens": float(cached),
             "hit_rate": prefix["first_admission_hit_rate"],
@@ -266,21 +280,65 @@ def print_rows(rows: list[dict]) -> None:
               f"{spread} | {' / '.join(f'{b:.1f}' for b in busy)} |")
 
 
+def is_real(row: dict) -> bool:
+    return row["source"].startswith("real")
+
+
 def print_verdict(rows: list[dict]) -> None:
-    print("\n| policy | run | hit rate, points off | throughput, sim / real | "
+    print("\n| policy | run | against | hit rate, points off | throughput, sim / real | "
           "TPOT p50, sim / real | within (2 points, 10 %) |")
-    print("|---|---|---|---|---|---|")
-    real = {r["policy"]: r for r in rows if r["source"] == "real"}
+    print("|---|---|---|---|---|---|---|")
+    real = {(r["policy"], r["source"]): r for r in rows if is_real(r)}
     for r in rows:
-        base = real.get(r["policy"])
-        if r["source"] == "real" or base is None:
+        base = real.get((r["policy"], r.get("against", "real")))
+        if is_real(r) or base is None:
             continue
         points = (r["hit_rate"] - base["hit_rate"]) * 100
         thr = r["output_tokens_per_s"] / base["output_tokens_per_s"]
         tpot = r["tpot_p50_s"] / base["tpot_p50_s"]
         ok = abs(points) <= 2 and abs(thr - 1) <= 0.1 and abs(tpot - 1) <= 0.1
-        print(f"| {r['policy']} | {r['source']} | {points:+.1f} | {thr:.2f} | {tpot:.2f} | "
-              f"{'yes' if ok else 'no'} |")
+        print(f"| {r['policy']} | {r['source']} | {base['source']} | {points:+.1f} | "
+              f"{thr:.2f} | {tpot:.2f} | {'yes' if ok else 'no'} |")
+
+
+def print_spread(rows: list[dict], policies: list[str]) -> None:
+    """Per policy, the range of the real runs and where the simulated runs
+    with the other work fall in it."""
+    keys = (("hit_rate", 100, "hit rate %"), ("output_tokens_per_s", 1, "out tok/s"),
+            ("tpot_p50_s", 1e3, "TPOT p50 ms"))
+    print("\n| policy | figure | real runs: min - max | simulated with the other work "
+          "| inside the real range |")
+    print("|---|---|---|---|---|")
+    for policy in policies:
+        real = [r for r in rows if r["policy"] == policy and is_real(r)]
+        sim = [r for r in rows if r["policy"] == policy and "other threads" in r["source"]]
+        if len(real) < 2 or not sim:
+            continue
+        for key, scale, name in keys:
+            low = min(r[key] for r in real) * scale
+            high = max(r[key] for r in real) * scale
+            values = [r[key] * scale for r in sim]
+            inside = sum(low <= v <= high for v in values)
+            print(f"| {policy} | {name} | {low:.1f} - {high:.1f} | "
+                  f"{min(values):.1f} - {max(values):.1f} | {inside} of {len(values)} |")
+
+
+def print_seeds(args: argparse.Namespace, config, sessions: list, rows: list[dict],
+                policies: list[str]) -> None:
+    """The simulated fleet under `--seeds` seeds of its routers' random tie
+    breaks (each another of SMG's runs), beside the mean fitted other work:
+    its spread of requests over replicas, throughput and TPOT."""
+    print("\n| policy | seed | requests per replica | out tok/s | TPOT p50 ms |")
+    print("|---|---|---|---|---|")
+    for policy in policies:
+        fitted = [float(r["source"].split(" + ")[1].split()[0]) for r in rows
+                  if r["policy"] == policy and "other threads" in r["source"]]
+        background = round(sum(fitted) / len(fitted), 2) if fitted else 0.0
+        for seed in range(args.seeds):
+            r = run_sim(args, config, sessions, policy, args.cores, background, seed)
+            spread = " / ".join(f"{n:.0f}" for n in r["requests_per_replica"])
+            print(f"| {policy} | {seed} (+ {background:g} threads) | {spread} | "
+                  f"{r['output_tokens_per_s']:.1f} | {r['tpot_p50_s'] * 1e3:.1f} |")
 
 
 def main() -> None:
@@ -297,6 +355,11 @@ def main() -> None:
     parser.add_argument("--sim-only", metavar="SUMMARY",
                         help="simulate against the real rows of an earlier run's summary.json")
     parser.add_argument("--out", default="fleet-predict", help="folder for reports and logs")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="also simulate this many seeds of the routers' random ties")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="real runs per policy (a fresh fleet each; SMG's cache-aware "
+                        "spread differs from run to run)")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = args.blas_threads
 
@@ -306,12 +369,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
         if args.sim_only:
-            rows = [r for r in json.loads(Path(args.sim_only).read_text())
-                    if r["source"] == "real"]
+            rows = [r for r in json.loads(Path(args.sim_only).read_text()) if is_real(r)]
         else:
             profile = Path(args.profile) if args.profile else \
                 calibrate(model_dir, out, args.quick_calibration)
-            rows = [run_real(args, model_dir, p, out / p) for p in policies]
+            rows = []
+            for p in policies:
+                for run in range(args.repeat):
+                    rows.append(run_real(args, model_dir, p, out / p / f"run{run + 1}", run))
+                    (out / "real.json").write_text(json.dumps(rows, indent=1))
         profile = Path(args.profile) if args.profile else out / "profile.json"
         config = sim_config(args, rows[0]["pool_options"], profile)
         sessions = served(args, config, model_dir)
@@ -321,14 +387,18 @@ def main() -> None:
             print(f"warning: the replicas counted {real['prompt_tokens']:.0f} prompt tokens "
                   f"({real['policy']}), the simulated requests hold {sent}", file=sys.stderr)
     for real in list(rows):
+        seed = int(real["source"].rsplit(" ", 1)[1]) - 1 if "run" in real["source"] else 0
+        cores: tuple[float | None, ...] = (None, args.cores) if real["source"] == "real" else ()
         free = real.get("free_cores")
-        for cores in (None, args.cores) + ((round(free, 2),) if free else ()):
-            rows.append(run_sim(args, config, sessions, real["policy"], cores))
+        for c in cores + ((round(free, 2),) if free else ()):
+            rows.append({**run_sim(args, config, sessions, real["policy"], c),
+                         "against": real["source"]})
         if free:
             background = fit_background(args, config, sessions, real["policy"],
                                         args.cores - free)
-            rows.append(run_sim(args, config, sessions, real["policy"], args.cores, background))
-    rows.sort(key=lambda r: (policies.index(r["policy"]), r["source"]))
+            rows.append({**run_sim(args, config, sessions, real["policy"], args.cores,
+                                   background, seed), "against": real["source"]})
+    rows.sort(key=lambda r: (policies.index(r["policy"]), not is_real(r)))
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
           f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}, "
           f"OPENBLAS_NUM_THREADS={args.blas_threads}; profile {profile}")
@@ -337,15 +407,20 @@ def main() -> None:
           f"output {args.output_len} tokens, {args.num_system_prompts} system prompts; "
           f"pool: {' '.join(rows[0]['pool_options'])}")
     for r in rows:
-        if r["source"] == "real":
-            print(f"{r['policy']}: load average {r['load'][0]:.2f} -> {r['load'][1]:.2f}, "
+        if is_real(r):
+            print(f"{r['policy']} ({r['source']}): load average {r['load'][0]:.2f} -> {r['load'][1]:.2f}, "
                   f"wall {r['wall_s']:.1f} s, gateway CPU {r['gateway_cpu_s']:.1f} s, "
                   f"client CPU {r['client_cpu_s']:.1f} s, other jobs {r['others_cpu_s']:.1f} "
                   f"CPU s, steal {r['steal_s']:.1f} s: {r['free_cores']:.2f} cores left for "
                   f"the replicas")
             print(f"  each replica's threads, CPU s: {r['replica_threads_cpu_s']}")
+            if r.get("smg_branches"):
+                print(f"  SMG's cache-aware decisions by branch: {r['smg_branches']}")
     print_rows(rows)
     print_verdict(rows)
+    print_spread(rows, policies)
+    if args.seeds:
+        print_seeds(args, config, sessions, rows, policies)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -31,10 +31,12 @@ class _Node:
 @dataclass(frozen=True, slots=True)
 class TreeMatch:
     """The longest remembered prefix of a prompt: its tokens (whole pages)
-    and the replica it was last sent to (None: nothing matched)."""
+    and the replicas it was sent to (SMG's `matched_tenants`: every tenant
+    of the deepest matched node), in index order; empty when nothing
+    matched."""
 
     num_tokens: int
-    replica: int | None
+    replicas: tuple[int, ...]
 
 
 class ApproxPrefixTree:
@@ -58,21 +60,19 @@ class ApproxPrefixTree:
             yield tuple(tokens[start:start + size])
 
     def match(self, tokens: Sequence[int], namespace: Hashable = None) -> TreeMatch:
-        """The longest remembered whole-page prefix of `tokens`, and of the
-        replicas at its last page the one sent it most recently (ties: the
-        lowest index). Pure. O(pages)."""
+        """The longest remembered whole-page prefix of `tokens` and the
+        replicas at its last page. Pure. O(pages + replicas)."""
         node = self._roots.get(namespace)
         if node is None:
-            return TreeMatch(0, None)
+            return TreeMatch(0, ())
         for key in self._pages(tokens):
             child = node.children.get(key)
             if child is None:
                 break
             node = child
         if node.key is None:
-            return TreeMatch(0, None)
-        replica = max(node.tenants, key=lambda r: (node.tenants[r], -r))
-        return TreeMatch(node.depth * self.page_size, replica)
+            return TreeMatch(0, ())
+        return TreeMatch(node.depth * self.page_size, tuple(sorted(node.tenants)))
 
     def prefix_length(self, tokens: Sequence[int], replica: int,
                       namespace: Hashable = None) -> int:

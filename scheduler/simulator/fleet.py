@@ -39,6 +39,7 @@ import numpy as np
 from blockmgr.kv_store import KVStore
 from scheduler.simulator.arrivals import Arrivals
 from scheduler.simulator.config import SimulationConfig
+from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder
 from scheduler.simulator.prefix_bound import PrefixBound
 from scheduler.simulator.routers import ROUTERS, RouteRequest, RouterSettings, make_router
@@ -137,6 +138,18 @@ class _Replica:
     @property
     def store(self) -> KVStore:
         return self.sim.bm
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued in its scheduler, and routed during its step (they queue
+        at its end)."""
+        return self.sim.scheduler.num_waiting + len(self.pending)
+
+    @property
+    def token_usage(self) -> float:
+        """Distinct pages its live sequences hold over its pool. O(pages held)."""
+        pool = self.sim.config.block_manager.num_blocks
+        return snapshot(self.sim.bm).physical_pages / pool
 
     def event(self) -> tuple[float, int] | None:
         """(time, priority) of its next event; None when idle."""

@@ -9,18 +9,42 @@ pool (`RouterSettings`):
 round_robin  each replica in turn.
 least_load   the replica holding the fewest requests (ties: the one sent the
              fewest, then the lowest index): SMG's shortest queue.
-cache_aware  SMG's approximate cache-aware policy: an `ApproxPrefixTree` of
-             the prompts it sent where; when the fleet is balanced, the
-             replica with the longest remembered prefix if it covers more
-             than `cache_threshold` of the prompt, else the least loaded;
-             when imbalanced (`balance_abs_threshold`, `balance_rel_threshold`
-             on the requests held), the least loaded. Blind to what a
-             replica evicted or never computed.
+cache_aware  SMG's approximate cache-aware policy (`cache_aware.rs`'s tree
+             path, see design/fleet.md for the version): an
+             `ApproxPrefixTree` of the prompts it sent where. A prompt whose
+             remembered share is above `cache_threshold` goes to the least
+             loaded of the replicas holding that prefix (ties: at random),
+             unless the spill gate passes it over (then the least loaded
+             replica); below it, to the replica of least expected wait
+             (below). Blind to what a replica evicted or never computed.
 precise      SMG's event-driven policy over the exact view: each replica
              store's own `cached_prefix_length` (what its next allocation
              would reuse: only servable, computed tokens), the longest wins
-             (ties: the less loaded); no replica holding any of it, or an
-             imbalanced fleet: the least loaded.
+             (ties: the less loaded, then at random), unless the spill gate
+             passes it over; no replica holding any of it: the least loaded.
+
+The spill gate (SMG's `gate_selected_candidate`): the chosen replica is
+passed over for the least loaded one when its load exceeds both
+`balance_rel_threshold` times the fleet's mean load and the mean plus a
+margin: `balance_abs_threshold`, capped at twice the square root of the
+mean (the in-flight count's natural swing) but never under 4 (unless the
+threshold is). Load is what SMG counts itself: requests it sent a replica
+that have not finished.
+
+The expected wait (SMG 1.13's `expected_wait_fallback` branch, its
+`least_load` score): from the load report SMG polls every
+`load_monitor_interval` seconds (waiting requests, the share of the pool
+live sequences hold, `k`) and the requests it sent a replica that way since
+that poll, each counted as `mean_prefill_tokens` (an HTTP request's tokens
+are unknown to it): (waiting + sent since the poll) x mean_prefill_tokens /
+default_throughput + kv_pressure_weight x k / (1 - k), the least wins, ties
+at random. So right after a poll the idle replicas tie and a new
+conversation lands at random; between polls the misses go round the
+replicas it has not just sent one to.
+
+Random ties draw from the router's own generator, seeded by
+`RouterSettings.seed`: a run is reproducible, another seed is another of
+SMG's runs.
 
 Costs per request: round_robin O(1), least_load O(replicas), cache_aware
 O(pages of the prompt + replicas), precise O(replicas x matched prompt).
@@ -28,6 +52,8 @@ O(pages of the prompt + replicas), precise O(replicas x matched prompt).
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -55,6 +81,17 @@ class ReplicaView(Protocol):
     @property
     def store(self) -> KVStore: ...
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, not running (a load report's `num_waiting_reqs`)."""
+        ...
+
+    @property
+    def token_usage(self) -> float:
+        """The share of the pool live sequences hold (a load report's
+        `token_usage`, 0 to 1)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -69,19 +106,30 @@ class RouteRequest:
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    """How a fleet's routers are tuned. The thresholds are SMG's defaults
-    (`CacheAwareConfig`). `max_tree_pages`: pages a replica keeps in the
-    approximate tree (None: the replica's pool, as many as it can cache;
-    SMG's default of 10,000 entries is a size for text, not tokens)."""
+    """How a fleet's routers are tuned. The thresholds and the eviction
+    interval are SMG 1.13's defaults (`--cache-threshold 0.3`,
+    `--balance-abs-threshold 64`, `--balance-rel-threshold 1.5`,
+    `--eviction-interval-secs 60`), and so are the expected wait's
+    (`--load-monitor-interval 10`, `--least-load-mean-prefill-tokens 1024`,
+    `--least-load-default-throughput 2000`, `--least-load-kv-pressure-weight
+    0.15`; the replicas report no throughput). `max_tree_pages`: pages a replica keeps
+    in the approximate tree (None: the replica's pool, as many as it can
+    cache; SMG bounds the whole tree at 2**26 characters or tokens, which
+    these runs never reach). `seed`: the random tie breaks'."""
 
     num_replicas: int
     pool_pages: int
     page_size: int = 16
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.1
-    eviction_interval: float = 30.0
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval: float = 60.0
     max_tree_pages: int | None = None
+    seed: int = 0
+    load_monitor_interval: float = 10.0
+    mean_prefill_tokens: int = 1024
+    default_throughput: float = 2000.0
+    kv_pressure_weight: float = 0.15
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "pool_pages", "page_size"):
@@ -90,6 +138,12 @@ class RouterSettings:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold!r}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError("balance_abs_threshold must be >= 0, "
+                             f"got {self.balance_abs_threshold!r}")
+        if not self.balance_rel_threshold >= 1:
+            raise ValueError("balance_rel_threshold must be >= 1, "
+                             f"got {self.balance_rel_threshold!r}")
 
 
 class Router(Protocol):
@@ -108,13 +162,67 @@ def least_loaded(replicas: Sequence[ReplicaView]) -> int:
     return min(replicas, key=lambda r: (r.load, r.num_routed, r.index)).index
 
 
-def is_imbalanced(replicas: Sequence[ReplicaView], settings: RouterSettings) -> bool:
-    """SMG's test: the most and least loaded differ by more than the
-    absolute threshold and by more than the relative one. O(replicas)."""
-    loads = [r.load for r in replicas]
-    low, high = min(loads), max(loads)
-    return (high - low > settings.balance_abs_threshold
-            and high > low * settings.balance_rel_threshold)
+def spill_margin(mean_load: float, settings: RouterSettings) -> float:
+    """How far above the mean load a chosen replica may be before the spill
+    gate passes it over (with the relative threshold): the absolute
+    threshold capped at the in-flight count's natural swing at that mean,
+    two standard deviations of a Poisson count, never under 4 unless the
+    threshold is (SMG 1.13's `--balance-abs-threshold`). O(1)."""
+    swing = max(2.0 * math.sqrt(mean_load), 4.0)
+    return min(float(settings.balance_abs_threshold), swing)
+
+
+def spilled(chosen: int, replicas: Sequence[ReplicaView], settings: RouterSettings) -> int:
+    """`chosen`, or the least loaded replica when the spill gate passes
+    `chosen` over: its load above `balance_rel_threshold` times the mean
+    load and above the mean plus `spill_margin` (SMG's
+    `gate_selected_candidate`). O(replicas)."""
+    mean = sum(r.load for r in replicas) / len(replicas)
+    load = replicas[chosen].load
+    if load > mean * settings.balance_rel_threshold and load > mean + spill_margin(mean, settings):
+        return least_loaded(replicas)
+    return chosen
+
+
+def least_loaded_of(candidates: Sequence[int], replicas: Sequence[ReplicaView],
+                    rng: random.Random) -> int:
+    """Of `candidates` (replica indices), the least loaded; ties uniformly
+    at random (SMG's `argmax_with_random_ties` at equal scores).
+    O(candidates)."""
+    low = min(replicas[i].load for i in candidates)
+    tied = [i for i in candidates if replicas[i].load == low]
+    return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
+
+
+class ExpectedWait:
+    """SMG 1.13's expected-wait choice (the module docstring): a poll of the
+    replicas' load reports every `load_monitor_interval` seconds, and the
+    requests chosen since. O(replicas) per choice; a poll O(pages held)."""
+
+    def __init__(self, settings: RouterSettings, rng: random.Random) -> None:
+        self.settings = settings
+        self._rng = rng
+        self._polled_at: float | None = None
+        self._reports: list[tuple[int, float]] = []  # (waiting, token usage) per replica
+        self._sent: list[int] = []  # chosen since the poll, per replica
+
+    def choose(self, now: float, replicas: Sequence[ReplicaView]) -> int:
+        settings = self.settings
+        if self._polled_at is None or now - self._polled_at >= settings.load_monitor_interval:
+            self._reports = [(r.num_waiting, r.token_usage) for r in replicas]
+            self._sent = [0] * len(replicas)
+            self._polled_at = now
+        scores = []
+        for (waiting, usage), sent in zip(self._reports, self._sent):
+            k = min(max(usage, 0.0), 0.999)
+            work = (waiting + sent) * settings.mean_prefill_tokens
+            scores.append(work / settings.default_throughput
+                          + settings.kv_pressure_weight * k / (1.0 - k))
+        low = min(scores)
+        tied = [i for i, score in enumerate(scores) if score == low]
+        index = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
+        self._sent[index] += 1
+        return index
 
 
 class RoundRobin:
@@ -158,21 +266,21 @@ class CacheAware:
         pages = settings.max_tree_pages
         self._max_pages = settings.pool_pages if pages is None else pages
         self._last_eviction = 0.0
+        self._rng = random.Random(settings.seed)
+        self._expected_wait = ExpectedWait(settings, self._rng)
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
         settings, tree = self.settings, self.tree
         if request.now - self._last_eviction >= settings.eviction_interval:
             tree.evict(self._max_pages)
             self._last_eviction = request.now
-        if is_imbalanced(replicas, settings):
-            index = least_loaded(replicas)
+        match = tree.match(request.tokens, request.namespace)
+        rate = match.num_tokens / len(request.tokens) if request.tokens else 0.0
+        if match.replicas and rate > settings.cache_threshold:
+            index = spilled(least_loaded_of(match.replicas, replicas, self._rng),
+                            replicas, settings)
         else:
-            match = tree.match(request.tokens, request.namespace)
-            rate = match.num_tokens / len(request.tokens) if request.tokens else 0.0
-            if match.replica is not None and rate > settings.cache_threshold:
-                index = match.replica
-            else:
-                index = least_loaded(replicas)
+            index = self._expected_wait.choose(request.now, replicas)
         tree.insert(request.tokens, index, request.now, request.namespace)
         return index
 
@@ -186,19 +294,16 @@ class Precise:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
+        self._rng = random.Random(settings.seed)
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
-        if is_imbalanced(replicas, self.settings):
+        cached = [r.store.cached_prefix_length(request.tokens, request.namespace)
+                  for r in replicas]
+        best = max(cached)
+        if best == 0:
             return least_loaded(replicas)
-        best, best_key = None, None
-        for replica in replicas:
-            cached = replica.store.cached_prefix_length(request.tokens, request.namespace)
-            if cached == 0:
-                continue
-            key = (cached, -replica.load, -replica.index)
-            if best_key is None or key > best_key:
-                best, best_key = replica.index, key
-        return least_loaded(replicas) if best is None else best
+        holders = [i for i, n in enumerate(cached) if n == best]
+        return spilled(least_loaded_of(holders, replicas, self._rng), replicas, self.settings)
 
 
 #: Policy name -> its class.

@@ -216,7 +216,7 @@ def aligned_lcp(a, b) -> int:
 
 class TreeAgainstScan(RuleBasedStateMachine):
     """Every prompt sent is remembered (no eviction): the tree's longest
-    match and its replica are a naive scan's over every prompt sent."""
+    match and its replicas are a naive scan's over every prompt sent."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,11 +237,11 @@ class TreeAgainstScan(RuleBasedStateMachine):
                    default=0)
         assert found.num_tokens == best
         if best == 0:
-            assert found.replica is None
+            assert found.replicas == ()
             return
-        latest = max((t, r) for ns, s, r, t in self.sent
-                     if ns == namespace and aligned_lcp(query, s) >= best)
-        assert found.replica == latest[1]
+        holders = {r for ns, s, r, _ in self.sent
+                   if ns == namespace and aligned_lcp(query, s) >= best}
+        assert found.replicas == tuple(sorted(holders))
 
     @rule(query=tokens, replica=st.integers(0, 3), namespace=st.sampled_from([None, "a"]))
     def prefix_length(self, query, replica, namespace):
@@ -280,8 +280,8 @@ def test_eviction_keeps_the_most_recent_pages_within_the_budget(sent, queries, m
             assert tree.prefix_length(own[-1], replica) == len(own[-1]) // PAGE * PAGE
     for query in queries:
         found = tree.match(query)
-        if found.replica is not None:  # a replica that was sent that prefix
-            assert tree.prefix_length(query, found.replica) == found.num_tokens
+        for replica in found.replicas:  # replicas that were sent that prefix
+            assert tree.prefix_length(query, replica) == found.num_tokens
 
 
 def test_the_tree_refuses_a_bad_page_size():
