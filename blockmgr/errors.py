@@ -56,6 +56,11 @@ class IntegrityError(BlockManagerError, AssertionError):
     """`check_integrity()` found a broken invariant: a bug, never a user error."""
 
 
+class MemoryLeak(IntegrityError):
+    """`check_no_leaks()` found memory held by something other than the
+    prefix cache after every sequence ended: a bug, never a user error."""
+
+
 class WrongArgumentType(InvalidArgument, TypeError):
     """An argument of the wrong kind (a str where token ids belong, a float
     token id, an unhashable id): both an `InvalidArgument` and a `TypeError`."""

@@ -187,6 +187,11 @@ class KVStore(Protocol):
         """Raise `IntegrityError` if an invariant is broken."""
         ...
 
+    def check_no_leaks(self) -> None:
+        """At the end of a run: raise `MemoryLeak` if anything but the prefix
+        cache holds memory; drops the prefix cache."""
+        ...
+
     def debug_state(self) -> tuple[object, ...]:
         """Everything observable, as plain values: equal before and after a
         refused call."""

@@ -42,6 +42,7 @@ from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
     DuplicateSequence,
     IntegrityError,
+    MemoryLeak,
     InvalidArgument,
     NoSnapshot,
     OutOfBlocks,
@@ -1422,6 +1423,51 @@ class BlockManager:
         return checked - first
 
     # -------------------------------------------------------------- checking
+
+    def check_no_leaks(self) -> None:
+        """For the end of a run, when every sequence has ended: nothing but
+        the prefix cache holds a page or a slot (device or host, swap space
+        included), and dropping the device prefix cache
+        (`reset_prefix_cache`) frees every page and slot; then
+        `check_integrity`. Raises `MemoryLeak` naming what is held. Drops
+        the device prefix cache. O(pages + cached prefixes)."""
+        problems = self._held_beyond_the_cache()
+        self.reset_prefix_cache()
+        for usage in self.group_usage():
+            if usage.num_free_pages != usage.num_pages:
+                problems.append(f"group {usage.group}: {usage.num_pages - usage.num_free_pages} "
+                                "pages not free after dropping the prefix cache")
+        num_slots = self.config.num_slots
+        if self.num_free_slots != num_slots:
+            problems.append(f"{num_slots - self.num_free_slots} slots not free after dropping "
+                            "the prefix cache")
+        self.check_integrity()
+        if problems:
+            raise MemoryLeak("; ".join(problems))
+
+    def _held_beyond_the_cache(self) -> list[str]:
+        """What holds memory besides the prefix cache: live sequences, pages
+        and slots the trie does not account for, host pages and slots."""
+        problems = []
+        if self.num_sequences:
+            problems.append(f"{self.num_sequences} sequences still live: {self.sequence_ids()[:5]}")
+        for usage in self.group_usage():
+            used = usage.num_pages - usage.num_free_pages
+            if used != usage.num_cached_pages:
+                problems.append(f"group {usage.group}: {used} pages in use but the prefix "
+                                f"cache holds {usage.num_cached_pages}")
+            if usage.num_free_host_pages != usage.num_host_pages:
+                problems.append(f"group {usage.group}: "
+                                f"{usage.num_host_pages - usage.num_free_host_pages} host "
+                                "pages still in use")
+        num_used = self.config.num_slots - self.num_free_slots
+        num_cached = self.stats.num_trie_slots
+        if num_used != num_cached:
+            problems.append(f"{num_used} slots in use but the prefix cache holds {num_cached}")
+        num_host_slots = self.config.num_host_slots
+        if self.num_free_host_slots != num_host_slots:
+            problems.append(f"{num_host_slots - self.num_free_host_slots} host slots still in use")
+        return problems
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` if any invariant is broken. O(state size).

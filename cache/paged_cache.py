@@ -324,48 +324,11 @@ class PagedCache:
     def check_no_leaks(self) -> None:
         """For the end of a run, when every sequence has ended: nothing but
         the prefix cache holds a page or a recurrent slot (device or host,
-        swap space included), and dropping the device prefix cache
-        (`reset_prefix_cache`) frees every page and slot. Raises
-        `IntegrityError` naming what is held. Drops the device prefix
-        cache. Cost: O(pages + cached prefixes)."""
-        problems = self._held_beyond_the_cache()
-        self.reset_prefix_cache()
-        for usage in self.group_usage():
-            if usage.num_free_pages != usage.num_pages:
-                problems.append(f"group {usage.group}: {usage.num_pages - usage.num_free_pages} "
-                                f"pages not free after dropping the prefix cache")
-        if self.num_free_slots != self.num_slots:
-            problems.append(f"{self.num_slots - self.num_free_slots} slots not free after "
-                            f"dropping the prefix cache")
-        self.check_integrity()
-        if problems:
-            raise IntegrityError("; ".join(problems))
-
-    def _held_beyond_the_cache(self) -> list[str]:
-        """What holds memory besides the prefix cache: live sequences, pages
-        and slots the tries do not account for, host pages and slots."""
-        problems = []
-        if self.num_sequences:
-            problems.append(f"{self.num_sequences} sequences still live: "
-                            f"{self.sequence_ids()[:5]}")
-        for usage in self.group_usage():
-            used = usage.num_pages - usage.num_free_pages
-            if used != usage.num_cached_pages:
-                problems.append(f"group {usage.group}: {used} pages in use but the prefix "
-                                f"cache holds {usage.num_cached_pages}")
-            if usage.num_free_host_pages != usage.num_host_pages:
-                problems.append(f"group {usage.group}: "
-                                f"{usage.num_host_pages - usage.num_free_host_pages} host "
-                                f"pages still in use")
-        num_used = self.num_slots - self.num_free_slots
-        if num_used != self.stats.num_trie_slots:
-            problems.append(f"{num_used} slots in use but the prefix cache holds "
-                            f"{self.stats.num_trie_slots}")
-        num_host_slots = self.store.config.num_host_slots
-        if self.store.num_free_host_slots != num_host_slots:
-            problems.append(f"{num_host_slots - self.store.num_free_host_slots} host slots "
-                            f"still in use")
-        return problems
+        swap space included), and dropping the device prefix cache frees
+        every page and slot (`GroupedStore.check_no_leaks`). Raises
+        `MemoryLeak` (an `IntegrityError`) naming what is held. Drops the
+        device prefix cache. O(pages + cached prefixes)."""
+        self.store.check_no_leaks()  # its sequences are this cache's (`check_integrity`)
 
     def debug_state(self) -> tuple[object, ...]:
         """The store's `debug_state()` and each sequence's computed state, as

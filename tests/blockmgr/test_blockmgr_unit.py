@@ -20,6 +20,7 @@ from blockmgr import (
     DuplicateSequence,
     IntegrityError,
     InvalidArgument,
+    MemoryLeak,
     NoSnapshot,
     OutOfBlocks,
     OutOfHostMemory,
@@ -618,3 +619,29 @@ def test_a_deep_copy_decides_appends_on_its_own_pages(grouped):
     assert twin.block_table("a") != store.block_table("a")
     store.check_integrity()
     twin.check_integrity()
+
+
+# ------------------------------------------------------------- leak check
+
+
+def test_check_no_leaks_passes_when_only_the_prefix_cache_holds_memory():
+    bm = make(num_blocks=8, num_host_blocks=4, num_slots=2, num_host_slots=2)
+    bm.allocate("a", range(1, 10))
+    bm.free("a")
+    assert bm.num_cached_blocks == 3  # the 9 tokens' pages cached: held, but by the trie
+    bm.check_no_leaks()
+    assert bm.num_free_blocks == 8 and bm.num_free_slots == 2 and bm.num_cached_blocks == 0
+
+
+def test_check_no_leaks_names_a_live_and_a_swapped_sequence():
+    bm = make(num_blocks=8, num_host_blocks=4, num_slots=2, num_host_slots=2)
+    bm.allocate("live", range(1, 6))
+    bm.allocate("swapped", range(50, 55))
+    bm.swap_out("swapped")
+    with pytest.raises(MemoryLeak) as error:
+        bm.check_no_leaks()
+    message = str(error.value)
+    assert "2 sequences still live" in message
+    assert "host pages still in use" in message and "1 host slots still in use" in message
+    assert "pages not free after dropping the prefix cache" in message
+    assert isinstance(error.value, IntegrityError)
