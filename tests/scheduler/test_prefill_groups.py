@@ -124,10 +124,11 @@ def test_the_served_engine_runs_a_wave_in_few_forwards(tmp_path):
     equal-length prompts 8 at a time: 16 prompts make two head forwards
     plus the decode forward, not 16 plus one, and the outputs equal
     mlx-lm's greedy decode."""
-    from scheduler.serving.serve import load_engine
+    from scheduler.serving.serve import load_engine, serve_config
     from tests.serve_model import build_model_dir
 
-    engine, _ = load_engine(build_model_dir(tmp_path / "tiny"), num_blocks=256, block_size=8)
+    engine, _ = load_engine(build_model_dir(tmp_path / "tiny"),
+                            serve_config(num_blocks=256, block_size=8))
     if not (engine.batching.decode and engine.batching.prefill):
         pytest.skip("the tiny llama does not batch here")
     prompts = [tokens(engine.vocab_size, 12, 40 + i) for i in range(16)]

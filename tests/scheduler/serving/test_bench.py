@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.cli import main  # noqa: E402
 from scheduler.serving.loadgen import BenchOptions, PromptBuilder  # noqa: E402
-from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
@@ -118,7 +118,7 @@ def _cached_one_at_a_time(prompts: list[list[int]], outputs: list[list[int]]) ->
 def test_bench_against_blockmgr_serve_and_mlx_lm_server(tmp_path, capsys):
     model_dir = build_model_dir(tmp_path / "tiny")
     model, tokenizer = load_tiny(model_dir)
-    engine, name = load_engine(model_dir, num_blocks=512, block_size=BLOCK)
+    engine, name = load_engine(model_dir, serve_config(num_blocks=512, block_size=BLOCK))
     with ServerThread(build_app(AsyncEngine(engine, max_waiting=64), name)) as server:
         ours = _bench(server.url, tmp_path / "ours")
         ours_poisson = _bench(server.url, tmp_path / "poisson", "--arrival", "poisson",

@@ -65,8 +65,9 @@ NUM_BLOCKS = 40  # small: the event test's prompts evict
 class Worker:
     def __init__(self, path):
         self.path = path
-        engine, _ = serve.load_engine(path, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                                      max_num_seqs=4)
+        engine, _ = serve.load_engine(path,
+                                      serve.serve_config(num_blocks=NUM_BLOCKS,
+                                                         block_size=BLOCK_SIZE, max_num_seqs=4))
         self.engine = AsyncEngine(engine)
         self.server = GrpcWorker(self.engine, WorkerModel.of(path, "tiny"), port=0)
         port = self.server.start()

@@ -465,14 +465,14 @@ def test_the_server_advertises_exactly_what_it_serves(tmp_path):
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from scheduler.serving.async_engine import AsyncEngine
-    from scheduler.serving.serve import load_engine, open_kv_events
+    from scheduler.serving.serve import load_engine, open_kv_events, serve_config
     from scheduler.serving.server import build_app
     from tests.serve_model import build_model_dir
     from tests.scheduler.serving.test_server import ServerThread
 
     sink = open_kv_events("tcp://127.0.0.1:*", "kv@pod@tiny", "tcp://127.0.0.1:*")
-    engine, name = load_engine(build_model_dir(tmp_path / "tiny"), num_blocks=256,
-                               block_size=BLOCK_SIZE, kv_events=sink)
+    engine, name = load_engine(build_model_dir(tmp_path / "tiny"),
+                               serve_config(num_blocks=256, block_size=BLOCK_SIZE), kv_events=sink)
     with ServerThread(build_app(AsyncEngine(engine), name)) as server, \
             openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                           timeout=60) as client:

@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
@@ -84,7 +84,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    engine, name = load_engine(model_dir, num_blocks=512, block_size=8)
+    engine, name = load_engine(model_dir, serve_config(num_blocks=512, block_size=8))
     async_engine = AsyncEngine(engine, max_waiting=64)
     with ServerThread(build_app(async_engine, name)) as server:
         yield server, engine, name

@@ -24,7 +24,7 @@ from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.core.constraints import GrammarError, Grammars  # noqa: E402
 from scheduler.engine.engine import Engine  # noqa: E402
 from scheduler.core.request import RequestStatus, SamplingParams  # noqa: E402
-from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
 from tests.serve_model import (  # noqa: E402
     ANSWER, CALL, REASONING, THINK, build_agent_model_dir, load_tiny)
@@ -60,7 +60,7 @@ def agent_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(agent_dir):
-    engine, name = load_engine(agent_dir, num_blocks=512, block_size=8)
+    engine, name = load_engine(agent_dir, serve_config(num_blocks=512, block_size=8))
     with ServerThread(build_app(AsyncEngine(engine, max_waiting=64), name)) as server:
         yield server, engine, name
 

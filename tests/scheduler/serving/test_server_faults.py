@@ -34,7 +34,7 @@ except ImportError:
 
 from scheduler import Engine  # noqa: E402
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serving.serve import load_engine, model_context  # noqa: E402
+from scheduler.serving.serve import load_engine, model_context, serve_config  # noqa: E402
 from scheduler.serving.server import MAX_STOP_LENGTH, MAX_STOP_STRINGS, build_app  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import LOOPBACK, ServerThread  # noqa: E402
@@ -390,16 +390,17 @@ def test_row5_prompts_and_max_tokens_past_the_context_get_vllms_400(served, solo
 
 
 def test_row5_max_model_len_is_the_models_context_at_most(model_dir):
-    engine, _ = load_engine(model_dir, num_blocks=64, block_size=8)
+    engine, _ = load_engine(model_dir, serve_config(num_blocks=64, block_size=8))
     assert engine.scheduler.config.max_model_len == CONTEXT
-    engine, _ = load_engine(model_dir, num_blocks=64, block_size=8, max_model_len=100)
+    engine, _ = load_engine(model_dir, serve_config(num_blocks=64, block_size=8, max_model_len=100))
     assert engine.scheduler.config.max_model_len == 100
-    engine, _ = load_engine(model_dir, num_blocks=8, block_size=8)  # the pool holds 64
+    engine, _ = load_engine(model_dir,
+                            serve_config(num_blocks=8, block_size=8))  # the pool holds 64
     assert engine.scheduler.config.max_model_len == 64
     from blockmgr.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="more than the model's context"):
-        load_engine(model_dir, num_blocks=64, block_size=8, max_model_len=CONTEXT + 1)
+        load_engine(model_dir, serve_config(num_blocks=64, block_size=8, max_model_len=CONTEXT + 1))
 
 
 @pytest.mark.parametrize("config, context", [

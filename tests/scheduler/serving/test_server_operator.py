@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serving.operator_api import build_serving_app, package_version  # noqa: E402
-from scheduler.serving.serve import load_engine  # noqa: E402
+from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from tests.scheduler.serving.test_server import ServerThread, httpx, wait_idle  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 
@@ -40,7 +40,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    engine, name = load_engine(model_dir, num_blocks=256, block_size=8)
+    engine, name = load_engine(model_dir, serve_config(num_blocks=256, block_size=8))
     app = build_serving_app(AsyncEngine(engine, max_waiting=16), name, allow_cache_reset=True)
     with ServerThread(app) as server:
         yield server, engine, name
@@ -131,7 +131,7 @@ def test_prefix_cache_reset_is_opt_in_and_drops_the_cache(served, model_dir):
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert third["choices"][0]["text"] == first["choices"][0]["text"]
     # without the flag the route does not exist
-    other, other_name = load_engine(model_dir, num_blocks=64, block_size=8)
+    other, other_name = load_engine(model_dir, serve_config(num_blocks=64, block_size=8))
     with ServerThread(build_serving_app(AsyncEngine(other), other_name)) as plain:
         assert httpx.post(plain.url + "/reset_prefix_cache").status_code == 404
 
@@ -170,8 +170,9 @@ def test_min_tokens_above_max_tokens_is_refused(served):
 
 def test_a_draft_model_speculates_and_answers_what_greedy_answers(model_dir, reference):
     _, tok = reference
-    engine, name = load_engine(model_dir, num_blocks=128, block_size=8, draft_model=model_dir,
-                               num_speculative_tokens=3)
+    engine, name = load_engine(model_dir,
+                               serve_config(num_blocks=128, block_size=8,
+                                            num_speculative_tokens=3), draft_model=model_dir)
     assert engine.speculator is not None
     prompt = list(tok.encode(PROMPT))
     want = reference_tokens(reference, prompt, 10, set())
@@ -197,7 +198,7 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_metrics_label_latencies_refusals_and_vllm_gauges(model_dir):
-    engine, name = load_engine(model_dir, num_blocks=128, block_size=8)
+    engine, name = load_engine(model_dir, serve_config(num_blocks=128, block_size=8))
     label = f'model_name="{name}"'
     with ServerThread(build_serving_app(AsyncEngine(engine), name)) as server:
         url = server.url
@@ -241,7 +242,7 @@ def test_metrics_label_latencies_refusals_and_vllm_gauges(model_dir):
 
 
 def test_a_model_name_with_quotes_is_escaped_in_the_label(model_dir):
-    engine, _ = load_engine(model_dir, num_blocks=32, block_size=8)
+    engine, _ = load_engine(model_dir, serve_config(num_blocks=32, block_size=8))
     async_engine = AsyncEngine(engine)
     build_serving_app(async_engine, 'a"b\\c')
     text = async_engine.metrics.render(engine)
