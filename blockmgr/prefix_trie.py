@@ -1291,13 +1291,15 @@ class PrefixTrie:
         if len(node.pages) != len(self._groups):
             raise IntegrityError(f"{_node_where(node)} holds pages of other groups than the trie's")
         for g, (pages, group) in enumerate(zip(node.pages, self._groups)):
-            where = f"{_node_where(node)}, group {g}:"
+            problem = None  # named only when found: this runs per node and group
             if len(pages) != num_pages:
-                raise IntegrityError(f"{where} holds {len(pages)} pages, needs {num_pages}")
-            if group.window is None and None in pages:
-                raise IntegrityError(f"{where} lacks a page without a sliding window")
-            if None in pages[pages.count(None) :]:
-                raise IntegrityError(f"{where} holds a page before a hole")
+                problem = f"holds {len(pages)} pages, needs {num_pages}"
+            elif group.window is None and None in pages:
+                problem = "lacks a page without a sliding window"
+            elif None in pages[pages.count(None) :]:
+                problem = "holds a page before a hole"
+            if problem is not None:
+                raise IntegrityError(f"{_node_where(node)}, group {g}: {problem}")
             refs = held_refs[node.tier][g]
             for page in pages:
                 if page is not None:
@@ -1336,12 +1338,14 @@ def path_tokens(node: TrieNode) -> list[int]:
 def _check_children(node: TrieNode) -> None:
     """No child in a warmer tier than `node`; `num_hot_children` counts the
     children in its own."""
-    tiers = [child.tier for child in node.children.values()]
-    if any(tier < node.tier for tier in tiers):
-        raise IntegrityError(f"{_node_where(node)} has a child in a warmer tier")
-    if node.num_hot_children != tiers.count(node.tier):
+    num_hot = 0
+    for child in node.children.values():
+        if child.tier < node.tier:
+            raise IntegrityError(f"{_node_where(node)} has a child in a warmer tier")
+        num_hot += child.tier == node.tier
+    if node.num_hot_children != num_hot:
         raise IntegrityError(f"{_node_where(node)} counts {node.num_hot_children} children "
-                             f"in its tier, has {tiers.count(node.tier)}")
+                             f"in its tier, has {num_hot}")
 
 
 def _present(pages: Sequence[int | None]) -> list[int]:
