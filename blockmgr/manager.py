@@ -42,8 +42,8 @@ from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
     DuplicateSequence,
     IntegrityError,
-    MemoryLeak,
     InvalidArgument,
+    MemoryLeak,
     NoSnapshot,
     OutOfBlocks,
     OutOfHostMemory,
