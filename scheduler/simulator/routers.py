@@ -190,7 +190,13 @@ def least_loaded_of(candidates: Sequence[int], replicas: Sequence[ReplicaView],
     at random (SMG's `argmax_with_random_ties` at equal scores).
     O(candidates)."""
     low = min(replicas[i].load for i in candidates)
-    tied = [i for i in candidates if replicas[i].load == low]
+    return one_of([i for i in candidates if replicas[i].load == low], rng)
+
+
+def one_of(tied: Sequence[int], rng: random.Random) -> int:
+    """The one of `tied` (equal scores), drawn uniformly at random when
+    there are several (SMG's `argmax_with_random_ties`); no draw for one,
+    so the generator moves only on a real tie. O(1)."""
     return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
 
 
@@ -219,8 +225,7 @@ class ExpectedWait:
             scores.append(work / settings.default_throughput
                           + settings.kv_pressure_weight * k / (1.0 - k))
         low = min(scores)
-        tied = [i for i, score in enumerate(scores) if score == low]
-        index = tied[0] if len(tied) == 1 else tied[self._rng.randrange(len(tied))]
+        index = one_of([i for i, score in enumerate(scores) if score == low], self._rng)
         self._sent[index] += 1
         return index
 
