@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from blockmgr.errors import UnknownSequence
 from cache import PagedCache
+from scheduler.engine.runner import right_padded
 
 #: Prompts of the probe: three rows of different lengths (a third row
 #: catches models that break only beyond two), token ids every vocabulary has.
@@ -116,9 +117,7 @@ def _ids() -> list[str]:
 
 
 def _forward(model, cache, ids, rows, num_new=None) -> np.ndarray:
-    width = max(map(len, rows))
-    padded = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
-    logits = model(padded, cache=cache.views(ids, num_new=num_new))
+    logits = model(right_padded(rows), cache=cache.views(ids, num_new=num_new))
     return np.array(logits.astype(mx.float32))
 
 

@@ -70,11 +70,9 @@ class ModelRunner:
     def run(self, batch: Sequence[ScheduledSeq],
             sampling: StepSampling) -> dict[Hashable, Any]:
         lengths = [s.num_tokens for s in batch]
-        width = max(lengths)
-        rows = [s.token_ids + [0] * (width - len(s.token_ids)) for s in batch]
         picks = [b for b, s in enumerate(batch) if s.sample]
         with self.cache.step([s.seq_id for s in batch], num_new=lengths) as views:
-            logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
+            logits = self.model(right_padded([s.token_ids for s in batch]), cache=views)
             values = self._sample(batch, picks, lengths, logits, sampling) if picks else []
             if not picks:
                 self.cache.eval_state()  # the logits are not needed
@@ -133,10 +131,8 @@ class ModelRunner:
         out: dict[int, mx.array] = {}  # row -> its logits
         for group in groups:
             lengths = [len(inputs[b]) for b in group]
-            width = max(lengths)
-            rows = [inputs[b] + [0] * (width - len(inputs[b])) for b in group]
             with self.cache.step([seq_ids[b] for b in group], num_new=lengths) as views:
-                logits = self.model(mx.array(rows, dtype=mx.int32), cache=views)
+                logits = self.model(right_padded([inputs[b] for b in group]), cache=views)
                 picked = [logits[i, mx.array(picks[b])] for i, b in enumerate(group)]
                 mx.eval(picked)
             self._flush_state()
@@ -157,3 +153,10 @@ class ModelRunner:
                 mx.eval(self.model(mx.array([[0]], dtype=mx.int32), cache=views))
         finally:
             cache.free(seq_id, 0)
+
+
+def right_padded(rows: Sequence[list[int]]) -> mx.array:
+    """The rows' tokens as one int32 batch, each padded with 0 on the right
+    to the longest (a row's logits past its own length are not read)."""
+    width = max(map(len, rows))
+    return mx.array([row + [0] * (width - len(row)) for row in rows], dtype=mx.int32)
