@@ -334,7 +334,8 @@ def test_row4_a_batch_refused_after_its_first_prompt_was_queued_aborts_it(model_
     engine = Engine(gated, num_blocks=64, block_size=8, tokenizer=tok, max_num_seqs=1)
     async_engine = AsyncEngine(engine, max_waiting=1)
     with ServerThread(build_app(async_engine, "tiny")) as server, ThreadPoolExecutor(1) as pool:
-        body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                "temperature": 0}  # sampled tokens could draw POISON_FORWARD
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)  # running
