@@ -29,14 +29,14 @@ proto = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2_grpc",
                             reason="needs smg-grpc-proto (the gateway's gRPC stubs)")
 
 from scheduler import Engine  # noqa: E402
-from scheduler.engine.kv_events import ZmqSink  # noqa: E402
+from scheduler.engine.kv_events import KVEventBatch, ZmqSink, encode_batch  # noqa: E402
 from smg_grpc_proto.generated import common_pb2  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.scheduler.serving.test_kv_events import (  # noqa: E402
     BLOCK_SIZE,
     run_and_check,
     servable_prefixes,
-    wait_sent,
     workload,
 )
 from tests.fleet import EventView  # noqa: E402
@@ -65,20 +65,30 @@ def _subscribe(address: str, view: EventView, stop: threading.Event) -> None:
 @pytest.mark.parametrize("name,vocab", [("llama", 101), ("lfm2", 61), ("sliding", 101)])
 def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
     sink = ZmqSink("tcp://127.0.0.1:*", bind=True, replay_endpoint="tcp://127.0.0.1:*")
-    address = f"127.0.0.1:{free_port()}"
-    relay = servicer.VllmGrpcServer(
-        address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}", "blockmgr-test",
-        block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
-        kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
     view, stop = EventView(BLOCK_SIZE), threading.Event()
+    address = f"127.0.0.1:{free_port()}"
     reader = threading.Thread(target=_subscribe, args=(address, view, stop), daemon=True)
+    relay = None
     try:
+        # As in a deployment, the engine has published (an empty batch 0) before
+        # the gateway's relay attaches, and the relay is in step with it before
+        # the workload starts. A relay starting while batches flow can take a
+        # live batch 0 or 1 that arrives after its start replay went past it
+        # for a publisher restart (SMG's gateway then clears and resubscribes).
+        sink.send(encode_batch(KVEventBatch(time.time(), (), 0)))
+        wait_for(lambda: sink.num_sent == 1, "batch 0 was not sent")
+        relay = servicer.VllmGrpcServer(
+            address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}",
+            "blockmgr-test", block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
+            kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
         reader.start()
+        wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
         engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
                         max_num_seqs=4)
         seen: list = []
         run_and_check(engine, workload(vocab), seen.append)
-        wait_sent(sink, engine.kv_events)
+        wait_for(lambda: sink.num_sent == 1 + engine.kv_events.num_batches,
+                 "the sink did not send its queue")
         expected = {tokens for _, tokens in servable_prefixes(engine.cache.store, seen[-1])}
         deadline = time.monotonic() + 20
         while view.prefixes() != expected and view.error is None:
@@ -88,9 +98,11 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
             time.sleep(0.05)
     finally:
         stop.set()
-        relay.stop()
+        if relay is not None:
+            relay.stop()
         sink.close()
-        reader.join(timeout=10)
+        if reader.is_alive():
+            reader.join(timeout=10)
     assert view.error is None, view.error
     assert engine.kv_events.num_errors == 0 and len(expected) > 5
     assert engine.cache.store.stats.num_evicted_nodes > 0, "the pool was meant to evict"

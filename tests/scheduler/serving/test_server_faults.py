@@ -36,6 +36,7 @@ from scheduler import Engine  # noqa: E402
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serving.serve import load_engine, model_context, serve_config  # noqa: E402
 from scheduler.serving.server import MAX_STOP_LENGTH, MAX_STOP_STRINGS, build_app  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
 from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import LOOPBACK, ServerThread  # noqa: E402
 
@@ -154,13 +155,6 @@ def in_flight(served: Served) -> int:
     """Requests the engine holds or has been sent (read while it is held in a forward)."""
     scheduler = served.engine.scheduler
     return served.async_engine.num_pending + scheduler.num_waiting + scheduler.num_running
-
-
-def wait_for(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def together(served: Served, solo, bad, num_bad_requests: int = 0):
