@@ -93,7 +93,8 @@ class SchedulerConfig:
     checkpoint_prefill: snapshot every prefill chunk end into the prefix
         trie (`cache_prefix`), so concurrent and later requests hit it.
     max_model_len: a sample stops (FINISHED_LENGTH) when its sequence
-        reaches this many tokens (None: no limit).
+        reaches this many tokens (None: what one sequence can hold in an
+        empty store, `pool_length`, so no sequence outgrows the pool).
     """
 
     max_num_batched_tokens: int = setting(
@@ -368,6 +369,7 @@ class _Seq:
     request: Request
     index: int | None  # sample index; None: a prompt shared by n > 1 samples
     key: tuple
+    max_num_outputs: int  # the sample stops by length at this many outputs
     num_computed: int = 0
     num_reserved: int = 0
     branch_point: int | None = None
@@ -437,6 +439,7 @@ class Scheduler:
         self._block_size = kv.block_size
         self._hybrid = kv.is_hybrid
         self._prefix_cache = kv.enable_prefix_cache
+        self._max_model_len = _length_limit(config.max_model_len, kv)
         policy = policy_named(config.policy)
         self._waiting: WaitingQueue[_Seq] = policy.new_queue(kv)
         self._insert = policy.insert_running
@@ -459,6 +462,12 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The most prompt + output tokens of a sequence in effect: the
+        config's, or what the store holds (`pool_length`) for None."""
+        return self._max_model_len
 
     def waiting_prompts(self, num: int) -> list[tuple[list[int], Hashable]]:
         """The tokens and namespace of the next `num` waiting sequences to
@@ -554,7 +563,7 @@ class Scheduler:
         request.metrics.arrival_time = request.arrival_time
         index = None if request.sampling.n > 1 else 0
         key = (request.priority, request.arrival_time, next(self._order))
-        seq = _Seq(request.seq_id(index), request, index, key)
+        seq = _Seq(request.seq_id(index), request, index, key, self._max_num_outputs(request))
         self._requests[rid] = request
         self._seqs_of[rid] = [seq]
         self._waiting.push(seq)
@@ -577,10 +586,12 @@ class Scheduler:
                 f"request {rid!r} asks for n={n} samples; there are {num_slots} recurrent slots"
             )
         num_prompt = request.num_prompt_tokens
-        if cfg.max_model_len is not None and num_prompt >= cfg.max_model_len:
+        limit = self._max_model_len
+        if limit is not None and num_prompt >= limit:
             raise RequestTooLarge(
                 f"request {rid!r}: prompt of {num_prompt} tokens does not fit "
-                f"max_model_len {cfg.max_model_len}"
+                f"max_model_len {limit}" + (" (what the pool holds past its watermark)"
+                                             if cfg.max_model_len is None else "")
             )
         num_pages = -(-num_prompt // self._block_size)
         if num_pages > usable:
@@ -588,6 +599,15 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens needs {num_pages} pages; "
                 f"the pool has {usable} past its watermark"
             )
+
+    def _max_num_outputs(self, request: Request) -> int:
+        """Outputs after which a sample of `request` stops by length: its
+        `max_tokens`, or fewer when `max_model_len` comes first."""
+        max_tokens = request.sampling.max_tokens
+        limit = self._max_model_len
+        if limit is None:
+            return max_tokens
+        return min(max_tokens, limit - request.num_prompt_tokens)
 
     def _store_capacity(self) -> tuple[int, int]:
         """(pages a prompt may take in an empty store: the pool past its
@@ -996,7 +1016,6 @@ class Scheduler:
         sample, the first tokens of a prompt's forks, accepted speculative
         tokens. Each sequence is one sample's. O(stop - start): this loop
         runs once per decoded token."""
-        no_length_limit = self.config.max_model_len is None
         for seq, token in zip(itertools.islice(seqs, start, stop),
                               itertools.islice(tokens, start, stop)):
             req = seq.request
@@ -1018,8 +1037,7 @@ class Scheduler:
             if deltas:
                 _add_delta(results, req, index, token)
             params = req.sampling
-            if no_length_limit and len(outputs) < params.max_tokens and (
-                    token not in params.stop_token_ids):
+            if len(outputs) < seq.max_num_outputs and token not in params.stop_token_ids:
                 continue  # the common token: `_stop_reason` is None, decided inline
             if self._end_sample(seq, req, index, token, now, results):
                 finished.add(id(seq))
@@ -1161,7 +1179,8 @@ class Scheduler:
         kv = self.kv
         children = []
         for i in range(n):
-            child = _Seq(req.seq_id(i), req, i, parent.key, parent.num_computed, parent.num_reserved)
+            child = _Seq(req.seq_id(i), req, i, parent.key, parent.max_num_outputs,
+                         parent.num_computed, parent.num_reserved)
             _extend(self._pending_ops, kv.fork(parent.seq_id, child.seq_id))
             children.append(child)
         _extend(self._pending_ops, kv.free(parent.seq_id, num_computed=parent.num_computed))
@@ -1175,7 +1194,7 @@ class Scheduler:
     ) -> bool:
         """`_add_sampled`'s end: if sample `index` stops at its new `token`,
         finish it (and its request when it was the last); True if it did."""
-        reason = self._stop_reason(req, index, token)
+        reason = _stop_reason(seq, req, index, token)
         if reason is None:
             return False
         req.finish_reasons[index] = reason
@@ -1204,18 +1223,6 @@ class Scheduler:
             self._add_sampled([seq], [token], 0, 1, now, results, finished, deltas)
             if seq.done:
                 return
-
-    def _stop_reason(self, req: Request, index: int, token: int) -> RequestStatus | None:
-        params = req.sampling
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        num_out = len(req.outputs[index])
-        if num_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        limit = self.config.max_model_len
-        if limit is not None and len(req.prompt_tokens) + num_out >= limit:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish_request(self, req: Request, now: float) -> None:
         reasons = req.finish_reasons
@@ -1272,6 +1279,39 @@ _MISSING = object()  # no entry in `sampled`
 # its checked sampled value: a token, one per sample, accepted drafts, or None)
 _PlannedItem = tuple[int, ScheduledSeq, _Seq, int | list[int] | AcceptedTokens | None]
 _INT_TYPE = {int}  # the type of a plain sampled token id
+
+
+def pool_length(kv: KVStore) -> int | None:
+    """The most tokens one sequence can hold in an empty store: the pool past
+    its watermark when a page group keeps every page (full attention); None
+    when every group slides (its pages are released as it goes: any length
+    fits). O(groups)."""
+    if all(usage.window is not None for usage in kv.group_usage()):
+        return None
+    return kv.num_usable_blocks * kv.block_size
+
+
+def _length_limit(max_model_len: int | None, kv: KVStore) -> int | None:
+    """`max_model_len` in effect over `kv`: what the pool holds for None;
+    `InvalidArgument` for more than that (such a sequence would wait for
+    pages for ever)."""
+    longest = pool_length(kv)
+    if max_model_len is None or longest is None:
+        return longest if max_model_len is None else max_model_len
+    if max_model_len > longest:
+        raise InvalidArgument(
+            f"max_model_len {max_model_len} is more than the pool can hold ({longest} tokens "
+            f"past the watermark): such a sequence could never finish")
+    return max_model_len
+
+
+def _stop_reason(seq: _Seq, req: Request, index: int, token: int) -> RequestStatus | None:
+    """Why sample `index` stops at its new `token` (None: it goes on)."""
+    if token in req.sampling.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if len(req.outputs[index]) >= seq.max_num_outputs:
+        return RequestStatus.FINISHED_LENGTH
+    return None
 
 
 def _add_delta(results: dict, req: Request, index: int, token: int) -> None:

@@ -67,6 +67,7 @@ from scheduler.core.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    pool_length,
 )
 from scheduler.engine.speculative import Speculator
 from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
@@ -266,7 +267,7 @@ class Engine:
                            probe_prefill=config.prefill_batch > 1 or draft_model is not None)
             if config.batch_probe else BatchSupport()
         )
-        sched = self._bounded(sched, storage.block_size, model_context)
+        sched = self._bounded(sched, model_context)
         #: the settings in effect (`scheduler.max_model_len` resolved)
         self.config = replace(config, scheduler=sched)
         self.vocab_size = _model_vocab_size(model) if config.vocab_size is None \
@@ -312,22 +313,17 @@ class Engine:
             self.kv_events.add_sink(sink)
         self.kv_events.publish()
 
-    def _bounded(self, sched: SchedulerConfig, block_size: int,
-                 model_context: int | None) -> SchedulerConfig:
+    def _bounded(self, sched: SchedulerConfig, model_context: int | None) -> SchedulerConfig:
         """`sched` with its `max_model_len` resolved: at most the model's
-        context, and a sample must stop before one sequence outgrows the
-        whole pool (a model whose layers all slide releases pages as it
-        goes, so any length fits there)."""
-        capacity = self.cache.num_usable_blocks * block_size
+        context, and what one sequence can hold in the pool (`pool_length`;
+        the scheduler refuses a larger one: such a sequence could never
+        finish)."""
         if sched.max_model_len is None:
-            longest = capacity if model_context is None else min(capacity, model_context)
+            longest = pool_length(self.cache)
+            if model_context is not None:
+                longest = model_context if longest is None else min(longest, model_context)
             return replace(sched, max_model_len=longest)
         check_model_len(sched.max_model_len, model_context)
-        if sched.max_model_len > capacity and None in self.cache.windows:
-            raise InvalidArgument(
-                f"max_model_len {sched.max_model_len} is more than the pool can hold "
-                f"({capacity} tokens past the watermark): such a sequence could never finish"
-            )
         return replace(sched)
 
     def _speculator(self, draft_model: Any, num_slots: int) -> Speculator:

@@ -13,10 +13,11 @@ import random
 
 import pytest
 
-from blockmgr import BlockManager, BlockManagerConfig
+from blockmgr import BlockManager, BlockManagerConfig, InvalidArgument
 from scheduler import (
     Request,
     RequestStatus,
+    RequestTooLarge,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
@@ -160,6 +161,43 @@ def test_stop_token_max_tokens_and_max_model_len():
     assert streamed["len"] == [5, 5, 5]
     assert len(streamed["model_len"]) == 14 - 10
     assert_no_leak(bm)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("neighbour", [False, True])
+def test_without_max_model_len_a_sequence_stops_at_what_the_pool_holds(preemption, neighbour):
+    """max_model_len None: a sample ends by length when its sequence fills the
+    pool past its watermark (6 pages of 4 tokens: 24 tokens), instead of
+    waiting for pages for ever; with a neighbour preempted for it too."""
+    bm, s = make(num_blocks=6, block_size=4, host=20, preemption=preemption)
+    assert s.max_model_len == 24
+    s.add_request(req("a", tokens=list(range(6)), max_tokens=40))
+    if neighbour:
+        s.add_request(req("b", tokens=list(range(100, 107)), max_tokens=8, n=2))
+    outputs, num_steps = [], 0
+    while s.has_unfinished():
+        outputs += step(s, token=5)[1]
+        num_steps += 1
+        assert num_steps < 500, "the scheduler made no progress"
+    final = {o.request_id: o for o in outputs if o.finished}
+    assert final["a"].status is RequestStatus.FINISHED_LENGTH
+    assert sum(len(o.new_tokens.get(0, [])) for o in outputs if o.request_id == "a") == 24 - 6
+    if neighbour:
+        assert final["b"].status is RequestStatus.FINISHED_LENGTH
+    assert_no_leak(bm)
+
+
+def test_max_model_len_past_the_pool_and_prompts_filling_it_are_refused():
+    bm = BlockManager(BlockManagerConfig(num_blocks=6, block_size=4))
+    with pytest.raises(InvalidArgument, match="more than the pool can hold"):
+        Scheduler(SchedulerConfig(max_model_len=25), bm)
+    s = Scheduler(SchedulerConfig(), bm)
+    before = s.debug_state()
+    with pytest.raises(RequestTooLarge, match="max_model_len 24"):
+        s.add_request(req("full", 24))  # no room left for its first output
+    assert s.debug_state() == before
+    windowed = BlockManager(BlockManagerConfig(num_blocks=6, block_size=4, sliding_window=8))
+    assert Scheduler(SchedulerConfig(), windowed).max_model_len is None  # any length fits
 
 
 def test_prefix_hit_counts_only_new_tokens_against_the_budget():
