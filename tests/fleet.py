@@ -166,6 +166,12 @@ class EventView:
         self.num_batches = 0
         self.error: Exception | None = None
 
+    def clear(self) -> None:
+        """Forget every block, as a gateway does before it resubscribes from zero."""
+        self.blocks.clear()
+        self.namespaces.clear()
+        self.last = None
+
     def apply(self, batch) -> None:
         if self.numbered:
             if batch.HasField("snapshot"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -43,23 +44,54 @@ from tests.fleet import EventView  # noqa: E402
 from tests.tiny_models import built  # noqa: E402
 
 
-def _subscribe(address: str, view: EventView, stop: threading.Event) -> None:
+def _subscribe(address: str, view: EventView, stop: threading.Event,
+               restarts: list[str] | None = None) -> None:
+    """Apply the relay's batches to `view` from sequence zero until `stop`. A
+    `DATA_LOSS` end (a publisher restart) is an error, or with `restarts` what
+    SMG's gateway does with it: note it, clear the view, subscribe from zero."""
     with grpc.insecure_channel(address) as channel:
         stub = proto.VllmEngineStub(channel)
-        stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
-            start_sequence_number=0))
-        try:
-            for batch in stream:
-                view.apply(batch)
+        while not stop.is_set():
+            stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+                start_sequence_number=0))
+            try:
+                for batch in stream:
+                    view.apply(batch)
+                    if stop.is_set():
+                        return
+            except grpc.RpcError as error:
                 if stop.is_set():
-                    break
-        except grpc.RpcError as error:
-            if not stop.is_set():
+                    return
+                if restarts is None or error.code() != grpc.StatusCode.DATA_LOSS:
+                    view.error = error
+                    return
+                restarts.append(error.details())
+                view.clear()
+            except Exception as error:  # noqa: BLE001 - reported by the test thread
                 view.error = error
-        except Exception as error:  # noqa: BLE001 - reported by the test thread
-            view.error = error
-        finally:
-            stream.cancel()
+                return
+            finally:
+                stream.cancel()
+
+
+def _relay_for(sink: ZmqSink, address: str, tmp_path) -> Any:
+    """SMG's relay of `sink`'s publisher (and replay socket), served at `address`."""
+    return servicer.VllmGrpcServer(
+        address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}",
+        "blockmgr-test", block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
+        kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
+
+
+def _publish_batch_zero(sink: ZmqSink) -> None:
+    """An empty batch 0, so a relay attaches to a publisher that has begun.
+
+    As in a deployment, the engine has published before the gateway's relay
+    attaches, and the relay is in step with it before the workload starts. A
+    relay starting while batches flow can take a live batch 0 or 1 that
+    arrives after its start replay went past it for a publisher restart
+    (SMG's gateway then clears and resubscribes)."""
+    sink.send(encode_batch(KVEventBatch(time.time(), (), 0)))
+    wait_for(lambda: sink.num_sent == 1, "batch 0 was not sent")
 
 
 @pytest.mark.parametrize("name,vocab", [("llama", 101), ("lfm2", 61), ("sliding", 101)])
@@ -70,17 +102,8 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
     reader = threading.Thread(target=_subscribe, args=(address, view, stop), daemon=True)
     relay = None
     try:
-        # As in a deployment, the engine has published (an empty batch 0) before
-        # the gateway's relay attaches, and the relay is in step with it before
-        # the workload starts. A relay starting while batches flow can take a
-        # live batch 0 or 1 that arrives after its start replay went past it
-        # for a publisher restart (SMG's gateway then clears and resubscribes).
-        sink.send(encode_batch(KVEventBatch(time.time(), (), 0)))
-        wait_for(lambda: sink.num_sent == 1, "batch 0 was not sent")
-        relay = servicer.VllmGrpcServer(
-            address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}",
-            "blockmgr-test", block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
-            kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
+        _publish_batch_zero(sink)
+        relay = _relay_for(sink, address, tmp_path)
         reader.start()
         wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
         engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
@@ -106,3 +129,63 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
     assert view.error is None, view.error
     assert engine.kv_events.num_errors == 0 and len(expected) > 5
     assert engine.cache.store.stats.num_evicted_nodes > 0, "the pool was meant to evict"
+
+
+def test_smgs_relay_takes_a_restarted_engine_from_zero(tmp_path):
+    """A replica restarted at the same address numbers its batches from zero
+    again: SMG's relay reads the restart and ends the stream with DATA_LOSS,
+    and a gateway that clears and subscribes from zero (as SMG's does) ends
+    with what the new engine serves and nothing of the old one's."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = ZmqSink(endpoint, bind=True, replay_endpoint=replay_endpoint)
+    second: ZmqSink | None = None
+    view, stop, restarts = EventView(BLOCK_SIZE), threading.Event(), []
+    address = f"127.0.0.1:{free_port()}"
+    reader = threading.Thread(target=_subscribe, args=(address, view, stop, restarts),
+                              daemon=True)
+    relay = None
+    try:
+        _publish_batch_zero(first)
+        relay = _relay_for(first, address, tmp_path)
+        reader.start()
+        wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
+        old = Engine(built("llama"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=first,
+                     max_num_seqs=4)
+        seen: list = []
+        run_and_check(old, workload(101), seen.append)
+        old_prefixes = {tokens for _, tokens in servable_prefixes(old.cache.store, seen[-1])}
+        wait_for(lambda: view.prefixes() == old_prefixes or view.error is not None,
+                 "the relayed view never matched the first engine's", timeout=20)
+        num_old_batches = first.num_sent
+        old.close()  # the replica stops (its publisher and replay socket close) ...
+        second = ZmqSink(endpoint, bind=True, replay_endpoint=replay_endpoint)  # ... and is back
+        # The relay reads a restart from the new incarnation's batch 0 or 1: it
+        # must have reconnected before them (a replica loading its model takes
+        # seconds; back within milliseconds, SMG 1.13 takes the new batches for
+        # duplicates of numbers it passed, design/fleet.md).
+        time.sleep(1.0)
+        new = Engine(built("llama"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=second,
+                     max_num_seqs=4)
+        seen = []
+        run_and_check(new, workload(101, seed=1)[:4], seen.append)
+        expected = {tokens for _, tokens in servable_prefixes(new.cache.store, seen[-1])}
+        wait_for(lambda: second.num_sent == new.kv_events.num_batches,
+                 "the sink did not send its queue")
+        # every number the new engine used is one the relay had passed: only the
+        # relay's restart rule can tell its batches from stale ones
+        assert second.num_sent < num_old_batches
+        wait_for(lambda: (restarts and view.prefixes() == expected) or view.error is not None,
+                 "the relayed view never matched the restarted engine's", timeout=20)
+    finally:
+        stop.set()
+        if relay is not None:
+            relay.stop()
+        for sink in (first, second):
+            if sink is not None:
+                sink.close()
+        if reader.is_alive():
+            reader.join(timeout=10)
+    assert view.error is None, view.error
+    assert "restarted" in restarts[0], restarts
+    assert len(expected) > 3 and not expected & old_prefixes
