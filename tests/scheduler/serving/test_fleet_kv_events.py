@@ -74,16 +74,11 @@ def _subscribe(address: str, view: EventView, stop: threading.Event,
                 stream.cancel()
 
 
-def _relay_for(sink: ZmqSink, address: str, tmp_path) -> Any:
-    """SMG's relay of `sink`'s publisher (and replay socket), served at `address`."""
-    return servicer.VllmGrpcServer(
-        address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}",
-        "blockmgr-test", block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
-        kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
-
-
-def _publish_batch_zero(sink: ZmqSink) -> None:
-    """An empty batch 0, so a relay attaches to a publisher that has begun.
+def _attach_relay(sink: ZmqSink, address: str, tmp_path, reader: threading.Thread,
+                  view: EventView) -> Any:
+    """Publish an empty batch 0 on `sink`, start SMG's relay of its publisher
+    (and replay socket) at `address`, start `reader` on the relay; return the
+    relay once `view` holds batch 0.
 
     As in a deployment, the engine has published before the gateway's relay
     attaches, and the relay is in step with it before the workload starts. A
@@ -92,6 +87,17 @@ def _publish_batch_zero(sink: ZmqSink) -> None:
     (SMG's gateway then clears and resubscribes)."""
     sink.send(encode_batch(KVEventBatch(time.time(), (), 0)))
     wait_for(lambda: sink.num_sent == 1, "batch 0 was not sent")
+    relay = servicer.VllmGrpcServer(
+        address, f"ipc://{tmp_path}/engine", f"tcp://127.0.0.1:{free_port()}",
+        "blockmgr-test", block_size=BLOCK_SIZE, kv_events_endpoint=sink.last_endpoint,
+        kv_events_replay_endpoint=sink.replay_last_endpoint, kv_events_topic="")
+    try:
+        reader.start()
+        wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
+    except BaseException:
+        relay.stop()
+        raise
+    return relay
 
 
 @pytest.mark.parametrize("name,vocab", [("llama", 101), ("lfm2", 61), ("sliding", 101)])
@@ -102,10 +108,7 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
     reader = threading.Thread(target=_subscribe, args=(address, view, stop), daemon=True)
     relay = None
     try:
-        _publish_batch_zero(sink)
-        relay = _relay_for(sink, address, tmp_path)
-        reader.start()
-        wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
+        relay = _attach_relay(sink, address, tmp_path, reader, view)
         engine = Engine(built(name), num_blocks=28, block_size=BLOCK_SIZE, kv_events=sink,
                         max_num_seqs=4)
         seen: list = []
@@ -146,10 +149,7 @@ def test_smgs_relay_takes_a_restarted_engine_from_zero(tmp_path):
                               daemon=True)
     relay = None
     try:
-        _publish_batch_zero(first)
-        relay = _relay_for(first, address, tmp_path)
-        reader.start()
-        wait_for(lambda: view.num_batches == 1, "the relay did not relay batch 0")
+        relay = _attach_relay(first, address, tmp_path, reader, view)
         old = Engine(built("llama"), num_blocks=28, block_size=BLOCK_SIZE, kv_events=first,
                      max_num_seqs=4)
         seen: list = []
