@@ -80,7 +80,9 @@ class PageGroup:
         """The new sequence's references to the matched pages past the locked
         path (a node the hit ends inside stays evictable past the hit)."""
         pages = match.pages[self.index]
-        first_owned = max(match.num_locked_pages, match.released[self.index])
+        first_owned = match.released[self.index]  # the larger of the two, without a max() call
+        if first_owned < match.num_locked_pages:
+            first_owned = match.num_locked_pages
         if len(pages) > first_owned:  # past the released pages: never None
             self.pages.incref_all(pages[first_owned:])  # type: ignore[arg-type]
 
@@ -178,7 +180,9 @@ class PageGroup:
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references (it ends; resident)."""
         index = self.index
-        first_owned = max(seq.released[index], seq.num_borrowed)
+        first_owned = seq.released[index]  # the larger of the two, without a max() call
+        if first_owned < seq.num_borrowed:
+            first_owned = seq.num_borrowed
         table = seq.tables[index]
         owned = table[first_owned:] if first_owned else table  # past the released: no None
         self.pages.release_all(owned)  # type: ignore[arg-type]

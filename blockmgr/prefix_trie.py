@@ -165,7 +165,8 @@ def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
     equal those of `packed` from token `pos` on. O(L) bytes compared by
     memcmp plus O(log L) slices."""
     start = pos * TOKEN_BYTES
-    limit = min(len(edge), len(packed) - start) // TOKEN_BYTES
+    rest = len(packed) - start  # the shorter of the two, without a min() call (per edge)
+    limit = (len(edge) if len(edge) < rest else rest) // TOKEN_BYTES
     lo, hi = 0, limit  # edge[:lo] matches; edge[:hi + 1] does not (or hi == limit)
     if edge[: limit * TOKEN_BYTES] == packed[start : start + limit * TOKEN_BYTES]:
         return limit
@@ -199,7 +200,9 @@ def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
     O(L) element compares at C speed plus O(log L) slices: a bisection over
     slice equality instead of a per-token Python loop.
     """
-    limit = min(len(edge), len(tokens) - pos)
+    limit = len(tokens) - pos  # the shorter of the two, without a min() call (per edge)
+    if len(edge) < limit:
+        limit = len(edge)
     head = edge if limit == len(edge) else edge[:limit]
     if head == tokens[pos : pos + limit]:
         return limit
@@ -319,7 +322,7 @@ class PrefixTrie:
         path, num_matched = self._walk(root, tokens, packed)
         if self._hybrid:
             return self._hybrid_match(path, num_matched, limit, len(tokens))
-        num_usable = min(num_matched, limit)
+        num_usable = num_matched if num_matched < limit else limit
         branch_point = None
         if self._windowed:
             num_usable = self._windows_usable(path, num_usable)
@@ -482,7 +485,7 @@ class PrefixTrie:
     def _hybrid_match(
         self, path: list[TrieNode], num_matched: int, limit: int, num_tokens: int
     ) -> PrefixMatch:
-        reach = min(num_matched, limit)
+        reach = num_matched if num_matched < limit else limit
         snapshot_depth = None
         for depth, node in enumerate(path):
             if node.end > reach:
