@@ -11,8 +11,17 @@ part (swap out) or one host gather and one device scatter (swap in).
 Values are stored bit for bit (as unsigned integers of the dtype's size), so
 dtypes numpy lacks (bfloat16) round-trip exactly and quantized rows are
 never re-quantized. The arrays are allocated on the first swap out, shaped
-like the parts the pool hands out (`np.empty`: untouched host pages take
-no resident memory).
+like the parts the pool hands out, zeroed (`np.zeros`, which the OS backs
+lazily: untouched host pages take no resident memory).
+
+A host page no swap out wrote reads as zeros, what a fresh device page
+holds. Such pages are swapped in: a sequence swapped out before any
+forward created this layer's pool holds host pages nothing was copied to
+(`PagedCache` skips pools that do not exist yet), and once another
+sequence's swap out allocates the arrays, its swap in copies them to the
+device. Uninitialized bytes there (NaN scales, say) would sit in rows the
+sequence has not written yet, which a batched step reads under its mask
+(a masked NaN is still NaN).
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ class HostPagePool:
         if self._parts:
             return
         n = n_kv_heads * self.num_host_blocks
-        self._parts = [np.empty((n, *p.shape[1:]), _RAW[p.dtype.size][1]) for p in parts]
+        self._parts = [np.zeros((n, *p.shape[1:]), _RAW[p.dtype.size][1]) for p in parts]
         self._dtypes = [p.dtype for p in parts]
 
 

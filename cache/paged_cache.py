@@ -865,8 +865,8 @@ class PagedCache:
 
         Page ops of a group whose pools do not exist yet are dropped: no
         forward has written any page of that group, so there is nothing to
-        copy (and `HostPagePool.swap_in` of never-written host pages is a
-        no-op for the same reason)."""
+        copy. A swap out dropped so leaves its host pages unwritten; they
+        swap back in as zeros, what a fresh pool holds (`HostPagePool`)."""
         for gi, g in enumerate(self._groups):
             if not g.pending or not g.pools:
                 g.pending.clear()

@@ -9,9 +9,12 @@ gather and one in-place device write.
 
 Values are stored bit for bit (unsigned integers of the dtype's size), so
 bfloat16 round-trips exactly. Arrays are allocated on first use with
-`np.empty` (untouched host slots take no resident memory). An array the
-device pool never materialized stays unmaterialized here too: every slot of
-it is the zero state, on either side.
+`np.zeros` (which the OS backs lazily: untouched host slots take no
+resident memory). An array the device pool never materialized stays
+unmaterialized here too: every slot of it is the zero state, on either
+side. A host slot swapped out while its array was unmaterialized is still
+the zero state once another slot's swap out allocates the array: nothing
+was copied to it, and the allocation is zeroed.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class HostSlots:
                 continue
             host = self._arrays[i]
             if host is None:
-                host = np.empty((self.num_host_slots, *r.shape[1:]), _RAW[r.dtype.size][1])
+                host = np.zeros((self.num_host_slots, *r.shape[1:]), _RAW[r.dtype.size][1])
                 self._arrays[i] = host
             host[dst] = np.asarray(r)[pick]
 

@@ -32,6 +32,21 @@ def deterministic_seeds():
     mx.random.seed(SEED)
 
 
+@pytest.fixture
+def garbage_memory(monkeypatch):
+    """`np.empty` hands out all-ones bytes (NaN in any float), as memory
+    reused from earlier tests may hold: a read of host memory nothing
+    wrote shows as NaN instead of depending on what ran before."""
+    empty = np.empty
+
+    def garbage(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        out.reshape(-1).view(np.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(np, "empty", garbage)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model, tokenizer) of the tiny random-weight llama of `tests.serve_model`,

@@ -12,6 +12,7 @@ from blockmgr.errors import InvalidArgument
 from blockmgr.ops import CopyBlock, CopySlot, ZeroSlot
 from recurrent import (
     ArraySpec,
+    HostSlots,
     RecurrentPools,
     RecurrentView,
     StatePool,
@@ -226,6 +227,20 @@ def test_view_on_unmaterialized_pool_reads_none_and_stays_truthy():
     assert view[0] is None and view[1] is None
     assert bool(view) is True  # mlx-lm tests `if cache` for "has state"
     assert view.state == [None, None]
+
+
+def test_a_slot_swapped_out_unmaterialized_swaps_in_as_the_zero_state(garbage_memory):
+    """Slot 0 goes out while the array is unmaterialized (nothing copied);
+    slot 1's swap out then allocates the host array. Host slot 0 swaps in
+    as the zero state, not as whatever that memory held."""
+    pool = StatePool(4, 1)
+    host = HostSlots(2, 1)
+    host.swap_out(pool, [0], [0])
+    pool.scatter(0, make_batch([1], None, 4), mx.ones((1, 2, 3)))
+    host.swap_out(pool, [1], [1])
+    host.swap_in(pool, [0, 1], [2, 3])
+    rows = np.array(pool.gather(0, make_batch([2, 3], None, 4)))
+    np.testing.assert_array_equal(rows, [np.zeros((2, 3)), np.ones((2, 3))])
 
 
 def test_view_lengths_mask_and_advance_are_per_view():
