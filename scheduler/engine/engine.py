@@ -67,7 +67,6 @@ from scheduler.core.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    pool_length,
 )
 from scheduler.engine.speculative import Speculator
 from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
@@ -267,7 +266,7 @@ class Engine:
                            probe_prefill=config.prefill_batch > 1 or draft_model is not None)
             if config.batch_probe else BatchSupport()
         )
-        sched = self._bounded(sched, model_context)
+        sched = self._bounded(sched, storage.block_size, model_context)
         #: the settings in effect (`scheduler.max_model_len` resolved)
         self.config = replace(config, scheduler=sched)
         self.vocab_size = _model_vocab_size(model) if config.vocab_size is None \
@@ -313,15 +312,16 @@ class Engine:
             self.kv_events.add_sink(sink)
         self.kv_events.publish()
 
-    def _bounded(self, sched: SchedulerConfig, model_context: int | None) -> SchedulerConfig:
+    def _bounded(self, sched: SchedulerConfig, block_size: int,
+                 model_context: int | None) -> SchedulerConfig:
         """`sched` with its `max_model_len` resolved: at most the model's
-        context, and what one sequence can hold in the pool (`pool_length`;
-        the scheduler refuses a larger one: such a sequence could never
-        finish)."""
+        context, and by default what one sequence can hold in the pool (a
+        number even when every layer slides: the server measures requests
+        against it). A larger one is the scheduler's to refuse
+        (`pool_length`: such a sequence could never finish)."""
         if sched.max_model_len is None:
-            longest = pool_length(self.cache)
-            if model_context is not None:
-                longest = model_context if longest is None else min(longest, model_context)
+            capacity = self.cache.num_usable_blocks * block_size
+            longest = capacity if model_context is None else min(capacity, model_context)
             return replace(sched, max_model_len=longest)
         check_model_len(sched.max_model_len, model_context)
         return replace(sched)
