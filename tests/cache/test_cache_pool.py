@@ -9,21 +9,13 @@ import pytest
 from blockmgr.ops import CopyBlock
 from cache import PagePool, PoolShape, copy_waves
 from cache.page_pool import head_rows, page_rows
+from tests.memory import peak_growth
 
 H, D, BS = 4, 64, 16
 
 
 def big_pool(num_blocks=2048):  # 2 x 33.5 MB
     return PagePool(PoolShape(num_blocks, BS, H, D, D, mx.float32))
-
-
-def peak_growth(fn) -> int:
-    """Bytes allocated above what was live before `fn` (the copy detector)."""
-    mx.eval(mx.zeros(1))
-    mx.reset_peak_memory()
-    before = mx.get_active_memory()
-    fn()
-    return mx.get_peak_memory() - before
 
 
 def decode_write(pool, page=7, col=3):

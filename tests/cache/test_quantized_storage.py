@@ -8,7 +8,6 @@ for sliding layers) or mlx-lm's caches fed quantized rows
 
 from __future__ import annotations
 
-import gc
 
 import hypothesis.strategies as st
 import mlx.core as mx
@@ -23,6 +22,7 @@ from cache import KVFormat, PagedCache, QuantizedPagePool
 from cache.host_pool import HostPagePool
 from cache.page_pool import PoolShape
 from scheduler import Engine, SamplingParams
+from tests.memory import peak_growth
 from tests.quant_models import VOCAB, built, group_size, num_slots, reference_caches, run_chunks
 from tests.scheduler.test_engine import assert_no_leak, assert_preempted
 from tests.cache.test_store_faults import FAULT, FailingLayer, FailingModel
@@ -260,18 +260,7 @@ def test_quantized_decode_writes_stay_in_place(batch, alias):
     step()
     pool = pc.pool_for(0, None, None)
     kept = [a.reshape(-1) for a in pool.arrays()] if alias else []  # noqa: F841
-    # An earlier test's cache is freed by the cyclic collector (its views'
-    # batch state and the cache refer to each other); a collection inside
-    # the measured step would free its pools and hide a copy.
-    gc.collect()
-    gc.disable()
-    try:
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
-        step()
-        grown = mx.get_peak_memory() - before
-    finally:
-        gc.enable()
+    grown = peak_growth(step)
     if alias:
         assert grown >= sum(a.nbytes for a in pool.arrays())
     else:

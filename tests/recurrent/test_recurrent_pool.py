@@ -19,6 +19,7 @@ from recurrent import (
     compile_slot_plan,
     make_batch,
 )
+from tests.memory import peak_growth
 
 NUM_SLOTS = 6
 
@@ -156,13 +157,6 @@ def test_constructor_rejects_bad_sizes(bad):
 # ---- in place -------------------------------------------------------------------------------
 
 
-def _peak_during(fn) -> int:
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    fn()
-    return mx.get_peak_memory() - base
-
-
 def test_mlx_copies_when_gather_and_scatter_share_one_evaluation():
     """The MLX behaviour the pool is built around (a canary if MLX changes it)."""
     a = mx.zeros((4096, 1024))
@@ -176,7 +170,7 @@ def test_mlx_copies_when_gather_and_scatter_share_one_evaluation():
     # its reference first); it usually does (34 of 40 tries on an idle
     # machine, fewer under load), so the pool must never rely on luck. 100
     # tries (~0.1 s) make a miss by chance negligible.
-    assert any(_peak_during(naive) > a.nbytes // 2 for _ in range(100))
+    assert any(peak_growth(naive) > a.nbytes // 2 for _ in range(100))
 
 
 @pytest.mark.parametrize("row", [1024, 4096])  # indexed scatter / slice updates
@@ -192,9 +186,9 @@ def test_plans_and_batch_writes_stay_in_place(row):
         pool.flush()  # ... then the pool
 
     step()
-    assert _peak_during(step) < size // 4
+    assert peak_growth(step) < size // 4
     for plan in ([CopySlot(0, 9), ZeroSlot(2)], [ZeroSlot(5)], [CopySlot(3, 4)]):
-        assert _peak_during(lambda: (pool.apply_plan(plan), pool.flush())) < size // 4
+        assert peak_growth(lambda: (pool.apply_plan(plan), pool.flush())) < size // 4
 
 
 # ---- views -------------------------------------------------------------------------------------
