@@ -952,6 +952,7 @@ class PagedCache:
             if state is not None and state.in_flight:
                 state.computed += state.in_flight
                 state.in_flight = 0
+                state.batch = None  # settled; the batch refers to this cache
 
     def rollback_step(self, batch: BatchState) -> None:
         """The batch's last step failed: nothing of it counts (its recurrent
@@ -962,6 +963,7 @@ class PagedCache:
             state = self._seqs.get(seq_id)
             if state is not None:
                 state.in_flight = 0
+                state.batch = None
 
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
         """The backend's views for a started step: each row's slot (after the

@@ -12,9 +12,10 @@ def peak_growth(fn: Callable[[], object]) -> int:
     """Bytes allocated above what was live before `fn()`, at the peak.
 
     Garbage is collected first and the collector is off while `fn` runs: an
-    earlier test's `PagedCache` is freed only by the cyclic collector (its
-    views' batch state and the cache refer to each other), and its pools
-    freed inside the window would hide the copy a test looks for."""
+    earlier test's `PagedCache` with a `views()` step still in flight is
+    freed only by the cyclic collector (that step's batch state and the cache
+    refer to each other), and its pools freed inside the window would hide
+    the copy a test looks for."""
     mx.eval(mx.zeros(1))
     gc.collect()
     gc.disable()

@@ -3,6 +3,8 @@ pages and slots; anything else held is named."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import pytest
 
@@ -55,3 +57,25 @@ def test_a_swapped_sequence_holds_host_memory(name):
         pc.check_no_leaks()
     if name in HYBRID:
         assert "1 host slots still in use" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_a_dropped_cache_frees_its_pools_without_the_cycle_collector(name):
+    """A settled step leaves nothing that refers back to the cache, so
+    dropping it (a live sequence included) frees its device pools at once,
+    as an engine dropped after a run does, with the cyclic collector off."""
+    model = built(name)
+    gc.collect()
+    gc.disable()
+    try:
+        mx.eval(mx.zeros(1))
+        before = mx.get_active_memory()
+        pc = PagedCache.for_model(model, 4096, 8, num_slots=2 if name in HYBRID else 0)
+        run(pc, name, "a", list(range(3, 23)))
+        pc.eval_state()
+        nbytes = pc.nbytes
+        assert mx.get_active_memory() - before >= nbytes
+        del pc
+        assert mx.get_active_memory() - before < nbytes // 8
+    finally:
+        gc.enable()
