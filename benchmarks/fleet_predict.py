@@ -143,8 +143,12 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path,
         after = [cpu_seconds(pid) for pid in pids]
         used = [{tid: t - b.get(tid, 0.0) for tid, t in thread_cpu_seconds(pid).items()}
                 for pid, b in zip(pids, threads_before)]
-        threads = [sorted((round(t, 2) for t in u.values() if t > 0.05), reverse=True)
-                   for u in used]
+        # A replica's main thread runs its event loop (HTTP, SSE, the server's
+        # own work); its steps run on the engine thread and MLX's compute thread.
+        threads = [{"main": round(u.get(str(pid), 0.0), 2),
+                    "others": sorted((round(t, 2) for tid, t in u.items()
+                                      if tid != str(pid) and t > 0.05), reverse=True)}
+                   for pid, u in zip(pids, used)]
         load_after = load_average()
         metrics = [httpx.get(url + "/metrics", timeout=10).text for url in fleet.replica_urls]
         branches = smg_branches(httpx.get(fleet.metrics_url, timeout=10).text)
@@ -413,7 +417,8 @@ def main() -> None:
                   f"client CPU {r['client_cpu_s']:.1f} s, other jobs {r['others_cpu_s']:.1f} "
                   f"CPU s, steal {r['steal_s']:.1f} s: {r['free_cores']:.2f} cores left for "
                   f"the replicas")
-            print(f"  each replica's threads, CPU s: {r['replica_threads_cpu_s']}")
+            print(f"  each replica's threads, CPU s (main: the event loop): "
+                  f"{r['replica_threads_cpu_s']}")
             if r.get("smg_branches"):
                 print(f"  SMG's cache-aware decisions by branch: {r['smg_branches']}")
     print_rows(rows)
