@@ -62,8 +62,8 @@ def test_a_swapped_sequence_holds_host_memory(name):
 @pytest.mark.parametrize("name", ["llama", "lfm2"])
 def test_a_dropped_cache_frees_its_pools_without_the_cycle_collector(name):
     """A settled step leaves nothing that refers back to the cache, so
-    dropping it (a live sequence included) frees its device pools at once,
-    as an engine dropped after a run does, with the cyclic collector off."""
+    dropping it with a live sequence (an engine dropped mid-run, say) frees
+    its device pools at once, with the cyclic collector off."""
     model = built(name)
     gc.collect()
     gc.disable()
