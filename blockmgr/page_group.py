@@ -172,17 +172,14 @@ class PageGroup:
     def share(self, seq: Sequence) -> list[int | None]:
         """A copy of the table, with a fork's references to the pages the
         sequence owns."""
-        index = self.index
-        table = seq.tables[index]
-        self.pages.incref_all(held(table[max(seq.released[index], seq.num_borrowed) :]))
+        table = seq.tables[self.index]
+        self.pages.incref_all(held(table[seq.first_owned(self.index) :]))
         return table[:]
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references (it ends; resident)."""
         index = self.index
-        first_owned = seq.released[index]  # the larger of the two, without a max() call
-        if first_owned < seq.num_borrowed:
-            first_owned = seq.num_borrowed
+        first_owned = seq.first_owned(index)
         table = seq.tables[index]
         owned = table[first_owned:] if first_owned else table  # past the released: no None
         self.pages.release_all(owned)  # type: ignore[arg-type]

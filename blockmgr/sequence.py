@@ -82,8 +82,9 @@ class Sequence:
 
     def first_owned(self, index: int) -> int:
         """Index of the first page of group `index` the sequence holds a
-        reference to."""
-        return max(self.released[index], self.num_borrowed)
+        reference to. O(1), without a max() call: this runs per request."""
+        first = self.released[index]
+        return first if first > self.num_borrowed else self.num_borrowed
 
 
 def held(pages: PageList) -> list[int]:
