@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--background", type=_nonneg_float, metavar="B",
                    help="with --cores: B runnable threads of other work share those cores "
                         "(default 0)")
+    r.add_argument("--step-jitter", type=_nonneg_float, metavar="SIGMA",
+                   help="the fleet's steps each take a random factor of their priced time "
+                        "(log-normal, mean 1, its log's standard deviation SIGMA; a "
+                        "calibration's repeated steps vary by about 0.1); default 0: none")
+    r.add_argument("--fleet-seed", type=int, metavar="N",
+                   help="the seed of the fleet's step jitter (default 0)")
 
     rep = sub.add_parser(
         "replay",
@@ -865,16 +871,19 @@ def cmd_simulate(args) -> int:
 
 
 def fleet_of(args):
-    """The fleet `--replicas`, `--router`, `--cores` and `--background` ask
-    for (None: one server)."""
-    if args.replicas is None and args.router is None and args.cores is None:
+    """The fleet `--replicas`, `--router`, `--cores`, `--background`,
+    `--step-jitter` and `--fleet-seed` ask for (None: one server)."""
+    if args.replicas is None and args.router is None and args.cores is None \
+            and args.step_jitter is None:
         if args.background is not None:
             raise ValueError("--background needs --cores (the machine the replicas share)")
+        if args.fleet_seed is not None:
+            raise ValueError("--fleet-seed needs --step-jitter (the draws it seeds)")
         return None
     from scheduler.simulator.fleet import FleetSpec
 
     return FleetSpec(args.replicas or 1, args.router or "round_robin", args.cores,
-                     args.background or 0.0)
+                     args.background or 0.0, args.step_jitter or 0.0, args.fleet_seed or 0)
 
 
 def cmd_replay(args) -> int:

@@ -21,6 +21,15 @@ steps are in flight than there are cores they share them, so every step
 in flight ends later than priced. Without it each replica has a machine
 of its own.
 
+With `step_jitter` σ (`FleetSpec`), each step's priced time is multiplied
+by a draw of a log-normal factor of mean 1 (its log has standard deviation
+σ), from the fleet's own generator (`seed`): real steps of one shape vary
+by some 10 % (a calibration measures it), and in a closed loop which
+replica a session's next turn reaches under round robin depends on which
+step ended first, so the real fleet's outcome varies from run to run; seeds
+of a jittered fleet give that spread. σ = 0 (the default) draws nothing:
+the fleet runs exactly as the priced steps say.
+
 Costs: per event O(log replicas) plus the replica's step (with `cores`:
 plus O(steps in flight x log replicas)); per request the router's cost
 (`routers.py`).
@@ -29,6 +38,7 @@ plus O(steps in flight x log replicas)); per request the router's cost
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -59,6 +69,8 @@ _END, _ARRIVAL, _BEGIN = 0, 1, 2
 
 #: The most replicas one simulated fleet may have.
 MAX_REPLICAS = 4096
+#: The largest step jitter (a step's time factor's log's standard deviation).
+MAX_STEP_JITTER = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +78,17 @@ class FleetSpec:
     """The fleet around one server's `SimulationConfig`: how many replicas,
     which router (a name of `routers.ROUTERS`), and `cores`: the cores of
     the one machine all replicas run on (None: a machine each), beside
-    `background` runnable threads of other work (`shared_cores.py`).
+    `background` runnable threads of other work (`shared_cores.py`);
+    `step_jitter`: the standard deviation of the log of each step's time
+    factor (0: none; see the module doc), drawn from `seed`.
     Raises ValueError."""
 
     num_replicas: int = 1
     router: str = "round_robin"
     cores: float | None = None
     background: float = 0.0
+    step_jitter: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_replicas
@@ -84,6 +100,13 @@ class FleetSpec:
             SharedCores(self.cores, self.background)  # raises for bad counts
         elif self.background:
             raise ValueError("background threads need the fleet's cores")
+        jitter = self.step_jitter
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) \
+                or not 0 <= jitter <= MAX_STEP_JITTER:
+            raise ValueError(f"step_jitter must be a number in [0, {MAX_STEP_JITTER}], "
+                             f"got {jitter!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
 
     def to_dict(self) -> dict:
         data = {"replicas": self.num_replicas, "router": self.router}
@@ -91,16 +114,21 @@ class FleetSpec:
             data["cores"] = self.cores
         if self.background:
             data["background"] = self.background
+        if self.step_jitter:
+            data["step_jitter"] = self.step_jitter
+            data["seed"] = self.seed
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "FleetSpec":
-        keys = {"replicas", "router", "cores", "background"}
+        keys = {"replicas", "router", "cores", "background", "step_jitter", "seed"}
         if not isinstance(data, dict) or set(data) - keys:
             raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C, "
-                             f"'background': B]}}, got {data!r:.80}")
+                             f"'background': B, 'step_jitter': S, 'seed': N]}}, "
+                             f"got {data!r:.80}")
         return cls(data.get("replicas", 1), data.get("router", "round_robin"),
-                   data.get("cores"), data.get("background", 0.0))
+                   data.get("cores"), data.get("background", 0.0),
+                   data.get("step_jitter", 0.0), data.get("seed", 0))
 
 
 @dataclass(slots=True)
@@ -199,6 +227,7 @@ class Fleet:
         self._progress = progress
         self._num_events = 0
         self._cores = None if fleet.cores is None else SharedCores(fleet.cores, fleet.background)
+        self._jitter = random.Random(fleet.seed) if fleet.step_jitter else None
 
     # -------------------------------------------------------------- routing
 
@@ -262,6 +291,8 @@ class Fleet:
         replica = replicas[index]
         ending = replica.step is not None
         replica.run_event()
+        if self._jitter is not None and not ending and replica.step is not None:
+            replica.step.dt *= self._jitter_factor()
         self._schedule(replica)
         if self._cores is not None:
             self._share(replica, ending)
@@ -269,6 +300,12 @@ class Fleet:
         if self._progress is not None and self._num_events % 256 == 0:
             self._report_progress()
         return True
+
+    def _jitter_factor(self) -> float:
+        """A step's time factor: log-normal, mean 1 (`FleetSpec.step_jitter`)."""
+        assert self._jitter is not None
+        sigma = self.fleet.step_jitter
+        return self._jitter.lognormvariate(-sigma * sigma / 2, sigma)
 
     def _share(self, replica: _Replica, ending: bool) -> None:
         """A step of `replica` ended (`ending`) or began: every step in
@@ -306,6 +343,8 @@ class Fleet:
         }
         if self._bound is not None:
             summary["prefix_cache"]["infinite_cache_hit_rate"] = self._bound.hit_rate
+        if self.fleet.step_jitter:
+            summary["step_jitter"] = {"sigma": self.fleet.step_jitter, "seed": self.fleet.seed}
         if self._cores is not None:
             summary["machine"] = {
                 "cores": self._cores.cores, "background": self._cores.background,

@@ -38,8 +38,12 @@ def fleet_rows(summary: dict) -> list[tuple[str, str]]:
     req = summary["requests"]
     pc, mem, routing = summary["prefix_cache"], summary["memory"], summary["routing"]
     counts = routing["requests"]
+    fleet = f"{routing['replicas']} replicas, router {routing['router']}"
+    if "step_jitter" in summary:
+        jitter = summary["step_jitter"]
+        fleet += f", step jitter {jitter['sigma']:g} (seed {jitter['seed']})"
     rows = [
-        ("fleet", f"{routing['replicas']} replicas, router {routing['router']}"),
+        ("fleet", fleet),
         ("requests finished / aborted", f"{req['finished']} / {req['aborted']}"),
         ("requests per replica min / max", f"{min(counts)} / {max(counts)}"),
         *time_rows(summary),

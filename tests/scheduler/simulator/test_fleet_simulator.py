@@ -5,9 +5,12 @@ router's approximate tree against a naive longest-common-prefix scan."""
 from __future__ import annotations
 
 import json
+import math
+import random
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,7 +191,55 @@ def test_a_sweep_over_replicas_and_routers_runs_fleets():
         assert row["summary"]["routing"] == direct.summary["routing"]
 
 
+def test_step_jitter_multiplies_each_priced_step_by_its_draw():
+    """Every request arrives before the first step ends, so the steps are
+    the same with and without jitter: the jittered fleet's k-th step takes
+    the plain one's times the k-th log-normal draw of `seed` (mean 1)."""
+    cfg = config(check_every=None, num_requests=40, rate=1e6, mix={"chat": 1})
+    plain = run_fleet(cfg, FleetSpec()).replicas[0].metrics.step_arrays()["step_time"]
+    jittered = run_fleet(cfg, FleetSpec(step_jitter=0.2, seed=5)).replicas[0]
+    times = jittered.metrics.step_arrays()["step_time"]
+    draws = random.Random(5)
+    expected = [t * draws.lognormvariate(-0.02, 0.2) for t in plain]
+    assert len(plain) > 20
+    np.testing.assert_allclose(times, expected, rtol=1e-12)
+    assert not np.allclose(times, plain)
+
+
+def test_step_jitter_seeds_spread_a_round_robin_fleets_hit_rate():
+    """Under round robin in a closed loop, which replica a session's next
+    turn reaches depends on which step ended first: seeds of a jittered
+    fleet give different hit rates (as real runs do), an unjittered fleet
+    one, whatever its seed."""
+    cfg = config(check_every=None, arrival="closed", concurrency=6, num_requests=96,
+                 mix={"multiturn": 1})
+
+    def hit_rate(fleet: FleetSpec) -> float:
+        return run_fleet(cfg, fleet).summary["prefix_cache"]["first_admission_hit_rate"]
+
+    plain = {hit_rate(FleetSpec(3, seed=seed)) for seed in range(3)}
+    jittered = {hit_rate(FleetSpec(3, step_jitter=0.1, seed=seed)) for seed in range(5)}
+    assert len(plain) == 1
+    assert len(jittered) >= 3
+
+
+@pytest.mark.parametrize("jitter", [-0.1, math.nan, math.inf, 1.5, True, "0.1"])
+def test_a_bad_step_jitter_is_refused(jitter):
+    with pytest.raises(ValueError, match="step_jitter"):
+        FleetSpec(step_jitter=jitter)
+    with pytest.raises(ValueError, match="seed"):
+        FleetSpec(step_jitter=0.1, seed=1.5)  # type: ignore[arg-type]
+
+
+def test_a_jittered_fleet_round_trips_through_its_dict():
+    fleet = FleetSpec(3, "cache_aware", 2.0, 0.5, 0.1, 9)
+    assert fleet.to_dict()["step_jitter"] == 0.1 and fleet.to_dict()["seed"] == 9
+    assert FleetSpec.from_dict(fleet.to_dict()) == fleet
+    assert "step_jitter" not in FleetSpec(3).to_dict()
+
+
 @pytest.mark.parametrize("argv, words", [
+    (["--fleet-seed", "3"], "--fleet-seed needs --step-jitter"),
     (["--replicas", "0"], "--replicas"),
     (["--router", "random"], "unknown router 'random'"),
     (["--sweep", "router=nope"], "unknown router 'nope'"),
