@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from blockmgr.kv_format import parse_bytes
@@ -152,13 +153,14 @@ def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
 
 
 def fleet_of(params: dict, base: FleetSpec | None) -> FleetSpec | None:
-    """The fleet of a point: `base` (the sweep's --replicas/--router) with
-    the point's `replicas` and `router`; None (one server) when neither
-    gives one. Raises ValueError."""
+    """The fleet of a point: `base` (the sweep's fleet options) with the
+    point's `replicas` and `router`; None (one server) when neither gives
+    one. Raises ValueError."""
     if base is None and not any(name in params for name in FLEET_PARAMS):
         return None
     base = base or FleetSpec()
-    return FleetSpec(params.get("replicas", base.num_replicas), params.get("router", base.router))
+    return replace(base, num_replicas=params.get("replicas", base.num_replicas),
+                   router=params.get("router", base.router))
 
 
 def _run_point(args) -> dict:

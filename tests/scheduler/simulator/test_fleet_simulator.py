@@ -191,6 +191,19 @@ def test_a_sweep_over_replicas_and_routers_runs_fleets():
         assert row["summary"]["routing"] == direct.summary["routing"]
 
 
+def test_a_sweep_keeps_the_fleets_machine_and_jitter():
+    """The sweep's --cores, --background and --step-jitter reach every
+    point's fleet (a point sets only its replicas and router)."""
+    cfg = config(check_every=None, num_requests=60)
+    base = FleetSpec(1, "round_robin", cores=2.0, background=0.5, step_jitter=0.1, seed=7)
+    rows = run_sweep(grid_points(cfg, parse_grid("replicas=3"), None), jobs=1, fleet=base)
+    direct = run_fleet(cfg, replace(base, num_replicas=3))
+    assert rows[0]["summary"]["machine"] == deterministic(direct.summary)["machine"]
+    assert rows[0]["summary"]["step_jitter"] == {"sigma": 0.1, "seed": 7}
+    assert deterministic(rows[0]["summary"]["replicas"][1]) == \
+        deterministic(direct.summary["replicas"][1])
+
+
 def test_step_jitter_multiplies_each_priced_step_by_its_draw():
     """Every request arrives before the first step ends, so the steps are
     the same with and without jitter: the jittered fleet's k-th step takes
