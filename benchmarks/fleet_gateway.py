@@ -76,6 +76,8 @@ def add_fleet_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--num-system-prompts", type=int, default=8)
+    parser.add_argument("--workload-seed", type=int, default=0,
+                        help="the workload's --seed (its sessions' token ids)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -89,7 +91,8 @@ def workload_args(args: argparse.Namespace) -> list[str]:
             "--concurrency", str(args.concurrency), "--system-len", f"fixed:{args.system_len}",
             "--user-len", f"fixed:{args.user_len}", "--output-len", f"fixed:{args.output_len}",
             "--turns", f"fixed:{args.turns}", "--think-time", "0",
-            "--num-system-prompts", str(args.num_system_prompts), "--seed", "0"]
+            "--num-system-prompts", str(args.num_system_prompts),
+            "--seed", str(args.workload_seed)]
 
 
 def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, out: Path) -> dict:

@@ -123,6 +123,8 @@ def run_real(args: argparse.Namespace, model_dir: Path, policy: str, out: Path,
              run: int = 0) -> dict:
     serve_args = ("--kv-memory", args.kv_memory, "--block-size", "16",
                   "--max-num-seqs", str(args.concurrency), "--status-interval", "0")
+    if args.prefill_batch is not None:
+        serve_args += ("--prefill-batch", str(args.prefill_batch))
     with Fleet(model_dir, args.replicas, policy, out / "logs", serve_args=serve_args,
                timeout=300) as fleet:
         pids = [p.pid for p in fleet.procs]  # the replicas, then the gateway
@@ -205,7 +207,7 @@ def served(args: argparse.Namespace, config, model_dir: Path) -> list:
 
 
 def fit_background(args: argparse.Namespace, config, sessions: list, policy: str,
-                   used: float) -> float:
+                   used: float, jitter: float = 0.0, seed: int = 0) -> float:
     """The count of runnable background threads whose CPU use in the
     simulated run (`FleetSpec.background`) is `used` cores on average: what
     the other work (other jobs, the hypervisor, the gateway, the client) was
@@ -219,7 +221,7 @@ def fit_background(args: argparse.Namespace, config, sessions: list, policy: str
     low, high = 0.0, 32.0
     for _ in range(14):
         mid = (low + high) / 2
-        fleet = FleetSpec(args.replicas, ROUTER_OF[policy], args.cores, mid)
+        fleet = FleetSpec(args.replicas, ROUTER_OF[policy], args.cores, mid, jitter, seed)
         machine = run_fleet(config, fleet, sessions, settings=settings).summary["machine"]
         if machine["background_cpu_s"] / machine["seconds"] < used:
             low = mid
@@ -229,7 +231,8 @@ def fit_background(args: argparse.Namespace, config, sessions: list, policy: str
 
 
 def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
-            cores: float | None, background: float = 0.0, seed: int = 0) -> dict:
+            cores: float | None, background: float = 0.0, seed: int = 0,
+            jitter: float = 0.0) -> dict:
     from scheduler.simulator.fleet import FleetSpec, run_fleet
     from scheduler.simulator.routers import RouterSettings
 
@@ -237,7 +240,7 @@ def run_sim(args: argparse.Namespace, config, sessions: list, policy: str,
                               config.block_manager.block_size,
                               cache_threshold=SMG_CACHE_THRESHOLD, seed=seed)
     start = time.process_time()
-    fleet = FleetSpec(args.replicas, ROUTER_OF[policy], cores, background)
+    fleet = FleetSpec(args.replicas, ROUTER_OF[policy], cores, background, jitter, seed)
     result = run_fleet(config, fleet, sessions, settings=settings)
     cpu = time.process_time() - start
     s = result.summary
@@ -268,6 +271,69 @@ def calibrate(model_dir: Path, out: Path, quick: bool) -> Path:
     subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, check=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     return profile
+
+
+def serving_factor(args: argparse.Namespace, model_dir: Path, profile: Path,
+                   out: Path) -> dict:
+    """How much more CPU a serving replica's steps take than the profile
+    prices them at (the calibration times `Engine.step` alone; a replica
+    also runs its server, and the workload's steps are off the grid): one
+    replica alone on `--serving-runs` held-out workloads (the next workload
+    seeds), its engine and MLX threads' CPU seconds over the simulated
+    replica's busy seconds on the same requests, summed over the runs."""
+    runs = []
+    for k in range(1, args.serving_runs + 1):
+        held_out = argparse.Namespace(**{**vars(args), "replicas": 1,
+                                         "workload_seed": args.workload_seed + k})
+        real = run_real(held_out, model_dir, "round_robin", out / f"serving-calibration{k}")
+        config = sim_config(held_out, real["pool_options"], profile)
+        sim = run_sim(held_out, config, served(held_out, config, model_dir), "round_robin",
+                      None)
+        runs.append({"workload_seed": held_out.workload_seed, "load": real["load"],
+                     "steps_cpu_s": sum(sum(t["others"]) for t in real["replica_threads_cpu_s"]),
+                     "priced_s": sum(sim["busy_s_per_replica"])})
+    factor = sum(r["steps_cpu_s"] for r in runs) / sum(r["priced_s"] for r in runs)
+    return {"factor": factor, "runs": runs}
+
+
+def step_noise(profile: Path) -> float:
+    """How much steps of one shape vary on this machine: the median, over
+    the calibration's decode points, of the standard deviation of the log
+    of their steps' times (a point runs the same rows at the same context
+    step after step)."""
+    import math
+    import statistics
+
+    times: dict[str, list[float]] = {}
+    for label, seconds, _ in json.loads(profile.read_text())["steps"]:
+        if label.startswith("decode B="):
+            times.setdefault(label, []).append(seconds)
+    spreads = [statistics.pstdev([math.log(t) for t in ts]) for ts in times.values()
+               if len(ts) >= 3]
+    if not spreads:
+        raise SystemExit(f"fleet_predict.py: {profile} has no decode points to measure "
+                         "the step noise on")
+    return statistics.median(spreads)
+
+
+def scaled_profile(profile: Path, factor: float, path: Path) -> Path:
+    """A copy of `profile` with every cost coefficient times `factor`."""
+    from scheduler.simulator.profile import COEFFICIENTS
+
+    data = json.loads(profile.read_text())
+    data["cost"] = {name: value * factor if name in COEFFICIENTS else value
+                    for name, value in data["cost"].items()}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _simulated_kind(row: dict) -> str | None:
+    """Which comparison a simulated row is: with the fitted other work
+    ("other threads"), also with the serving factor ("serving"), or
+    neither."""
+    if row["source"].endswith("(serving)"):
+        return "serving"
+    return "other threads" if "other threads" in row["source"] else None
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -305,17 +371,47 @@ def print_verdict(rows: list[dict]) -> None:
               f"{thr:.2f} | {tpot:.2f} | {'yes' if ok else 'no'} |")
 
 
-def print_spread(rows: list[dict], policies: list[str]) -> None:
+def print_means(rows: list[dict], policies: list[str], kinds: tuple[str, ...]) -> None:
+    """Per policy, the mean of the real runs against the mean of each kind
+    of simulated run: the real runs of one setup differ from each other by
+    about the tolerance (which replica a session's next turn reaches is a
+    race under round robin; the machine's speed moves between runs), so
+    their mean is what a prediction can be held to."""
+    print("\n| policy | simulated | real runs | hit rate, points off | throughput, sim / real "
+          "| TPOT p50, sim / real | within (2 points, 10 %) |")
+    print("|---|---|---|---|---|---|---|")
+
+    def mean(group: list[dict], key: str) -> float:
+        return sum(r[key] for r in group) / len(group)
+
+    for policy in policies:
+        real = [r for r in rows if r["policy"] == policy and is_real(r)]
+        for kind in kinds:
+            sim = [r for r in rows if r["policy"] == policy and not is_real(r)
+                   and _simulated_kind(r) == kind]
+            if not real or not sim:
+                continue
+            points = (mean(sim, "hit_rate") - mean(real, "hit_rate")) * 100
+            thr = mean(sim, "output_tokens_per_s") / mean(real, "output_tokens_per_s")
+            tpot = mean(sim, "tpot_p50_s") / mean(real, "tpot_p50_s")
+            ok = abs(points) <= 2 and abs(thr - 1) <= 0.1 and abs(tpot - 1) <= 0.1
+            print(f"| {policy} | {kind} | {len(real)} | {points:+.1f} | {thr:.2f} | "
+                  f"{tpot:.2f} | {'yes' if ok else 'no'} |")
+
+
+def print_spread(rows: list[dict], policies: list[str], kind: str) -> None:
     """Per policy, the range of the real runs and where the simulated runs
-    with the other work fall in it."""
+    with the other work (`kind` "other threads") or also with the serving
+    factor ("serving") fall in it."""
     keys = (("hit_rate", 100, "hit rate %"), ("output_tokens_per_s", 1, "out tok/s"),
             ("tpot_p50_s", 1e3, "TPOT p50 ms"))
-    print("\n| policy | figure | real runs: min - max | simulated with the other work "
+    print(f"\n| policy | figure | real runs: min - max | simulated, {kind} "
           "| inside the real range |")
     print("|---|---|---|---|---|")
     for policy in policies:
         real = [r for r in rows if r["policy"] == policy and is_real(r)]
-        sim = [r for r in rows if r["policy"] == policy and "other threads" in r["source"]]
+        sim = [r for r in rows if r["policy"] == policy and not is_real(r)
+               and _simulated_kind(r) == kind]
         if len(real) < 2 or not sim:
             continue
         for key, scale, name in keys:
@@ -336,7 +432,7 @@ def print_seeds(args: argparse.Namespace, config, sessions: list, rows: list[dic
     print("|---|---|---|---|---|")
     for policy in policies:
         fitted = [float(r["source"].split(" + ")[1].split()[0]) for r in rows
-                  if r["policy"] == policy and "other threads" in r["source"]]
+                  if r["policy"] == policy and _simulated_kind(r) == "other threads"]
         background = round(sum(fitted) / len(fitted), 2) if fitted else 0.0
         for seed in range(args.seeds):
             r = run_sim(args, config, sessions, policy, args.cores, background, seed)
@@ -356,6 +452,17 @@ def main() -> None:
     parser.add_argument("--profile", help="a cost profile of this model (default: calibrate "
                         "one first, --clock cpu)")
     parser.add_argument("--quick-calibration", action="store_true")
+    parser.add_argument("--serving", action="store_true",
+                        help="also simulate with every cost times the serving factor (a "
+                        "serving replica's step CPU over the profile's price, measured on "
+                        "one replica alone and a held-out workload before the runs) and "
+                        "each step's time jittered by the calibration's step noise")
+    parser.add_argument("--serving-runs", type=int, default=2,
+                        help="held-out one-replica runs the serving factor is measured on")
+    parser.add_argument("--serving-factor", type=float, metavar="F",
+                        help="with --sim-only: the serving factor of the earlier run")
+    parser.add_argument("--prefill-batch", type=int,
+                        help="the replicas' --prefill-batch (default: blockmgr serve's)")
     parser.add_argument("--sim-only", metavar="SUMMARY",
                         help="simulate against the real rows of an earlier run's summary.json")
     parser.add_argument("--out", default="fleet-predict", help="folder for reports and logs")
@@ -373,10 +480,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
         if args.sim_only:
-            rows = [r for r in json.loads(Path(args.sim_only).read_text()) if is_real(r)]
+            rows = [r for r in json.loads(Path(args.sim_only).read_text())
+                    if is_real(r) and r["policy"] in policies]
         else:
             profile = Path(args.profile) if args.profile else \
                 calibrate(model_dir, out, args.quick_calibration)
+            if args.serving:
+                serving = serving_factor(args, model_dir, profile, out)
+                (out / "serving.json").write_text(json.dumps(serving, indent=1))
+                args.serving_factor = serving["factor"]
             rows = []
             for p in policies:
                 for run in range(args.repeat):
@@ -385,6 +497,11 @@ def main() -> None:
         profile = Path(args.profile) if args.profile else out / "profile.json"
         config = sim_config(args, rows[0]["pool_options"], profile)
         sessions = served(args, config, model_dir)
+        serving_config, jitter = None, 0.0
+        if args.serving_factor is not None:
+            scaled = scaled_profile(profile, args.serving_factor, out / "profile-serving.json")
+            serving_config = sim_config(args, rows[0]["pool_options"], scaled)
+            jitter = round(step_noise(profile), 3)
     sent = sum(len(s.tokens) for session in sessions for s in session)
     for real in rows:
         if real["prompt_tokens"] != sent:
@@ -402,6 +519,13 @@ def main() -> None:
                                         args.cores - free)
             rows.append({**run_sim(args, config, sessions, real["policy"], args.cores,
                                    background, seed), "against": real["source"]})
+        if free and serving_config is not None:
+            background = fit_background(args, serving_config, sessions, real["policy"],
+                                        args.cores - free, jitter, seed)
+            row = run_sim(args, serving_config, sessions, real["policy"], args.cores,
+                          background, seed, jitter)
+            row["source"] += f", steps x {args.serving_factor:.3f} jittered {jitter:g} (serving)"
+            rows.append({**row, "against": real["source"]})
     rows.sort(key=lambda r: (policies.index(r["policy"]), not is_real(r)))
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
           f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}, "
@@ -423,7 +547,13 @@ def main() -> None:
                 print(f"  SMG's cache-aware decisions by branch: {r['smg_branches']}")
     print_rows(rows)
     print_verdict(rows)
-    print_spread(rows, policies)
+    print_spread(rows, policies, "other threads")
+    if serving_config is not None:
+        print(f"\nserving factor {args.serving_factor:.3f} (a serving replica's step CPU "
+              "over the profile's price, one replica on a held-out workload); step jitter "
+              f"{jitter:g} (the calibration's repeated decode steps)")
+        print_spread(rows, policies, "serving")
+    print_means(rows, policies, ("other threads", "serving"))
     if args.seeds:
         print_seeds(args, config, sessions, rows, policies)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
