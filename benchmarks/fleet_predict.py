@@ -276,15 +276,17 @@ def calibrate(model_dir: Path, out: Path, quick: bool) -> Path:
 def serving_factor(args: argparse.Namespace, model_dir: Path, profile: Path,
                    out: Path) -> dict:
     """How much more CPU a serving replica's steps take than the profile
-    prices them at (the calibration times `Engine.step` alone; a replica
-    also runs its server, and the workload's steps are off the grid): one
-    replica alone on `--serving-runs` held-out workloads (the next workload
-    seeds), its engine and MLX threads' CPU seconds over the simulated
-    replica's busy seconds on the same requests, summed over the runs."""
+    prices them at (the calibration times `Engine.step` alone in one
+    process; a replica also runs its server, the workload's steps are off
+    the grid, and replicas sharing the machine slow each other's steps
+    beyond taking turns on the cores: caches, memory bandwidth): the fleet
+    (`--replicas`, round robin) on `--serving-runs` held-out workloads (the
+    next workload seeds), its replicas' engine and MLX threads' CPU seconds
+    over the simulated replicas' busy seconds on the same requests (a
+    machine each: the priced work), summed over the runs."""
     runs = []
     for k in range(1, args.serving_runs + 1):
-        held_out = argparse.Namespace(**{**vars(args), "replicas": 1,
-                                         "workload_seed": args.workload_seed + k})
+        held_out = argparse.Namespace(**{**vars(args), "workload_seed": args.workload_seed + k})
         real = run_real(held_out, model_dir, "round_robin", out / f"serving-calibration{k}")
         config = sim_config(held_out, real["pool_options"], profile)
         sim = run_sim(held_out, config, served(held_out, config, model_dir), "round_robin",
@@ -453,12 +455,12 @@ def main() -> None:
                         "one first, --clock cpu)")
     parser.add_argument("--quick-calibration", action="store_true")
     parser.add_argument("--serving", action="store_true",
-                        help="also simulate with every cost times the serving factor (a "
-                        "serving replica's step CPU over the profile's price, measured on "
-                        "one replica alone and a held-out workload before the runs) and "
+                        help="also simulate with every cost times the serving factor (the "
+                        "replicas' step CPU over the profile's price, measured on the same "
+                        "fleet under round robin on held-out workloads before the runs) and "
                         "each step's time jittered by the calibration's step noise")
     parser.add_argument("--serving-runs", type=int, default=2,
-                        help="held-out one-replica runs the serving factor is measured on")
+                        help="held-out fleet runs the serving factor is measured on")
     parser.add_argument("--serving-factor", type=float, metavar="F",
                         help="with --sim-only: the serving factor of the earlier run")
     parser.add_argument("--prefill-batch", type=int,
@@ -550,7 +552,7 @@ def main() -> None:
     print_spread(rows, policies, "other threads")
     if serving_config is not None:
         print(f"\nserving factor {args.serving_factor:.3f} (a serving replica's step CPU "
-              "over the profile's price, one replica on a held-out workload); step jitter "
+              "over the profile's price, the fleet on held-out workloads); step jitter "
               f"{jitter:g} (the calibration's repeated decode steps)")
         print_spread(rows, policies, "serving")
     print_means(rows, policies, ("other threads", "serving"))
