@@ -60,7 +60,7 @@ from dataclasses import asdict  # noqa: E402
 from blockmgr import BlockManagerConfig  # noqa: E402
 from scheduler.core.scheduler import SchedulerConfig  # noqa: E402
 from scheduler.simulator import SimulationConfig, WorkloadConfig, parse_length, run_simulation  # noqa: E402
-from scheduler.simulator.cost_model import COEFFICIENTS, CostModel, StepShape, step_shape  # noqa: E402
+from scheduler.simulator.cost_model import CostModel, StepShape, step_shape  # noqa: E402
 from scheduler.simulator.report import comparison_rows, format_comparison  # noqa: E402
 
 #: Metrics held to the target, by comparison-row label.
@@ -157,7 +157,7 @@ def drift_corrected(name: str, entry: dict, cost: CostModel, layout, args) -> No
     """Add to `entry` (with "drift" [before, after]) the comparison rows of a
     simulation whose coefficients are scaled by 1 + the mean drift."""
     factor = 1 + sum(entry["drift"]) / len(entry["drift"])
-    scaled = CostModel(**{**cost.to_dict(), **{n: getattr(cost, n) * factor for n in COEFFICIENTS}})
+    scaled = cost.scaled(factor)
     sim = run_simulation(workload_config(name, scaled, layout, args.num_slots, args.max_requests)).summary
     entry["drift_corrected"] = {"factor": factor, "rows": comparison_rows(entry["real"], sim)}
 

@@ -318,17 +318,6 @@ def step_noise(profile: Path) -> float:
     return statistics.median(spreads)
 
 
-def scaled_profile(profile: Path, factor: float, path: Path) -> Path:
-    """A copy of `profile` with every cost coefficient times `factor`."""
-    from scheduler.simulator.profile import COEFFICIENTS
-
-    data = json.loads(profile.read_text())
-    data["cost"] = {name: value * factor if name in COEFFICIENTS else value
-                    for name, value in data["cost"].items()}
-    path.write_text(json.dumps(data))
-    return path
-
-
 def _simulated_kind(row: dict) -> str | None:
     """Which comparison a simulated row is: with the fitted other work
     ("other threads"), also with the serving factor ("serving"), or
@@ -501,8 +490,7 @@ def main() -> None:
         sessions = served(args, config, model_dir)
         serving_config, jitter = None, 0.0
         if args.serving_factor is not None:
-            scaled = scaled_profile(profile, args.serving_factor, out / "profile-serving.json")
-            serving_config = sim_config(args, rows[0]["pool_options"], scaled)
+            serving_config = replace(config, cost=config.cost.scaled(args.serving_factor))
             jitter = round(step_noise(profile), 3)
     sent = sum(len(s.tokens) for session in sessions for s in session)
     for real in rows:

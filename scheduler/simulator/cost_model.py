@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from blockmgr import CopyBlock, CopySlot, ZeroSlot
 from blockmgr.ops import MovePage, MoveSlot, SwapIn, SwapInSlot, SwapOut, SwapOutSlot, Tier
@@ -329,6 +329,12 @@ class CostModel:
         """The `COEFFICIENTS`' values: `time_of(shape)` is their dot product
         with `shape.terms(self.decode_context_knee)`."""
         return tuple(getattr(self, name) for name in COEFFICIENTS)
+
+    def scaled(self, factor: float) -> CostModel:
+        """This model with every coefficient times `factor` (the knee, a
+        count of keys, kept): every step priced `factor` times as long (a
+        machine that much slower). Raises ValueError as the constructor."""
+        return replace(self, **{name: getattr(self, name) * factor for name in COEFFICIENTS})
 
     def to_dict(self) -> dict:
         return {item.name: getattr(self, item.name) for item in fields(self)}

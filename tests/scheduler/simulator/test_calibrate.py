@@ -63,6 +63,9 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
     assert sum(c * t for c, t in zip(cost.coefficients(), terms)) == pytest.approx(by_hand)
     beyond = replace(cost, decode_context_knee=149)  # no key past the knee: no second slope
     assert beyond.time_of(shape) == pytest.approx(by_hand - 17 * 49)
+    slower = cost.scaled(2.5)  # a machine 2.5x slower: the knee is keys, kept
+    assert slower.decode_context_knee == 100
+    assert slower.time_of(shape) == pytest.approx(2.5 * by_hand)
 
 
 def test_the_decode_forward_runs_for_decode_rows_or_a_sampling_chunk():
