@@ -8,7 +8,6 @@ for sliding layers) or mlx-lm's caches fed quantized rows
 
 from __future__ import annotations
 
-
 import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
