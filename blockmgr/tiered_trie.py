@@ -346,7 +346,8 @@ class TieredTrie(PrefixTrie):
         """Move an unlocked frontier node to the colder `tier`, making room
         there first: True when moved, False when `tier` cannot take it, None
         when making room took the node itself out of the trie (merged into
-        its child: nothing left to do)."""
+        its child, or left a tombstone leaf, which is dropped: nothing left
+        to do)."""
         while True:
             # Making room below must not drop or merge the node: locked,
             # merges deferred. The merges that came due may fold a tombstone
@@ -357,6 +358,13 @@ class TieredTrie(PrefixTrie):
             self.unlock(node)
             self.resume_merges()
             if node.parent is None:
+                return None
+            if self._hybrid and not node.children and node.slot is None:
+                # Making room evicted the tombstone's last child, and the
+                # lock kept the base's cascade from taking the tombstone
+                # with it: no match can end in it, so it goes (and the
+                # cascade goes on above it).
+                self._drop_subtree(node)
                 return None
             if not has_room:
                 return False
