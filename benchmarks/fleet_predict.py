@@ -345,6 +345,16 @@ def is_real(row: dict) -> bool:
     return row["source"].startswith("real")
 
 
+def compare(sim: dict, real: dict) -> tuple[float, float, float, bool]:
+    """`sim` against `real` (rows, or means of rows): the hit rate's points
+    off, throughput and TPOT p50 as ratios sim / real, and whether all three
+    are within the tolerance (2 points, 10 %)."""
+    points = (sim["hit_rate"] - real["hit_rate"]) * 100
+    thr = sim["output_tokens_per_s"] / real["output_tokens_per_s"]
+    tpot = sim["tpot_p50_s"] / real["tpot_p50_s"]
+    return points, thr, tpot, abs(points) <= 2 and abs(thr - 1) <= 0.1 and abs(tpot - 1) <= 0.1
+
+
 def print_verdict(rows: list[dict]) -> None:
     print("\n| policy | run | against | hit rate, points off | throughput, sim / real | "
           "TPOT p50, sim / real | within (2 points, 10 %) |")
@@ -354,10 +364,7 @@ def print_verdict(rows: list[dict]) -> None:
         base = real.get((r["policy"], r.get("against", "real")))
         if is_real(r) or base is None:
             continue
-        points = (r["hit_rate"] - base["hit_rate"]) * 100
-        thr = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        tpot = r["tpot_p50_s"] / base["tpot_p50_s"]
-        ok = abs(points) <= 2 and abs(thr - 1) <= 0.1 and abs(tpot - 1) <= 0.1
+        points, thr, tpot, ok = compare(r, base)
         print(f"| {r['policy']} | {r['source']} | {base['source']} | {points:+.1f} | "
               f"{thr:.2f} | {tpot:.2f} | {'yes' if ok else 'no'} |")
 
@@ -372,8 +379,9 @@ def print_means(rows: list[dict], policies: list[str], kinds: tuple[str, ...]) -
           "| TPOT p50, sim / real | within (2 points, 10 %) |")
     print("|---|---|---|---|---|---|---|")
 
-    def mean(group: list[dict], key: str) -> float:
-        return sum(r[key] for r in group) / len(group)
+    def mean(group: list[dict]) -> dict:
+        keys = ("hit_rate", "output_tokens_per_s", "tpot_p50_s")
+        return {key: sum(r[key] for r in group) / len(group) for key in keys}
 
     for policy in policies:
         real = [r for r in rows if r["policy"] == policy and is_real(r)]
@@ -382,10 +390,7 @@ def print_means(rows: list[dict], policies: list[str], kinds: tuple[str, ...]) -
                    and _simulated_kind(r) == kind]
             if not real or not sim:
                 continue
-            points = (mean(sim, "hit_rate") - mean(real, "hit_rate")) * 100
-            thr = mean(sim, "output_tokens_per_s") / mean(real, "output_tokens_per_s")
-            tpot = mean(sim, "tpot_p50_s") / mean(real, "tpot_p50_s")
-            ok = abs(points) <= 2 and abs(thr - 1) <= 0.1 and abs(tpot - 1) <= 0.1
+            points, thr, tpot, ok = compare(mean(sim), mean(real))
             print(f"| {policy} | {kind} | {len(real)} | {points:+.1f} | {thr:.2f} | "
                   f"{tpot:.2f} | {'yes' if ok else 'no'} |")
 

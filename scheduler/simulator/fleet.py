@@ -46,7 +46,9 @@ from typing import cast
 
 import numpy as np
 
+from blockmgr.errors import InvalidArgument
 from blockmgr.kv_store import KVStore
+from blockmgr.validation import check_number
 from scheduler.simulator.arrivals import Arrivals
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
@@ -100,11 +102,9 @@ class FleetSpec:
             SharedCores(self.cores, self.background)  # raises for bad counts
         elif self.background:
             raise ValueError("background threads need the fleet's cores")
-        jitter = self.step_jitter
-        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) \
-                or not 0 <= jitter <= MAX_STEP_JITTER:
-            raise ValueError(f"step_jitter must be a number in [0, {MAX_STEP_JITTER}], "
-                             f"got {jitter!r}")
+        if check_number("step_jitter", self.step_jitter, 0.0) > MAX_STEP_JITTER:
+            raise InvalidArgument(f"step_jitter must be <= {MAX_STEP_JITTER}, "
+                                  f"got {self.step_jitter!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
