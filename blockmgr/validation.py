@@ -139,7 +139,7 @@ def _slow_token_list(tokens: object, name: str) -> list[int]:
         ) from None
     for index, token in enumerate(items):
         if type(token) is not int:
-            items[index] = token = _as_int(token, f"{name}[{index}]")
+            items[index] = token = _as_int(token, f"{name}[{index}]", "an int token id")
         if token < 0:
             raise InvalidArgument(f"{name}[{index}] = {token} is negative")
         if token > MAX_TOKEN_ID:
@@ -160,11 +160,12 @@ def _array_token_list(tokens: np.ndarray, name: str) -> list[int]:
     return cast("list[int]", tokens.tolist())
 
 
-def _as_int(value: object, name: str) -> int:
-    """An int or numpy integer as an int; anything else refused."""
+def _as_int(value: object, name: str, what: str = "an int") -> int:
+    """An int or numpy integer as an int; anything else refused (`name`
+    must be `what`)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return operator.index(value)
-    raise WrongArgumentType(f"{name} must be an int token id, got {value!r:.80}")
+    raise WrongArgumentType(f"{name} must be {what}, got {value!r:.80}")
 
 
 def check_int(name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> int:

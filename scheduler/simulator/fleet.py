@@ -48,7 +48,7 @@ import numpy as np
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.kv_store import KVStore
-from blockmgr.validation import check_number
+from blockmgr.validation import check_int, check_number
 from scheduler.simulator.arrivals import Arrivals
 from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
@@ -105,8 +105,9 @@ class FleetSpec:
         if check_number("step_jitter", self.step_jitter, 0.0) > MAX_STEP_JITTER:
             raise InvalidArgument(f"step_jitter must be <= {MAX_STEP_JITTER}, "
                                   f"got {self.step_jitter!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        # Frozen: the checked seed is stored back (a numpy integer becomes
+        # the int that `random.Random` takes).
+        object.__setattr__(self, "seed", check_int("seed", self.seed, None))
 
     def to_dict(self) -> dict:
         data = {"replicas": self.num_replicas, "router": self.router}

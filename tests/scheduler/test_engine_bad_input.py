@@ -80,6 +80,16 @@ def test_out_of_vocab_message_names_the_id():
         engine.add_request(prompts[0] + [vocab + 5])
 
 
+def test_a_type_error_names_what_was_wanted():
+    """A count that is not an int is refused as an int, a prompt's element as
+    a token id."""
+    with pytest.raises(WrongArgumentType, match=r"^max_tokens must be an int, got 1\.5$"):
+        SamplingParams(max_tokens=1.5)  # type: ignore[arg-type]
+    engine, _, prompts, _ = engine_for()
+    with pytest.raises(WrongArgumentType, match=r"^prompt_tokens\[1\] must be an int token id, got 2\.0$"):
+        engine.add_request([prompts[0][0], 2.0])
+
+
 def test_numpy_prompt_gives_the_list_output():
     engine, _, prompts, want = engine_for()
     (out,) = engine.generate([np.array(prompts[3], dtype=np.int32)], GREEDY)

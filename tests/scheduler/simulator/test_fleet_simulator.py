@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from blockmgr import BlockManagerConfig
+from blockmgr import BlockManagerConfig, WrongArgumentType
 from scheduler.cli import main
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator import SimulationConfig, WorkloadConfig, generate, run_simulation
@@ -240,8 +241,17 @@ def test_step_jitter_seeds_spread_a_round_robin_fleets_hit_rate():
 def test_a_bad_step_jitter_is_refused(jitter):
     with pytest.raises(ValueError, match="step_jitter"):
         FleetSpec(step_jitter=jitter)
-    with pytest.raises(ValueError, match="seed"):
-        FleetSpec(step_jitter=0.1, seed=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [1.5, True, "7", None])
+def test_a_seed_that_is_not_an_int_is_refused(seed):
+    with pytest.raises(WrongArgumentType, match=re.escape(f"seed must be an int, got {seed!r}")):
+        FleetSpec(step_jitter=0.1, seed=seed)
+
+
+def test_a_numpy_seed_is_stored_as_the_int_it_names():
+    spec = FleetSpec(step_jitter=0.1, seed=np.int64(7))  # type: ignore[arg-type]
+    assert type(spec.seed) is int and spec == FleetSpec(step_jitter=0.1, seed=7)
 
 
 def test_a_jittered_fleet_round_trips_through_its_dict():
