@@ -17,7 +17,6 @@ and the host swap space use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx

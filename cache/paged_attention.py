@@ -64,7 +64,7 @@ def paged_attention(
     h = index.n_kv_heads
     g = hq // h
     bs, dv = value_pool.shape[1], value_pool.shape[2]
-    pairs, width = index.num_pairs, index.max_pages
+    pairs = index.num_pairs
     # q^T per query group: [B*H, Dk, G*N]; scores per pair: [pairs, bs, G*N].
     q_t = (queries * scale).reshape(bsz * h, g * n, dk).swapaxes(1, 2)
     scores = mx.gather_mm(key_pool, q_t.astype(key_pool.dtype), index.rows, index.bh)

@@ -236,7 +236,6 @@ def plan_step(
     Raises `InvalidArgument` when a row has nothing to attend to or needs a
     page its window already released.
     """
-    bsz = len(tables)
     starts, stops, rows, write_pages, write_cols = [], [], [], [], []
     for b, (table, off, n) in enumerate(zip(tables, offsets, n_new)):
         end = off + n

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from blockmgr.errors import IntegrityError
-from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat, parse_bytes
+from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, KVFormat, parse_bytes
 from scheduler.engine.config import settings
 from scheduler.serving.serve import KV_MEMORY_FRACTION, SERVE_DEFAULTS
 from scheduler.serving.status import DEFAULT_STATUS_INTERVAL

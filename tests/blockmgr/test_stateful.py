@@ -32,7 +32,6 @@ from blockmgr import (
     OutOfBlocks,
     OutOfHostMemory,
     OutOfSlots,
-    SpeculationInFlight,
 )
 from blockmgr.ops import CopyBlock, MovePage, SwapIn, SwapOut, Tier
 from tests.shadow import ShadowStorage

@@ -25,7 +25,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from blockmgr.errors import IntegrityError
 from blockmgr.ops import Tier
 from cache import PagedCache
 from cache import disk_tier

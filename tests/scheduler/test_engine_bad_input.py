@@ -86,7 +86,8 @@ def test_a_type_error_names_what_was_wanted():
     with pytest.raises(WrongArgumentType, match=r"^max_tokens must be an int, got 1\.5$"):
         SamplingParams(max_tokens=1.5)  # type: ignore[arg-type]
     engine, _, prompts, _ = engine_for()
-    with pytest.raises(WrongArgumentType, match=r"^prompt_tokens\[1\] must be an int token id, got 2\.0$"):
+    wanted = r"^prompt_tokens\[1\] must be an int token id, got 2\.0$"
+    with pytest.raises(WrongArgumentType, match=wanted):
         engine.add_request([prompts[0][0], 2.0])
 
 

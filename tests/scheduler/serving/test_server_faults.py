@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
