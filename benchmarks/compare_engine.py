@@ -1,6 +1,14 @@
 """Engine vs mlx-lm's BatchGenerator on the same tiny model, side by side.
 
 Run: python benchmarks/compare_engine.py [--hidden 64] [--max-tokens 64] [--repeats 3]
+     python benchmarks/compare_engine.py --shape qwen3-0.6b [--layers 4]
+
+`--shape tiny` (the default): a llama of `--hidden` with 4 heads, a step so
+small that per-step Python work decides the ratio. `--shape qwen3-0.6b`: a
+random-weight qwen3 with Qwen3-0.6B's layer sizes (hidden 1024, 16 query / 8
+KV heads of 128, MLP 3072; `--layers`, vocabulary 8192), where the model's
+own work dominates as in real use. Preload an optimized BLAS for that one
+(BENCHMARKS.md, "BLAS").
 
 16 prompts (120..300 tokens, 12 of them sharing a 96-token prefix), greedy,
 `max_tokens` each, float32, CPU. Both sides run with the same MLX buffer
@@ -24,9 +32,10 @@ import time
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3
 
 from scheduler import Engine, SamplingParams
+from scheduler.simulator.calibrate import blas_info
 
 VOCAB = 1000
 
@@ -39,6 +48,21 @@ def tiny_llama(hidden: int, layers: int) -> llama.Model:
     )
     mx.random.seed(1)
     model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def qwen3_shaped(layers: int) -> qwen3.Model:
+    """Qwen3-0.6B's layer sizes with random weights and a vocabulary of 8192
+    (the published 151936-entry LM head would take most of a CPU step)."""
+    args = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=1024, num_hidden_layers=layers, intermediate_size=3072,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        vocab_size=8192, max_position_embeddings=40960, rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(1)
+    model = qwen3.Model(args)
     mx.eval(model.parameters())
     return model
 
@@ -93,14 +117,22 @@ def run_engine(model, prompts, max_tokens, num_blocks, block_size):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
+    parser.add_argument("--hidden", type=int, default=64, help="tiny: the llama's hidden size")
+    parser.add_argument("--layers", type=int, help="default 2 (tiny), 4 (qwen3-0.6b)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     mx.set_cache_limit(1 << 30)
-    model = tiny_llama(args.hidden, args.layers)
+    if args.shape == "tiny":
+        args.layers = args.layers or 2
+        model = tiny_llama(args.hidden, args.layers)
+        described = f"llama hidden {args.hidden}, {args.layers} layers"
+    else:
+        args.layers = args.layers or 4
+        model = qwen3_shaped(args.layers)
+        described = f"qwen3 with Qwen3-0.6B's layer sizes, {args.layers} layers, vocabulary 8192"
     prompts = make_prompts()
     need = sum(len(p) + args.max_tokens for p in prompts)
     num_blocks = -(-need // args.block_size) + 16
@@ -112,9 +144,11 @@ def main() -> None:
     tokens, dt, engine, ttft, tpot = min(ours, key=lambda r: r[1])
     same = sum(a == b for a, b in zip(tokens, ref_tokens))
     generated = sum(len(t) for t in tokens)
+    blas = blas_info()
     print(f"machine: {platform.machine()}, {platform.system()}, MLX {mx.__version__}, "
-          f"{mx.default_device()}, float32")
-    print(f"model: llama hidden {args.hidden}, {args.layers} layers; 16 prompts "
+          f"{mx.default_device()}, float32; BLAS {blas['name']} "
+          f"({blas['matmul_1024_gflops']:.0f} GFLOPS, 1024^3 float32 matmul)")
+    print(f"model: {described}; 16 prompts "
           f"({min(map(len, prompts))}..{max(map(len, prompts))} tokens), "
           f"{args.max_tokens} new tokens each, greedy")
     print(f"outputs equal prompt by prompt: {same}/16")
