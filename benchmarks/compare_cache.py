@@ -134,11 +134,10 @@ def gather_vs_copy(pc, ids, reps=30):
     """One layer's K+V gather for the batch vs a plain copy of the same bytes."""
     from cache.step_plan import plan_step
 
-    g = pc._groups[0]
-    pool = g.pools[0]
-    tables = [g.bm.block_table(s) for s in ids]
+    pool = pc.pools()[0]  # the first attention layer's pool (full attention: group 0)
+    tables = [pc.block_table(s, group=pc.group_of(0)) for s in ids]
     offs = [pc.num_computed(s) - 1 for s in ids]
-    plan = plan_step(tables, offs, [1] * len(ids), 1, BLOCK, g.bm.config.num_blocks, None)
+    plan = plan_step(tables, offs, [1] * len(ids), 1, BLOCK, pc.num_blocks, None)
     rows = plan.gather_rows(pool.shape.n_kv_heads)
     k, v = pool.gather(rows, plan.batch, plan.length)
     mx.eval(k, v)
