@@ -627,7 +627,8 @@ class BlockManager:
             return NO_OPS
         if num_computed is not None and seq.speculation is None:
             self._check_computed_window(seq, num_computed)
-        return self._append_tokens(seq, new_tokens, num_computed, self._growth(seq, len(new_tokens)))
+        growth = self._growth(seq, len(new_tokens))
+        return self._append_tokens(seq, new_tokens, num_computed, growth)
 
     def _append_tokens(
         self, seq: Sequence, new_tokens: list[int], num_computed: int | None, growth: Growth

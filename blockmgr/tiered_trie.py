@@ -540,7 +540,9 @@ class TieredTrie(PrefixTrie):
         super().check_integrity(expected_locks)
         for tier in self.tiers:
             for group, record in enumerate(self._tier_groups[tier]):
-                record.pool.check_integrity(record.trie_refs, f"page of group {group} in {tier.name}")
+                record.pool.check_integrity(
+                    record.trie_refs, f"page of group {group} in {tier.name}"
+                )
             slot_pool = self._tier_slots[tier]
             if slot_pool is not None:
                 refs = [0] * slot_pool.num_items

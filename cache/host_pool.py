@@ -45,7 +45,9 @@ class HostPagePool:
     def __init__(self, num_host_blocks: int) -> None:
         if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) \
                 or num_host_blocks < 1:
-            raise InvalidArgument(f"num_host_blocks must be a positive int, got {num_host_blocks!r}")
+            raise InvalidArgument(
+                f"num_host_blocks must be a positive int, got {num_host_blocks!r}"
+            )
         self.num_host_blocks = num_host_blocks
         self._parts: list[np.ndarray] = []  # raw bytes of each stored part
         self._dtypes: list[mx.Dtype] = []  # each part's device dtype

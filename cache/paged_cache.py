@@ -306,7 +306,8 @@ class PagedCache:
             raise IntegrityError("the cache and its store hold different sequences")
         for seq_id, state in self._seqs.items():
             num_tokens = self.store.num_tokens(seq_id)
-            if not 0 <= state.computed <= num_tokens or state.computed + state.in_flight > num_tokens:
+            computed, in_flight = state.computed, state.in_flight
+            if not 0 <= computed <= num_tokens or computed + in_flight > num_tokens:
                 raise IntegrityError(
                     f"{seq_id!r}: {state.computed} computed + {state.in_flight} in flight "
                     f"of {num_tokens} tokens"
@@ -660,7 +661,9 @@ class PagedCache:
         num_before = {s: self.store.num_tokens(s) for s in drafts}
         # A hybrid checkpoint holds the state after the computed tokens: a
         # partial commit computes again from there (sliding windows keep it).
-        num_computed = {s: state.computed for s, state in states.items()} if self.is_hybrid else None
+        num_computed = (
+            {s: state.computed for s, state in states.items()} if self.is_hybrid else None
+        )
         plan = self.store.begin_speculation(drafts, num_computed)
         self._queue(plan)
         for s, state in states.items():
@@ -1191,8 +1194,9 @@ class PagedCache:
         """Cache the prefix an `export_prefix` of this model (same block
         size, format and layout) wrote to `path`, in its namespace; returns
         its tokens, with retention priority `retention`. A later prompt
-        starting with it hits it, with the logits of a prefix never evicted. Raises `ForeignPrefixFile` for
-        another model's file, `CorruptPrefixFile` for a cut or damaged one,
+        starting with it hits it, with the logits of a prefix never
+        evicted. Raises `ForeignPrefixFile` for another model's file,
+        `CorruptPrefixFile` for a cut or damaged one,
         `OutOfBlocks` / `OutOfSlots` without room: nothing changed then.
         O(file bytes)."""
         pages, slots, fingerprint = self._prefix_records()
