@@ -66,12 +66,17 @@ def test_greedy_equals_mlx_lm_on_16_prompts(name):
     assert_no_leak(engine)
 
 
+def preempting_engine(model, preemption: str) -> Engine:
+    """An engine whose pool of 12 pages of 8 makes 16 prompts preempt."""
+    return Engine(model, num_blocks=12, block_size=8, max_num_batched_tokens=64,
+                  max_num_seqs=8, preemption=preemption, num_host_blocks=64,
+                  num_host_slots=16)
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_tiny_pool_preempts_and_outputs_stay_equal(name, preemption):
     model, _, prompts, want = get(name)
-    engine = Engine(model, num_blocks=12, block_size=8, max_num_batched_tokens=64,
-                    max_num_seqs=8, preemption=preemption, num_host_blocks=64,
-                    num_host_slots=16)
+    engine = preempting_engine(model, preemption)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.tokens for o in outs] == want
     assert_preempted(engine, preemption)

@@ -1,0 +1,95 @@
+"""The engine's two computed counts agree: the scheduler plans each step from
+its count of a sequence's computed tokens, the storage (`PagedCache`, mlx-lm's
+cache offset) holds its own, and `Engine.check_integrity` compares them for
+every sequence at rest. Checked after every step of runs that preempt (by
+recompute and by swap), hit the prefix cache, fork samples and decode
+speculatively, on an attention and a hybrid model; and a storage moved
+behind the scheduler's back is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockmgr.errors import IntegrityError
+from scheduler import Engine, SamplingParams
+from tests.scheduler.test_engine import (
+    MAX_TOKENS, assert_no_leak, assert_preempted, get, preempting_engine)
+from tests.scheduler.test_speculative import draft, refs
+from tests.tiny_models import built
+
+
+def run_checked(engine: Engine, prompts, params) -> list[list[list[int]]]:
+    """Generate with `check_integrity()` after every step; each prompt's
+    samples' tokens."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    samples: dict = {i: {} for i in ids}
+    num_checked = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            for index, tokens in out.new_tokens.items():
+                samples[out.request_id].setdefault(index, []).extend(tokens)
+        engine.check_integrity()
+        num_checked += 1
+    assert num_checked > 1
+    return [[samples[i][k] for k in sorted(samples[i])] for i in ids]
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_the_counts_agree_after_every_step_of_a_preempting_run(name, preemption):
+    model, _, prompts, want = get(name)
+    engine = preempting_engine(model, preemption)
+    outputs = run_checked(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert outputs == [[w] for w in want]
+    assert_preempted(engine, preemption)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_the_counts_agree_after_every_step_of_a_run_with_prefix_hits(name):
+    model, _, prompts, want = get(name)
+    engine = Engine(model, num_blocks=256, block_size=8, max_num_batched_tokens=48,
+                    max_num_seqs=6)
+    outputs = run_checked(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert outputs == [[w] for w in want]
+    assert engine.scheduler.stats.num_prefix_hit_tokens_total > 0
+    assert_no_leak(engine)
+
+
+def test_the_counts_agree_after_every_step_of_forked_samples():
+    model, _, prompts, want = get("lfm2")
+    engine = Engine(model, num_blocks=128, block_size=8, max_num_batched_tokens=16)
+    outputs = run_checked(engine, prompts[:3], SamplingParams(max_tokens=MAX_TOKENS, n=3))
+    assert outputs == [[w] * 3 for w in want[:3]]
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_the_counts_agree_after_every_step_of_speculative_decoding(name):
+    """A draft that disagrees: rejections roll the storage back (a hybrid
+    model to its checkpoint, computing the tokens since it again), and the
+    scheduler takes the count the storage holds after the commit."""
+    prompts, want = refs(name)
+    engine = Engine(built(name), num_blocks=256, block_size=8, max_num_batched_tokens=96,
+                    max_num_seqs=8, draft_model=draft(name, "disagrees"),
+                    num_speculative_tokens=3)
+    outputs = run_checked(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert outputs == [[w] for w in want]
+    assert (engine.stats.num_recomputed_tokens > 0) == (name == "lfm2")
+    assert_no_leak(engine)
+
+
+def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
+    model, _, prompts, _ = get("llama")
+    engine = Engine(model, num_blocks=64, block_size=8)
+    engine.add_request(prompts[0], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    engine.step()
+    engine.check_integrity()
+    (seq_id,) = engine.scheduler.running_ids()
+    num_tokens = engine.cache.num_tokens(seq_id)
+    engine.cache.truncate(seq_id, num_tokens - 1)  # the storage alone forgets a token
+    engine.cache.check_integrity()  # consistent in itself
+    with pytest.raises(IntegrityError, match=f"the scheduler counts {num_tokens} computed "
+                                             f"tokens, the storage {num_tokens - 1}"):
+        engine.check_integrity()
