@@ -432,9 +432,12 @@ def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path, clock):
     step_times = replay.engine.stats.step_times
     assert len(step_times) == 4
     ttft, e2e = summary["latency"]["ttft_s"], summary["latency"]["e2e_s"]
-    # a's first token comes within the first step, its last within the last:
-    # the 1000 s before the arrival are skipped, not waited for or counted.
-    assert 0 < ttft["p50"] <= ttft["max"] <= sum(step_times[:2])
+    # a's first token comes within the first step, b's within the second, a's
+    # last within the last: the 1000 s before the arrival are skipped, not
+    # waited for or counted. Replay time also runs through each step's tail
+    # after its step time is taken (KV events, the step listener; on the cpu
+    # clock other threads' CPU time in it too), hence the millisecond.
+    assert 0 < ttft["p50"] <= ttft["max"] <= sum(step_times[:2]) + 1e-3
     assert sum(step_times[:-1]) < e2e["max"] < 500
     # b arrived 1 us into a's first step and was queued until it ended.
     assert summary["latency"]["queue_s"]["max"] >= step_times[0] - 1e-6
