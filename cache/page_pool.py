@@ -23,7 +23,7 @@ import numpy as np
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.ops import CopyBlock
-from cache.paged_attention import PAGED_MAX_QUERIES, paged_attention, supports
+from cache.paged_attention import PAGED_MAX_QUERIES, gathers_faster, paged_attention, supports
 from cache.step_plan import StepPlan, head_rows
 
 
@@ -170,12 +170,14 @@ class PagePool:
         or None where the dense kernel on the gathered history is the better
         choice: one row (its exact history and the fused kernel beat
         per-page products, measured ~1.2x), more than `PAGED_MAX_QUERIES`
-        queries (compute-bound), or a dtype the device's `gather_mm` lacks.
+        queries (compute-bound), a history small enough to gather cheaply
+        (`gathers_faster`), or a dtype the device's `gather_mm` lacks.
         `mask` is the step's own (the caller checks that); the plan's masks
         mean the same."""
         if plan.batch == 1 or plan.num_queries > PAGED_MAX_QUERIES:
             return None
-        if not supports(self.shape.dtype):
+        history_nbytes = plan.batch * plan.length * self.shape.page_nbytes // self.shape.block_size
+        if gathers_faster(history_nbytes) or not supports(self.shape.dtype):
             return None
         index = plan.pair_index(self.shape.n_kv_heads)
         return paged_attention(queries, self._keys, self._values, index, scale)

@@ -28,6 +28,20 @@ from cache.step_plan import MASKED, PairIndex
 # use the dense kernel: there the gather is small next to the compute.
 PAGED_MAX_QUERIES = 16
 
+#: Per device type: the padded K+V bytes of one layer's gathered history
+#: below which gathering it for the model's kernel beats reading the pages
+#: in place. On the CPU gathering wins up to 4 MiB and paged attention from
+#: 8 MiB (`benchmarks/paged_or_gather.py`, BENCHMARKS.md "cache"). Device
+#: types not listed are not measured: every batch is read in place there.
+GATHER_BELOW_BYTES: dict[mx.DeviceType, int] = {mx.cpu: 6 * 2**20}
+
+
+def gathers_faster(history_nbytes: int) -> bool:
+    """Would gathering a padded history of `history_nbytes` (K+V, one layer)
+    beat paged attention on the default device? O(1)."""
+    limit = GATHER_BELOW_BYTES.get(mx.default_device().type)
+    return limit is not None and history_nbytes < limit
+
 
 def supports(dtype: mx.Dtype) -> bool:
     """Whether `paged_attention` runs on pools of `dtype` on the default

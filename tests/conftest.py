@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import cache.paged_attention
 from tests.serve_model import build_model_dir, load_tiny
 
 #: The seed every test starts from (see `deterministic_seeds`).
@@ -30,6 +31,16 @@ def deterministic_seeds():
     random.seed(SEED)
     np.random.seed(SEED)
     mx.random.seed(SEED)
+
+
+@pytest.fixture(autouse=True)
+def paged_attention_for_every_batch(monkeypatch):
+    """Every batch of 2+ rows reads its pages in place, as on a device the
+    size rule does not cover: on the CPU the tiny test models' histories are
+    all small enough to gather (`cache.paged_attention.GATHER_BELOW_BYTES`),
+    and the suite's comparisons against mlx-lm must cover the paged path.
+    `tests/cache/test_paged_attention.py` tests the rule itself."""
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {})
 
 
 @pytest.fixture

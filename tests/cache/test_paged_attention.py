@@ -14,13 +14,16 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
 import cache.page_pool
+import cache.paged_attention
 from cache import PagedCache, attention_hook
-from cache.paged_attention import paged_attention, supports
+from cache.paged_attention import gathers_faster, paged_attention, supports
 from cache.step_plan import plan_step
 from tests.memory import peak_growth
 from tests.tiny_models import ATTENTION_MODELS, ATTENTION_VOCAB, built
 
 BS = 4
+#: The rule as shipped, read before the suite's fixture pins paged attention.
+SHIPPED_GATHER_BELOW = dict(cache.paged_attention.GATHER_BELOW_BYTES)
 
 
 def random_pools(rng, num_blocks, h, dk, dv, dtype):
@@ -148,6 +151,35 @@ def test_batched_decode_is_served_paged_and_matches_mlx_lm(name, count_paged):
         for k in range(6):
             ref = model(mx.array([[k + b]]), cache=cache_)
             assert mx.abs(ref[0, 0] - paged_out[b, k]).max().item() < 1e-4
+
+
+def test_the_cpu_gathers_a_small_history_and_reads_a_large_one_in_place(count_paged,
+                                                                        monkeypatch):
+    """The size rule as shipped (the suite pins paged attention elsewhere):
+    the tiny model's 4-row steps gather on the CPU; with the limit below
+    their history they read the pages in place; both equal mlx-lm."""
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", SHIPPED_GATHER_BELOW)
+    assert mx.default_device().type == mx.cpu and mx.cpu in SHIPPED_GATHER_BELOW
+    model = built("llama")
+    gathered_out, prompts = batched_decode(model, paged_attention=True)
+    assert count_paged == []
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {mx.cpu: 1})
+    paged_out, _ = batched_decode(model, paged_attention=True)
+    assert len(count_paged) == 6 * len(model.layers)
+    assert mx.abs(paged_out - gathered_out).max().item() < 1e-4
+    for b, p in enumerate(prompts):
+        cache_ = make_prompt_cache(model)
+        model(mx.array([p]), cache=cache_)
+        for k in range(6):
+            ref = model(mx.array([[k + b]]), cache=cache_)
+            assert mx.abs(ref[0, 0] - gathered_out[b, k]).max().item() < 1e-4
+
+
+def test_the_size_rule_is_a_strict_bound_and_unmeasured_devices_read_in_place(monkeypatch):
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {mx.cpu: 1000})
+    assert gathers_faster(999) and not gathers_faster(1000)
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {mx.gpu: 1000})
+    assert not gathers_faster(1)  # the CPU is not listed: as on an unmeasured device
 
 
 def test_half_precision_is_paged_only_where_gather_mm_has_it(count_paged):
