@@ -158,8 +158,10 @@ def test_the_cpu_gathers_a_small_history_and_reads_a_large_one_in_place(count_pa
     """The size rule as shipped (the suite pins paged attention elsewhere):
     the tiny model's 4-row steps gather on the CPU; with the limit below
     their history they read the pages in place; both equal mlx-lm."""
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("the size rule is measured, and shipped, for the CPU only")
     monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", SHIPPED_GATHER_BELOW)
-    assert mx.default_device().type == mx.cpu and mx.cpu in SHIPPED_GATHER_BELOW
+    assert mx.cpu in SHIPPED_GATHER_BELOW
     model = built("llama")
     gathered_out, prompts = batched_decode(model, paged_attention=True)
     assert count_paged == []
@@ -176,10 +178,12 @@ def test_the_cpu_gathers_a_small_history_and_reads_a_large_one_in_place(count_pa
 
 
 def test_the_size_rule_is_a_strict_bound_and_unmeasured_devices_read_in_place(monkeypatch):
-    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {mx.cpu: 1000})
+    here = mx.default_device().type
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {here: 1000})
     assert gathers_faster(999) and not gathers_faster(1000)
-    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {mx.gpu: 1000})
-    assert not gathers_faster(1)  # the CPU is not listed: as on an unmeasured device
+    other = mx.gpu if here == mx.cpu else mx.cpu
+    monkeypatch.setattr(cache.paged_attention, "GATHER_BELOW_BYTES", {other: 1000})
+    assert not gathers_faster(1)  # this device is not listed: it reads in place
 
 
 def test_half_precision_is_paged_only_where_gather_mm_has_it(count_paged):
