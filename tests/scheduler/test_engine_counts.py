@@ -93,3 +93,14 @@ def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
     with pytest.raises(IntegrityError, match=f"the scheduler counts {num_tokens} computed "
                                              f"tokens, the storage {num_tokens - 1}"):
         engine.check_integrity()
+
+
+def test_a_sequence_in_storage_that_no_request_owns_is_caught():
+    model, _, prompts, _ = get("llama")
+    engine = Engine(model, num_blocks=64, block_size=8)
+    engine.add_request(prompts[0], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    engine.check_integrity()
+    engine.cache.allocate("stray", prompts[1])  # behind the scheduler's back
+    with pytest.raises(IntegrityError, match="storage holds 'stray', which no live request owns"):
+        engine.check_integrity()
