@@ -79,13 +79,20 @@ def test_the_counts_agree_after_every_step_of_speculative_decoding(name):
     assert_no_leak(engine)
 
 
-def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
+def decoding_engine() -> tuple[Engine, list[list[int]]]:
+    """An engine with one request past its prefill and first decode step,
+    its counts checked; and the test prompts."""
     model, _, prompts, _ = get("llama")
     engine = Engine(model, num_blocks=64, block_size=8)
     engine.add_request(prompts[0], SamplingParams(max_tokens=MAX_TOKENS))
     engine.step()
     engine.step()
     engine.check_integrity()
+    return engine, prompts
+
+
+def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
+    engine, _ = decoding_engine()
     (seq_id,) = engine.scheduler.running_ids()
     num_tokens = engine.cache.num_tokens(seq_id)
     engine.cache.truncate(seq_id, num_tokens - 1)  # the storage alone forgets a token
@@ -96,11 +103,7 @@ def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
 
 
 def test_a_sequence_in_storage_that_no_request_owns_is_caught():
-    model, _, prompts, _ = get("llama")
-    engine = Engine(model, num_blocks=64, block_size=8)
-    engine.add_request(prompts[0], SamplingParams(max_tokens=MAX_TOKENS))
-    engine.step()
-    engine.check_integrity()
+    engine, prompts = decoding_engine()
     engine.cache.allocate("stray", prompts[1])  # behind the scheduler's back
     with pytest.raises(IntegrityError, match="storage holds 'stray', which no live request owns"):
         engine.check_integrity()
