@@ -309,7 +309,7 @@ class PagedCache:
             computed, in_flight = state.computed, state.in_flight
             if not 0 <= computed <= num_tokens or computed + in_flight > num_tokens:
                 raise IntegrityError(
-                    f"{seq_id!r}: {state.computed} computed + {state.in_flight} in flight "
+                    f"{seq_id!r}: {computed} computed + {in_flight} in flight "
                     f"of {num_tokens} tokens"
                 )
             if state.known > num_tokens:
