@@ -10,16 +10,18 @@
 """
 
 from scheduler.core.request import RequestMetrics, Request, RequestStatus, SamplingParams
-from scheduler.core.scheduler import (
+from scheduler.core.records import (
     DecodeRows,
     RequestOutput,
-    RequestTooLarge,
     ScheduledSeq,
-    Scheduler,
-    SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
     SequenceInfo,
+)
+from scheduler.core.scheduler import (
+    RequestTooLarge,
+    Scheduler,
+    SchedulerConfig,
     StaleSchedulerOutput,
 )
 from scheduler.engine.config import CacheConfig, EngineConfig

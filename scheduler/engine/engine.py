@@ -61,13 +61,8 @@ from scheduler.core.request import (
 from scheduler.engine.config import EngineConfig
 from scheduler.engine.runner import ModelRunner, Runner, StepSampling
 from scheduler.engine.sampling import KeyChain
-from scheduler.core.scheduler import (
-    RequestOutput,
-    ScheduledSeq,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from scheduler.core.records import RequestOutput, ScheduledSeq, SchedulerOutput
+from scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler.engine.speculative import Speculator
 from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
 

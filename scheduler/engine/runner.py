@@ -21,7 +21,7 @@ import mlx.core as mx
 from blockmgr.errors import IntegrityError
 from cache import PagedCache
 from scheduler.core.request import TokenLogprob
-from scheduler.core.scheduler import ScheduledSeq
+from scheduler.core.records import ScheduledSeq
 from scheduler.engine.sampling import KeyChain, sample_rows, token_logprobs
 
 

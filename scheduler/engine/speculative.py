@@ -32,7 +32,7 @@ from blockmgr.errors import IntegrityError, OutOfBlocks, OutOfSlots
 from cache import PagedCache
 from scheduler.core.request import Request, SamplingParams
 from scheduler.engine.sampling import KeyChain, adjust_logits, filtered_logprobs
-from scheduler.core.scheduler import AcceptedTokens, ScheduledSeq
+from scheduler.core.records import AcceptedTokens, ScheduledSeq
 from scheduler.engine.runner import ModelRunner
 
 

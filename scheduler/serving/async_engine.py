@@ -41,7 +41,7 @@ from blockmgr.validation import check_int
 from scheduler.engine.engine import Engine
 from scheduler.serving.metrics import ServingMetrics
 from scheduler.core.request import Request, SamplingParams
-from scheduler.core.scheduler import RequestOutput
+from scheduler.core.records import RequestOutput
 from scheduler.serving.status import StatusLine
 from scheduler.engine.text import is_text_prompt, stop_strings
 

@@ -52,7 +52,7 @@ from scheduler.serving.agent_api import AgentOptions
 from scheduler.serving.async_engine import AsyncEngine, EngineStopped, QueueFull
 from scheduler.serving.chat_output import ChatOutput
 from scheduler.core.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
-from scheduler.core.scheduler import RequestOutput
+from scheduler.core.records import RequestOutput
 from scheduler.engine.text import ChatPrompt
 
 #: OpenAI's default max_tokens for /v1/completions.
