@@ -16,11 +16,11 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+    """An `ArgumentParser` whose errors raise `UsageError` (`main` prints it
+    on one line and exits 2) instead of printing usage and exiting."""
+
+    def error(self, message: str):
         raise UsageError(message)
-
-
-# ----------------------------------------------------------------- parsing
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -66,26 +66,31 @@ nonneg_int = int_at_least(0)
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    """An argparse type: a finite number > 0."""
+    value = _number(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
 def nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    """An argparse type: a finite number >= 0."""
+    value = _number(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def length_dist(text: str):
+    """An argparse type: a length distribution (`parse_length`: fixed:512,
+    lognormal:mean=120, ...)."""
     try:
         return parse_length(text)
     except LengthSpecError as exc:
@@ -93,14 +98,15 @@ def length_dist(text: str):
 
 
 def workload_mix(text: str) -> dict[str, float]:
+    """An argparse type: workload kinds and weights (`parse_mix`)."""
     try:
-        mix = parse_mix(text)
+        return parse_mix(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return mix
 
 
 def cost_overrides(text: str) -> dict[str, float]:
+    """An argparse type: ``name=seconds,...`` of the cost model's fields."""
     from scheduler.simulator.cost_model import CostModel
 
     known = CostModel.__dataclass_fields__
@@ -117,7 +123,8 @@ def cost_overrides(text: str) -> dict[str, float]:
 
 
 def key_values(text: str) -> dict:
-    """``key=value,...`` with JSON values (numbers, true/false); others are strings."""
+    """An argparse type: ``key=value,...`` with JSON values (numbers,
+    true/false); other values are strings."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
