@@ -46,11 +46,6 @@ def assert_no_leak(engine):
     assert_only_the_cache_holds(engine.cache.store)
 
 
-@pytest.fixture(params=sorted(BUILDERS))
-def name(request):
-    return request.param
-
-
 def test_greedy_equals_mlx_lm_on_16_prompts(name):
     model, _, prompts, want = get(name)
     engine = Engine(model, num_blocks=256, block_size=8, max_num_batched_tokens=96,

@@ -16,8 +16,7 @@ from blockmgr.errors import WrongArgumentType
 from scheduler import Engine, RequestStatus, SamplingParams
 from scheduler.engine.engine import AutoRequestId
 from scheduler.core.scheduler import RequestTooLarge
-from tests.scheduler.test_engine import (
-    MAX_TOKENS, assert_no_leak, get, name)  # noqa: F401 (fixture)
+from tests.scheduler.test_engine import MAX_TOKENS, assert_no_leak, get
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS)
 

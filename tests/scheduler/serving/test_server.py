@@ -27,10 +27,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
-from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
-from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
+from tests.serve_model import load_tiny  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 MAX_TOKENS = 12
@@ -68,26 +67,6 @@ class ServerThread:
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model_dir(tmp_path_factory.mktemp("served"))
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """A second copy of the model for the references (the server's runs in
-    its own thread)."""
-    return load_tiny(model_dir)
-
-
-@pytest.fixture(scope="module")
-def served(model_dir):
-    engine, name = load_engine(model_dir, serve_config(num_blocks=512, block_size=8))
-    async_engine = AsyncEngine(engine, max_waiting=64)
-    with ServerThread(build_app(async_engine, name)) as server:
-        yield server, engine, name
 
 
 @pytest.fixture

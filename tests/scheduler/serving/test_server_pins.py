@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.scheduler.serving.test_server import (
-    httpx, model_dir, reference, served)  # noqa: F401 - fixtures
+from tests.scheduler.serving.test_server import httpx
 
 
 def test_pin_list_and_unpin_a_prompts_cached_prefix(served, reference):
