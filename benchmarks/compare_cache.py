@@ -100,7 +100,7 @@ def decode_batch(model, lengths, steps):
     y = mx.ones((B, 1), dtype=mx.int32)
     t_ref = time_steps(lambda: mx.eval(model(y, cache=batch)), steps)
     ref_bytes = sum(c.nbytes for c in batch)
-    del batch
+    batch = None  # released before the paged cache is built (not del: the lambda reads it)
 
     need = sum(-(-(n + 4 * (steps + 8)) // BLOCK) for n in lengths) + B
     pc = PagedCache.for_model(model, num_blocks=need, block_size=BLOCK)
