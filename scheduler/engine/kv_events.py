@@ -576,9 +576,9 @@ class KVEventPublisher:
 
     Call `publish()` after every step (the `Engine` does, and after an
     abort). `data_parallel_rank` is sent in every batch (0 by default, as
-    vLLM's publisher does: Dynamo's decoder reads three batch fields). It costs one `servable_blocks` (see there) and one batch when
-    something changed. Not thread-safe: call it from the thread that drives
-    the store.
+    vLLM's publisher does: Dynamo's decoder reads three batch fields). It
+    costs one `servable_blocks` (see there) and one batch when something
+    changed. Not thread-safe: call it from the thread that drives the store.
     """
 
     def __init__(self, store: ServableStore, sink: EventSink, *, medium: str | None = None,

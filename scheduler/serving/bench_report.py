@@ -61,11 +61,13 @@ def bench_rows(summary: dict) -> list[tuple[str, str]]:
                          summary["prefix_cache"])
     rows = [
         ("requests finished / failed", f"{req['finished']} / {req['aborted']}"),
-        ("prompt / output tokens (server usage)", f"{req['prompt_tokens']} / {req['output_tokens']}"),
+        ("prompt / output tokens (server usage)",
+         f"{req['prompt_tokens']} / {req['output_tokens']}"),
         ("requests with usage / cached tokens reported",
          f"{req['usage_reported']} / {req['cached_tokens_reported']}"),
         ("wall time", f"{thr['seconds']:.1f} s"),
-        ("throughput", f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.1f} out tok/s"),
+        ("throughput",
+         f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.1f} out tok/s"),
         ("TTFT p50 / p99", format_pair(lat["ttft_s"], "s")),
         ("time per output token p50 / p99", format_pair(lat["tpot_s"], "ms", 1000, "{:.1f}")),
         ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
@@ -95,7 +97,8 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     arrival = (f"Poisson at {wl['rate']} sessions/s" if wl["arrival"] == "poisson"
                else f"closed loop, {wl['concurrency']} clients")
     source = f"trace `{report['config']['trace']}`" if report["config"].get("trace") else \
-        f"workload {', '.join(wl['mix'])}, {wl['num_requests']} requests, {arrival}, seed {wl['seed']}"
+        f"workload {', '.join(wl['mix'])}, {wl['num_requests']} requests, {arrival}, " \
+        f"seed {wl['seed']}"
     lines = [
         "# blockmgr bench report",
         "",

@@ -462,7 +462,8 @@ def blas_hint() -> str | None:
         # numpy's bundled scipy_openblas renames its symbols: it does not serve MLX
         if any(n in line for n in ("libopenblas", "libmkl", "libblis")) and "scipy_" not in line:
             return None  # an optimized BLAS was preloaded: its symbols win
-    where = OPENBLAS if Path(OPENBLAS).exists() else "libopenblas.so.0 (Debian: libopenblas0-pthread)"
+    where = (OPENBLAS if Path(OPENBLAS).exists()
+             else "libopenblas.so.0 (Debian: libopenblas0-pthread)")
     return (f"note: MLX runs on the reference BLAS here (~5 GFLOPS); for much faster CPU "
             f"matmuls (BENCHMARKS.md, section BLAS) start with LD_PRELOAD={where}")
 

@@ -24,8 +24,9 @@ prompt, all or none. `cache_salt` is the request's prefix-cache namespace,
 (`SamplingParams.retention_priority`: lower priorities are evicted first).
 `usage` reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit
 of the request, and with host or disk cache tiers `cached_tokens_by_tier`
-(`{"device": n, "host": n, "disk": n}`: where the hit's tokens were). A client that disconnects (mid-stream or while waiting for a
-whole answer) has its request aborted, which frees its pages.
+(`{"device": n, "host": n, "disk": n}`: where the hit's tokens were). A
+client that disconnects (mid-stream or while waiting for a whole answer)
+has its request aborted, which frees its pages.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class CalibrationGrid:
         for name in ("prefill_chunks", "decode_batches", "decode_contexts", "mixed_chunks",
                      "mixed_batches", "mixed_contexts"):
             values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                 for v in values):
                 raise ValueError(f"{name} must be ints >= 1, got {values!r}")
         for name in ("max_context", "decode_steps", "repeats", "block_size", "copy_pages"):
             value = getattr(self, name)
@@ -88,7 +89,8 @@ class CalibrationGrid:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("decode_contexts", "mixed_contexts"):
             if max(getattr(self, name)) > self.max_context:
-                raise ValueError(f"{name} {getattr(self, name)} exceed max_context {self.max_context}")
+                raise ValueError(f"{name} {getattr(self, name)} exceed max_context "
+                                 f"{self.max_context}")
 
     @property
     def num_points(self) -> int:
@@ -249,9 +251,11 @@ def _measure_decode(model, grid, source, recorder, repeat, tick) -> None:
     own = iter(range(1, 1 << 30))
     for kind, batch, context in decode_order(grid):
         if kind == "mixed":
-            _measure_mixed(engine, recorder, source, base[:context], batch, grid.mixed_chunks, own, tick)
+            _measure_mixed(engine, recorder, source, base[:context], batch, grid.mixed_chunks, own,
+                           tick)
         else:
-            tick(_decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own, kind))
+            tick(_decode_point(engine, recorder, source, base, batch, context, grid.decode_steps,
+                               own, kind))
 
 
 def decode_order(grid: CalibrationGrid) -> list[tuple[str, int, int]]:
@@ -266,10 +270,12 @@ def decode_order(grid: CalibrationGrid) -> list[tuple[str, int, int]]:
     such a drift is noise the fit averages, not a bias of one step kind."""
     blocks = len(grid.decode_contexts)
     drawn = [("drawn", batch, min(grid.decode_contexts)) for batch in grid.decode_batches]
-    mixed = [("mixed", batch, context) for batch in grid.mixed_batches for context in grid.mixed_contexts]
+    mixed = [("mixed", batch, context) for batch in grid.mixed_batches
+             for context in grid.mixed_contexts]
     order: list[tuple[str, int, int]] = []
     for i, context in enumerate(grid.decode_contexts):
-        order += [(kind, batch, context) for batch in grid.decode_batches for kind in ("", "spread")]
+        order += [(kind, batch, context) for batch in grid.decode_batches
+                  for kind in ("", "spread")]
         order += drawn[i::blocks] + mixed[i::blocks]
     return order
 
@@ -305,7 +311,8 @@ def _measure_mixed(engine, recorder, source, prefix, batch, chunks, own, tick) -
     for chunk in chunks:
         label = f"mixed B={batch} C={len(prefix)} L={chunk}"
         recorder.label = label
-        engine.add_request(prefix + source.text(7000 + next(own), chunk), SamplingParams(max_tokens=1))
+        engine.add_request(prefix + source.text(7000 + next(own), chunk),
+                           SamplingParams(max_tokens=1))
         engine.step()
         recorder.label = "warmup"
         tick(label)
@@ -329,8 +336,8 @@ class Anchors:
     mixed_steps: int = 3
 
 
-def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchors: Anchors = Anchors(),
-                    clock: str = "wall") -> list[StepSample]:
+def measure_anchors(model: Any, description: dict, grid: CalibrationGrid,
+                    anchors: Anchors = Anchors(), clock: str = "wall") -> list[StepSample]:
     """The steps of `anchors`, measured as `calibrate` measures its grid
     (same labels and shapes, `grid`'s engine settings, the same base prompt,
     the points in the calibration's `decode_order` and, before each, the
@@ -351,12 +358,15 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
     for batch, context in anchors.decode:
         if context not in grid.decode_contexts or batch not in grid.decode_batches \
                 or (batch == 1 and context != smallest):
-            raise ValueError(f"decode anchor ({batch}, {context}): rows and contexts must be the grid's "
-                             f"{grid.decode_batches} and {grid.decode_contexts}, one row only at {smallest}")
+            raise ValueError(f"decode anchor ({batch}, {context}): rows and contexts must be "
+                             f"the grid's {grid.decode_batches} and {grid.decode_contexts}, "
+                             f"one row only at {smallest}")
     rows, context, chunk = anchors.mixed
-    if rows not in grid.mixed_batches or context not in grid.mixed_contexts or chunk not in grid.mixed_chunks:
-        raise ValueError(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the grid's "
-                         f"{grid.mixed_batches}, {grid.mixed_contexts} and {grid.mixed_chunks}")
+    if rows not in grid.mixed_batches or context not in grid.mixed_contexts \
+            or chunk not in grid.mixed_chunks:
+        raise ValueError(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the "
+                         f"grid's {grid.mixed_batches}, {grid.mixed_contexts} and "
+                         f"{grid.mixed_chunks}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)
@@ -371,13 +381,16 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
         # Before a point the calibration computed the prompts of every
         # shorter decode context and, in its 1-row point, of this one: on a
         # sliding-window model hits end there, not at the base.
-        for earlier in sorted(c for c in grid.decode_contexts if c < context or (inclusive and c == context)):
+        for earlier in sorted(c for c in grid.decode_contexts
+                              if c < context or (inclusive and c == context)):
             if earlier not in warmed:
-                _run(engine, recorder, "warmup", [base[:earlier] + [next(own) % source.vocab_size]], 1)
+                _run(engine, recorder, "warmup",
+                     [base[:earlier] + [next(own) % source.vocab_size]], 1)
                 warmed.add(earlier)
 
     mixed_rows, mixed_context, chunk = anchors.mixed
-    block = min(grid.decode_contexts)  # the decode context whose points precede a drawn or mixed point
+    # the decode context whose points precede a drawn or mixed point
+    block = min(grid.decode_contexts)
     for kind, batch, context in decode_order(grid):  # in the calibration's order
         if kind in ("", "spread"):
             block = context
@@ -386,8 +399,8 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid, anchor
             _decode_point(engine, recorder, source, base, batch, context, grid.decode_steps, own)
         elif kind == "mixed" and (batch, context) == (mixed_rows, mixed_context):
             computed_before(block, True)
-            _measure_mixed(engine, recorder, source, base[:context], batch, (chunk,) * anchors.mixed_steps, own,
-                           lambda label: None)
+            _measure_mixed(engine, recorder, source, base[:context], batch,
+                           (chunk,) * anchors.mixed_steps, own, lambda label: None)
     return recorder.samples
 
 

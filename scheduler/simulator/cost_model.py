@@ -301,7 +301,8 @@ class CostModel:
             + self.prefill_chunk_token_square * s.prefill_token_squares
             + (self.decode_forward_overhead if s.decode_rows or s.sampled_chunks else 0.0)
             + self.decode_attention_per_context_token * s.decode_context_tokens
-            + (self.decode_attention_beyond_knee * (s.decode_context_tokens - self.decode_context_knee)
+            + (self.decode_attention_beyond_knee
+               * (s.decode_context_tokens - self.decode_context_knee)
                if s.decode_context_tokens > self.decode_context_knee else 0.0)
             + self.host_move_per_page * s.host_moves
             + self.disk_load_per_page * s.disk_loads

@@ -49,10 +49,12 @@ class LengthDist:
         if not (isinstance(self.low, int) and isinstance(self.high, int)) or not (
             1 <= self.low <= self.high
         ):
-            raise LengthSpecError(f"length bounds must satisfy 1 <= min <= max, got {self.low}, {self.high}")
+            raise LengthSpecError(f"length bounds must satisfy 1 <= min <= max, "
+                                  f"got {self.low}, {self.high}")
         for name, value in (("a", self.a), ("b", self.b)):
             if not math.isfinite(value) or value < 0:
-                raise LengthSpecError(f"length parameters must be finite and >= 0, got {name}={value}")
+                raise LengthSpecError(f"length parameters must be finite and >= 0, "
+                                      f"got {name}={value}")
         if self.kind == "uniform" and self.a > self.b:
             raise LengthSpecError(f"uniform needs low <= high, got {self.a:g},{self.b:g}")
         if self.kind in ("fixed", "lognormal", "exponential", "normal") and self.a <= 0:
@@ -141,7 +143,8 @@ def parse_length(spec: str) -> LengthDist:
     kind, _, body = text.partition(":")
     kind = kind.strip().lower()
     if kind not in _KEYWORDS:
-        raise LengthSpecError(f"unknown length kind {kind!r} in {spec!r} (one of {', '.join(KINDS)})")
+        raise LengthSpecError(f"unknown length kind {kind!r} in {spec!r} "
+                              f"(one of {', '.join(KINDS)})")
     names = _KEYWORDS[kind]
     params: dict[str, float] = {}
     positional = 0
@@ -159,7 +162,8 @@ def parse_length(spec: str) -> LengthDist:
             params[key] = float(value)
         except ValueError:
             raise LengthSpecError(f"not a number: {value!r} in {spec!r}") from None
-    missing = [name for name in names if name not in params and not (kind == "lognormal" and name == "sigma")]
+    missing = [name for name in names
+               if name not in params and not (kind == "lognormal" and name == "sigma")]
     if missing:
         raise LengthSpecError(f"{spec!r} is missing {', '.join(missing)}")
     low = params.get("min", 1.0)

@@ -94,7 +94,8 @@ def plot_run(steps: dict, memory: dict, requests: dict, num_blocks: int, out_dir
         ax.plot(memory["time"], memory["sharing_saved"] * 100, label="pages saved by sharing", lw=1)
         ax.plot(memory["time"], memory["fragmentation"] * 100,
                 label="internal fragmentation (unused slots)", lw=1)
-    ax.set(xlabel="simulated time (s)", ylabel="%", title="Sharing and fragmentation (live sequences)")
+    ax.set(xlabel="simulated time (s)", ylabel="%",
+           title="Sharing and fragmentation (live sequences)")
     ax.legend(fontsize=8)
     names.append(save_figure(fig, out_dir / "memory.png"))
 
@@ -152,7 +153,8 @@ def plot_sweep(rows: list[dict], params: list[str], out_path: Path) -> str:
         ("hit_rate", "prefix hit rate"),
         ("preemptions", "preemptions"),
     )
-    fig, axes = plt.subplots(len(series), 1, figsize=(max(6, 0.6 * len(rows) + 3), 2.4 * len(series)))
+    fig, axes = plt.subplots(len(series), 1,
+                             figsize=(max(6, 0.6 * len(rows) + 3), 2.4 * len(series)))
     x = np.arange(len(rows))
     for ax, (key, title) in zip(axes, series):
         ax.bar(x, [row.get(key) or 0 for row in rows])

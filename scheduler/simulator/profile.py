@@ -65,7 +65,8 @@ def fit_cost_model(samples: Sequence[StepSample], fixed: dict[str, float] | None
     fits = [_fit_at_knee(samples, fixed, knee) for knee in KNEES if knee < most or knee == 0.0]
     residual, coefficients, knee = min(fits, key=lambda fit: fit[0])
     values = dict(zip(COEFFICIENTS, (float(c) for c in coefficients)))
-    model = CostModel(**values, decode_context_knee=knee if values["decode_attention_beyond_knee"] else 0.0)
+    model = CostModel(**values,
+                      decode_context_knee=knee if values["decode_attention_beyond_knee"] else 0.0)
     return model, fit_report(model, samples)
 
 
@@ -118,7 +119,8 @@ def format_fit(fit: dict) -> str:
     mean measured and predicted seconds and the relative error (markdown)."""
     lines = [f"per-step error median {fit['median_abs_rel_error'] * 100:.1f} %, "
              f"mean {fit['mean_abs_rel_error'] * 100:.1f} % over {fit['num_steps']} steps",
-             "", "| grid point | steps | measured, s | predicted, s | error |", "|---|---|---|---|---|"]
+             "", "| grid point | steps | measured, s | predicted, s | error |",
+             "|---|---|---|---|---|"]
     lines += [f"| {p['label']} | {p['steps']} | {p['measured_s']:.4f} | {p['predicted_s']:.4f} | "
               f"{p['rel_error'] * 100:+.1f} % |" for p in fit["points"]]
     return "\n".join(lines)
@@ -194,7 +196,8 @@ def _read_profile(path: str | Path) -> dict:
     if not isinstance(data, dict) or data.get("type") != PROFILE_TYPE:
         raise ProfileError(f"{path} is not a cost profile (no \"type\": \"{PROFILE_TYPE}\")")
     if data.get("version") != PROFILE_VERSION:
-        raise ProfileError(f"{path}: profile version {data.get('version')!r} is not {PROFILE_VERSION}")
+        raise ProfileError(f"{path}: profile version {data.get('version')!r} "
+                           f"is not {PROFILE_VERSION}")
     return data
 
 
@@ -223,7 +226,8 @@ def read_cost(path: str | Path) -> CostModel:
     cost = data.get("cost")
     known = {f.name for f in fields(CostModel)}
     if not isinstance(cost, dict) or set(cost) - known:
-        raise ProfileError(f"{path}: \"cost\" must be an object with keys among {', '.join(sorted(known))}")
+        raise ProfileError(f"{path}: \"cost\" must be an object with keys among "
+                           f"{', '.join(sorted(known))}")
     try:
         return CostModel(**cost)
     except ValueError as exc:

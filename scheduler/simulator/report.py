@@ -52,15 +52,19 @@ def build_report(result, plots: list[str]) -> dict:
         "config": result.config.to_dict(),
         "summary": result.summary,
         "timeline": {
-            "steps": downsample({k: v for k, v in metrics.step_arrays().items() if k in STEP_FIELDS}),
-            "memory": downsample({k: v for k, v in metrics.memory_arrays().items() if k in MEMORY_FIELDS}),
+            "steps": downsample({k: v for k, v in metrics.step_arrays().items()
+                                 if k in STEP_FIELDS}),
+            "memory": downsample({k: v for k, v in metrics.memory_arrays().items()
+                                  if k in MEMORY_FIELDS}),
         },
         "plots": plots,
         "environment": {"python": platform.python_version(), "machine": platform.machine()},
     }
 
 
-def write_report(result, out_dir: str | Path, plots: bool = True) -> tuple[Path, list[str], str | None]:
+def write_report(
+    result, out_dir: str | Path, plots: bool = True
+) -> tuple[Path, list[str], str | None]:
     """Write report.json, the PNGs and report.md into `out_dir` (created).
 
     Returns (folder, plot file names, a note if plots were skipped).
@@ -116,16 +120,19 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         *time_rows(summary),
         ("prefix hit rate (token-weighted)", f"{pc['hit_rate'] * 100:.1f} %"),
         *_bound_rows(pc),
-        ("page usage peak / mean", f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
-                                   f" of {mem['num_blocks']} pages"),
+        ("page usage peak / mean",
+         f"{mem['page_usage_peak'] * 100:.1f} % / {mem['page_usage_mean'] * 100:.1f} %"
+         f" of {mem['num_blocks']} pages"),
         ("internal fragmentation mean", f"{mem['fragmentation_mean'] * 100:.2f} %"),
         ("pages saved by sharing mean / peak", f"{mem['sharing_saved_mean'] * 100:.1f} % / "
                                                f"{mem['sharing_saved_peak'] * 100:.1f} %"),
         *group_rows(mem.get("groups", [])),
         *_slot_rows(summary.get("slots")),
         ("preemptions recompute / swap", f"{pre['recompute']} / {pre['swap']}"),
-        ("evicted pages / trie nodes", f"{summary['evictions']['pages']} / {summary['evictions']['nodes']}"),
-        ("trie nodes final / peak", f"{summary['trie']['nodes_final']} / {summary['trie']['nodes_peak']}"),
+        ("evicted pages / trie nodes",
+         f"{summary['evictions']['pages']} / {summary['evictions']['nodes']}"),
+        ("trie nodes final / peak",
+         f"{summary['trie']['nodes_final']} / {summary['trie']['nodes_peak']}"),
         ("steps", f"{summary['steps']['count']}"),
         ("bookkeeping per step mean / p99", format_pair(book["per_step_us"], "us", fmt="{:.0f}")),
         ("wall time", f"{book['wall_seconds']:.2f} s"),
@@ -133,7 +140,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows += abort_rows(req)
     if "checks" in summary:
         checks = summary["checks"]
-        rows.append(("integrity checks / leak check", f"{checks['integrity_checks']} / {checks['leaks']}"))
+        rows.append(("integrity checks / leak check",
+                     f"{checks['integrity_checks']} / {checks['leaks']}"))
     return rows
 
 
@@ -142,9 +150,11 @@ def time_rows(summary: dict) -> list[tuple[str, str]]:
     thr, lat = summary["throughput"], summary["latency"]
     return [
         ("simulated time", f"{thr['simulated_seconds']:.1f} s"),
-        ("throughput", f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} out tok/s"),
+        ("throughput",
+         f"{thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} out tok/s"),
         ("TTFT p50 / p99", format_pair(lat["ttft_s"], "s")),
-        ("time per output token p50 / p99", format_pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
+        ("time per output token p50 / p99",
+         format_pair(lat["tpot_s"], "ms", scale=1000, fmt="{:.1f}")),
         ("end-to-end p50 / p99", format_pair(lat["e2e_s"], "s")),
     ]
 
@@ -194,7 +204,8 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         "# blockmgr simulation report",
         "",
         f"Workload {_mix(wl['mix'])}, {wl['num_requests']} requests, arrival {wl['arrival']}"
-        + (f" at {wl['rate']} sessions/s" if wl["arrival"] == "poisson" else f", {wl['concurrency']} clients")
+        + (f" at {wl['rate']} sessions/s" if wl["arrival"] == "poisson"
+           else f", {wl['concurrency']} clients")
         + f", seed {wl['seed']}" + _trace_note(cfg) + ".",
         *_layout_line(cfg.get("layout")),
         f"Pool {bm['num_blocks']} pages x {bm['block_size']} tokens"
@@ -212,7 +223,8 @@ def render_markdown(report: dict, note: str | None = None) -> str:
     lines.append("")
     kinds = report["summary"]["requests"]["by_workload"]
     if len(kinds) > 1:
-        lines += ["| workload | requests | mean prompt | hit rate (first admission) | TTFT p50 / p99 s | e2e p50 s |",
+        lines += ["| workload | requests | mean prompt | hit rate (first admission) "
+                  "| TTFT p50 / p99 s | e2e p50 s |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {k} | {v['requests']} | {v['mean_prompt_tokens']:.0f} | "
                   f"{v['first_admission_hit_rate'] * 100:.1f} % | {v['ttft_p50_s']:.3f} / "
@@ -229,7 +241,8 @@ def render_markdown(report: dict, note: str | None = None) -> str:
         "latency.png": "Latency distributions (CDF; dotted: p50, p99)",
     }
     for name in report.get("plots", []):
-        lines += [f"## {captions.get(name, name)}", "", f"![{captions.get(name, name)}]({name})", ""]
+        lines += [f"## {captions.get(name, name)}", "",
+                  f"![{captions.get(name, name)}]({name})", ""]
     return "\n".join(lines)
 
 
@@ -248,7 +261,8 @@ def _num_groups(layout: dict | None) -> int:
 def _time_note(summary: dict) -> str:
     engine = summary.get("engine")
     if engine is None:
-        return "All times are simulated seconds from the cost model, except bookkeeping and wall time."
+        return ("All times are simulated seconds from the cost model, except bookkeeping "
+                "and wall time.")
     blas = engine["machine"]["blas"]
     return (f"Real engine on {engine['model']}: all times are engine step times on this machine "
             f"(idle gaps between arrivals skipped), BLAS {blas['name']} "
@@ -301,7 +315,9 @@ COMPARED = (
 )
 
 
-def comparison_rows(first: dict, second: dict) -> list[tuple[str, float | None, float | None, float | None]]:
+def comparison_rows(
+    first: dict, second: dict
+) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, first, second, second / first - 1) for every `COMPARED` metric;
     the difference is None when either value is missing or the first is 0."""
     rows = []

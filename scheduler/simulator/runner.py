@@ -290,7 +290,8 @@ class Simulation:
             outputs = live[item.request_id].outputs
             index = item.sample_index
             if index is None:
-                position = item.start_position + len(item.token_ids) - len(item.request.prompt_tokens)
+                position = (item.start_position + len(item.token_ids)
+                            - len(item.request.prompt_tokens))
                 sampled[item.seq_id] = [o[min(position, len(o) - 1)] for o in outputs]
             else:
                 # A sampling chunk ends at the sample's last token: the next
@@ -385,7 +386,8 @@ def check_no_leaks(store: GroupedStore, sched: Scheduler) -> str:
     Changes the store (drops the tries)."""
     problems = []
     if sched.has_unfinished():
-        problems.append(f"scheduler still has {sched.num_running} running, {sched.num_waiting} waiting")
+        problems.append(f"scheduler still has {sched.num_running} running, "
+                        f"{sched.num_waiting} waiting")
     try:
         store.check_no_leaks()
     except MemoryLeak as exc:

@@ -74,7 +74,8 @@ def parse_grid(spec: str) -> dict[str, list]:
             raise SweepSpecError(f"sweep entry {part!r} must look like name=v1,v2")
         if name not in SWEEP_PARAMS and name not in FLEET_PARAMS:
             raise SweepSpecError(
-                f"cannot sweep {name!r} (one of {', '.join(sorted([*SWEEP_PARAMS, *FLEET_PARAMS]))})"
+                f"cannot sweep {name!r} "
+                f"(one of {', '.join(sorted([*SWEEP_PARAMS, *FLEET_PARAMS]))})"
             )
         if name in grid:
             raise SweepSpecError(f"{name!r} appears twice in the sweep")
@@ -102,7 +103,9 @@ def _value(text: str):
     return text
 
 
-def grid_points(base: SimulationConfig, grid: dict[str, list], mix_parser) -> list[tuple[dict, SimulationConfig]]:
+def grid_points(
+    base: SimulationConfig, grid: dict[str, list], mix_parser
+) -> list[tuple[dict, SimulationConfig]]:
     """Every combination as (params, config). Raises ValueError for a bad point."""
     names = list(grid)
     points = []
@@ -118,7 +121,8 @@ def grid_points(base: SimulationConfig, grid: dict[str, list], mix_parser) -> li
                 continue
             if name == "workload":
                 value = mix_parser(value)
-            if name == "preemption" and value == "swap" and not data["block_manager"].get("num_host_blocks"):
+            if name == "preemption" and value == "swap" \
+                    and not data["block_manager"].get("num_host_blocks"):
                 data["block_manager"]["num_host_blocks"] = data["block_manager"]["num_blocks"]
             data[section][key] = value
         try:
@@ -270,7 +274,9 @@ def format_text_table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_sweep(rows: list[dict], params: list[str], out_dir: str | Path, plots: bool = True) -> tuple[Path, str | None]:
+def write_sweep(
+    rows: list[dict], params: list[str], out_dir: str | Path, plots: bool = True
+) -> tuple[Path, str | None]:
     """sweep.json, sweep.md (the table) and sweep.png into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

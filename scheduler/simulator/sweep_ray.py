@@ -18,7 +18,8 @@ class RayUnavailable(ValueError):
 
 
 def run_on_ray(tasks: list, address: str, run_point: Callable[[tuple], dict],
-               on_done: Callable[[dict], None] | None = None, num_cpus: int | None = None) -> list[dict]:
+               on_done: Callable[[dict], None] | None = None,
+               num_cpus: int | None = None) -> list[dict]:
     """Rows of every task (in completion order). `num_cpus` caps a local cluster."""
     try:
         import ray

@@ -238,7 +238,8 @@ def _read_csv(handle, path) -> list[list[RequestSpec]]:
     """ShareGPT-style / Azure LLM inference CSV rows, one request each."""
     reader = csv.DictReader(handle)
     columns = reader.fieldnames or []
-    names = [_column(columns, options, path) for options in (_CSV_ARRIVAL, _CSV_PROMPT, _CSV_OUTPUT)]
+    names = [_column(columns, options, path)
+             for options in (_CSV_ARRIVAL, _CSV_PROMPT, _CSV_OUTPUT)]
     sessions = []
     start = None
     for lineno, row in enumerate(reader, 2):

@@ -169,7 +169,8 @@ class WorkloadConfig:
         _positive_int("num_tenants", self.num_tenants)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
-        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 16:
+        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) \
+                or self.max_context < 16:
             raise ValueError(f"max_context must be an int >= 16, got {self.max_context!r}")
         for name in ("rate", "think_time", "tool_time"):
             value = getattr(self, name)
@@ -178,7 +179,8 @@ class WorkloadConfig:
         if self.rate <= 0:
             raise ValueError(f"rate must be > 0, got {self.rate}")
         for name, spec in self.__dataclass_fields__.items():
-            if isinstance(spec.default, LengthDist) and not isinstance(getattr(self, name), LengthDist):
+            if isinstance(spec.default, LengthDist) \
+                    and not isinstance(getattr(self, name), LengthDist):
                 raise ValueError(f"{name} must be a LengthDist, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
