@@ -47,7 +47,8 @@ def close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     diff = np.abs(np.asarray(got, dtype=np.float64) - want)
     assert np.all(np.isfinite(got)), f"{what}: non-finite logits"
     worst = float(diff.max())
-    assert worst <= TOL, f"{what}: max |diff| {worst:.3g} at {np.unravel_index(diff.argmax(), diff.shape)}"
+    assert worst <= TOL, (f"{what}: max |diff| {worst:.3g} "
+                          f"at {np.unravel_index(diff.argmax(), diff.shape)}")
 
 
 def paged(model) -> PagedCache:

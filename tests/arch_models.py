@@ -120,16 +120,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                              mamba_n_heads=8, mamba_d_head=16, mamba_proj_bias=False,
                              mamba_d_state=8, mamba_d_conv=4, mamba_n_groups=1,
                              mamba_conv_bias=True, shared_intermediate_size=32),
-    "hunyuan": dict(rope_scaling={"type": "dynamic", "factor": 1.0, "alpha": 1.0}, use_cla=False, cla_share_factor=2,
-                    num_shared_expert=1, use_mixed_mlp_moe=True),
+    "hunyuan": dict(rope_scaling={"type": "dynamic", "factor": 1.0, "alpha": 1.0}, use_cla=False,
+                    cla_share_factor=2, num_shared_expert=1, use_mixed_mlp_moe=True),
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
                   expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2),
     "kimi_linear": dict(linear_attn_config={"kda_layers": [1, 3], "num_heads": 4,
                                             "head_dim": 16, "short_conv_kernel_size": 4}),
     "kimi_k3": dict(linear_attn_config={"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
                                         "short_conv_kernel_size": 4},
-                    hidden_act="situ", num_experts_per_token=2, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                    v_head_dim=16),
+                    hidden_act="situ", num_experts_per_token=2, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=16),
     "lfm2": dict(block_dim=64, block_multiple_of=8, block_ffn_dim_multiplier=None,
                  block_auto_adjust_ff_dim=False, block_ff_dim=64,
                  layer_types=["conv", "full_attention", "conv", "conv"]),
@@ -220,7 +220,8 @@ def module(name: str) -> ModuleType:
     """The mlx-lm module `name` (raises what its import raises; some modules
     exit the interpreter when an optional package is missing)."""
     probed = PROBED_PACKAGES.get(name)
-    if probed is not None and probed not in sys.modules and importlib.util.find_spec(probed) is None:
+    if probed is not None and probed not in sys.modules \
+            and importlib.util.find_spec(probed) is None:
         sys.modules.setdefault(probed, ModuleType(probed))
     try:
         return importlib.import_module(f"mlx_lm.models.{name}")

@@ -142,7 +142,8 @@ def render(rows: list[Row]) -> str:
         "`tokens` the input ids a layer reads).",
         "`expected`: a listed mlx-lm limitation or project gap (reason given); `-`: not run.",
         "`engine batching` says which rows the engine runs one at a time because mlx-lm's model",
-        "code cannot batch them (`scheduler/engine/batch_probe.py` detects it when the engine is built,",
+        "code cannot batch them (`scheduler/engine/batch_probe.py` detects it when the engine "
+        "is built,",
         "or its `DECLARED` table names the model).",
         "",
         "Summary: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +

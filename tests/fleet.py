@@ -104,7 +104,8 @@ class Fleet:
                        lambda u=url: httpx.get(u + "/health", timeout=1).status_code == 200)
         binary = smg_binary()
         if binary is None:
-            raise RuntimeError("the smg binary is not installed (pip install 'mlx-blockmgr[fleet]')")
+            raise RuntimeError("the smg binary is not installed "
+                               "(pip install 'mlx-blockmgr[fleet]')")
         port, metrics_port = free_port(), free_port()
         self.url = f"http://{LOOPBACK}:{port}"
         self.metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"

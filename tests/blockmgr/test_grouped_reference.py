@@ -37,7 +37,8 @@ class GroupedReferenceMachine(RuleBasedStateMachine):
     def start(self) -> None:
         self.store = GroupedStore(self.config)
         self.refs = [
-            BlockManager(self.config.group_config(g), group=g) for g in range(self.config.num_groups)
+            BlockManager(self.config.group_config(g), group=g)
+            for g in range(self.config.num_groups)
         ]
         self.next_id = 0
         self.speculating: dict[str, int] = {}  # seq_id -> token count at begin
@@ -48,7 +49,8 @@ class GroupedReferenceMachine(RuleBasedStateMachine):
         return sorted(self.refs[0].sequence_ids())
 
     def resident(self) -> list[str]:
-        return [s for s in self.live() if not self.refs[0].is_swapped(s) and s not in self.speculating]
+        return [s for s in self.live()
+                if not self.refs[0].is_swapped(s) and s not in self.speculating]
 
     def both(self, call) -> None:
         """`call(m)` on copies of the references: when every group alone

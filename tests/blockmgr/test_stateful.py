@@ -478,7 +478,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         shadow.take_disk_from(self.shadow)
         self.bm, self.shadow = new, shadow
         new.check_integrity()
-        assert hits == [new.cached_prefix_length(p, ns) for p in self.seen for ns in (None, "tenant-b")]
+        assert hits == [new.cached_prefix_length(p, ns)
+                        for p in self.seen for ns in (None, "tenant-b")]
 
     # -------------------------------------------------------------- checking
 

@@ -285,6 +285,7 @@ def test_compressed_layer_cache_state_matches_mlx_lm():
         for name, g in zip(names, got):
             w = getattr(want, name)
             assert g.shape == w.shape, (layer, name, g.shape, w.shape)
-            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-6, err_msg=f"{layer} {name}")
+            np.testing.assert_allclose(np.array(g), np.array(w), atol=1e-6,
+                                       err_msg=f"{layer} {name}")
     got = np.array(model(mx.array([nxt]), cache=views))[0]
     close(got, reference(model, prompt + nxt, [len(prompt)])[-1:], "decode after the reads")

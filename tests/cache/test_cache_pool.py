@@ -19,7 +19,8 @@ def big_pool(num_blocks=2048):  # 2 x 33.5 MB
 
 
 def decode_write(pool, page=7, col=3):
-    rows = mx.array(head_rows(np.array([page]), H, pool.shape.num_blocks).reshape(-1).astype(np.int32))
+    rows = mx.array(head_rows(np.array([page]), H, pool.shape.num_blocks)
+                    .reshape(-1).astype(np.int32))
     cols = mx.full((H,), col, dtype=mx.int32)
     k, v = mx.random.normal((H, D)), mx.random.normal((H, D))
     mx.eval(rows, cols, k, v)

@@ -250,7 +250,8 @@ class FailingModel:
     def __call__(self, inputs, cache=None):
         if self.calls is not None:
             self.calls += 1
-            poisoned = self.poison is not None and any(self.poison in row for row in inputs.tolist())
+            poisoned = self.poison is not None and any(self.poison in row
+                                                       for row in inputs.tolist())
             if self.calls in self.fail_at or poisoned:
                 cache = list(cache)
                 cache[self.layer] = FailingLayer(cache[self.layer], self.error)

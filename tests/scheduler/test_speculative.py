@@ -3,9 +3,10 @@
 Greedy: outputs with a draft model equal mlx-lm's `generate_step` on the
 target alone (and the Engine without a draft), for an attention and three
 hybrid models (recurrent_gemma: recurrent + sliding-window layers, whose
-window keeps the pages a restored checkpoint's recompute attends to), with a draft that agrees often (the target plus small noise)
-and one that rarely does (large noise), at batch 1 and 8, with prefix hits
-and under preemption. Sampling: the empirical distribution of the first
+window keeps the pages a restored checkpoint's recompute attends to), with
+a draft that agrees often (the target plus small noise) and one that
+rarely does (large noise), at batch 1 and 8, with prefix hits and under
+preemption. Sampling: the empirical distribution of the first
 token and of the first speculated token matches the target's softmax
 (total variation bound) with and without a draft, on a vocabulary of 8.
 """

@@ -167,7 +167,8 @@ def test_bench_against_blockmgr_serve_and_mlx_lm_server(tmp_path, capsys):
     (["--url", "http://127.0.0.1:9", "--prompt-format", "tokens"],
      "token-id prompts need the completions api"),
     (["--url", "127.0.0.1:9"], "url must start with http://"),
-    (["--url", "http://127.0.0.1:9", "--write-trace", "t.jsonl"], "--write-trace applies to simulate"),
+    (["--url", "http://127.0.0.1:9", "--write-trace", "t.jsonl"],
+     "--write-trace applies to simulate"),
     (["--url", "http://127.0.0.1:9", "--time-scale", "0"], "must be a finite number > 0"),
 ])
 def test_bench_bad_options_are_one_line(args, message, capsys):

@@ -305,7 +305,8 @@ def test_bad_kv_sweeps_are_refused(spec, base_argv, message):
 
 
 @pytest.mark.parametrize("name, fmt", [("llama", KVFormat(8, 4, 32)), ("sliding", KVFormat()),
-                                       ("gemma3", KVFormat(4, 4, 32)), ("qwen3", KVFormat(8, 8, 64)),
+                                       ("gemma3", KVFormat(4, 4, 32)),
+                                       ("qwen3", KVFormat(8, 8, 64)),
                                        ("lfm2", KVFormat(None, 8, 32)),
                                        ("qwen3_next", KVFormat(4, 4, 32))])
 def test_serve_states_the_simulate_options_of_its_pool(name, fmt):
@@ -321,5 +322,6 @@ def test_serve_states_the_simulate_options_of_its_pool(name, fmt):
     assert options is not None and ("--hybrid" in options) == bool(slot)
     argv = ["simulate", *options.split(), "--max-num-seqs", str(MAX_SEQS), "--max-context", "64"]
     config = cli.build_config(cli.build_parser().parse_args(argv))
-    assert (config.block_manager.num_blocks, config.block_manager.num_slots) == (300, size.num_slots)
+    assert (config.block_manager.num_blocks,
+            config.block_manager.num_slots) == (300, size.num_slots)
     assert config.kv_memory.format.name == fmt.name

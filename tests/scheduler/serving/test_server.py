@@ -208,7 +208,8 @@ def test_several_prompts_per_completion_request(served, client, reference):
     assert whole.usage.completion_tokens == 4 * MAX_TOKENS
     ids = [tok.encode(p) for p in reversed(prompts)]
     stream = client.completions.create(model=name, prompt=ids, temperature=0, stream=True,
-                                       max_tokens=MAX_TOKENS, stream_options={"include_usage": True},
+                                       max_tokens=MAX_TOKENS,
+                                       stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
     texts, usage = {}, None
     for chunk in stream:

@@ -33,7 +33,8 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=101)
 
 
-def seq(n: int, start: int, sample: bool, samples: int = 1, temperature: float = 0.0) -> ScheduledSeq:
+def seq(n: int, start: int, sample: bool, samples: int = 1,
+        temperature: float = 0.0) -> ScheduledSeq:
     request = Request("r", [1] * (start + n), SamplingParams(n=samples, temperature=temperature))
     return ScheduledSeq(seq_id=object(), request_id="r", token_ids=[1] * n, start_position=start,
                         is_prefill=n > 1, sample=sample, num_samples=samples, request=request)
@@ -54,7 +55,8 @@ def test_step_shape_counts_the_engines_rows_and_chunks():
         longest_decode_context=100, random_samples=1 + 4, page_copies=2, slot_copies=1, swaps=0,
         prefill_token_squares=30 * 30 + 12 * 12, decode_context_tokens=41 + 8 + 100,
     )
-    cost = CostModel(**{name: float(i + 1) for i, name in enumerate(COEFFICIENTS)}, decode_context_knee=100)
+    cost = CostModel(**{name: float(i + 1) for i, name in enumerate(COEFFICIENTS)},
+                     decode_context_knee=100)
     by_hand = (1 + 2 * 42 + 3 * 3 + 4 * 241 + 5 * 2 + 6 * 1 + 7 * 0 + 8 * 2 + 9 * 1
                + 10 * (30 * 15 + 12 * 56) + 11 * 1 + 12 * 3 * 100 + 13 * 5 + 14 * 1044 + 15 * 1
                + 16 * 149 + 17 * (149 - 100))
@@ -207,7 +209,8 @@ def test_the_calibration_grid_pins_every_term():
     samples = [StepSample(s.label, s.shape, truth.time_of(s.shape)) for s in shapes]
     fitted, _ = fit_cost_model(samples, {"copy_per_page": truth.copy_per_page})
     for name in names:
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6,
+                                                      abs=1e-12), name
 
 
 def test_mixed_and_drawn_points_are_spread_over_the_decode_points():
@@ -219,15 +222,18 @@ def test_mixed_and_drawn_points_are_spread_over_the_decode_points():
     from scheduler.simulator.calibrate import QUICK_GRID, calibrate
 
     model, description = tiny_model()
-    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256), mixed_batches=(1, 2, 4), mixed_contexts=(32, 64))
+    grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256), mixed_batches=(1, 2, 4),
+                   mixed_contexts=(32, 64))
     labels = [s.label for s in calibrate(model, description, grid).samples]
     contexts = grid.decode_contexts
-    starts = [min(i for i, label in enumerate(labels) if label in (f"decode B=1 C={c}", f"decode spread B=1 C<={c}"))
+    starts = [min(i for i, label in enumerate(labels)
+                  if label in (f"decode B=1 C={c}", f"decode spread B=1 C<={c}"))
               for c in contexts] + [len(labels)]
     for kind in ("mixed B=", "decode drawn"):
         steps = [i for i, label in enumerate(labels) if label.startswith(kind)]
         shares = [sum(start < i < end for i in steps) for start, end in zip(starts, starts[1:])]
-        assert shares[0] and shares[1], (kind, shares)  # after the first and second contexts' points
+        # after the first and second contexts' points
+        assert shares[0] and shares[1], (kind, shares)
     assert sum(starts[2] < i for i, label in enumerate(labels) if label.startswith("mixed B=")) == 2
     mixed = [label for label in labels if label.startswith("mixed B=")]
     assert sorted(mixed) == sorted({f"mixed B={b} C={c} L={n}" for b in grid.mixed_batches
@@ -253,7 +259,8 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     model, description = load_model(ModelSpec(preset=preset, layers=2, shape=shape))
     grid = replace(QUICK_GRID, decode_contexts=(32, 64, 256))  # 64 after 32, as 512 after 128
     profile = calibrate(model, description, grid)
-    anchors = measure_anchors(model, description, grid, Anchors(16, ((1, 32), (4, 64), (4, 256)), (4, 64, 32)))
+    anchors = measure_anchors(model, description, grid,
+                              Anchors(16, ((1, 32), (4, 64), (4, 256)), (4, 64, 32)))
     labels = {s.label for s in anchors}
     assert labels == {"prefill L=16", "mixed unsampled B=1 C=128 L<=15", "decode B=1 C=32",
                       "decode B=4 C=64", "decode B=4 C=256", "mixed B=4 C=64 L=32"}
@@ -261,7 +268,8 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
         def shapes(samples):
             return [(s.shape.prefill_tokens, s.shape.decode_rows, s.shape.context_tokens)
                     for s in samples if s.label == label]
-        calibrated = shapes(profile.samples)  # the mixed anchor repeats its step, one token later each
+        # the mixed anchor repeats its step, one token later each
+        calibrated = shapes(profile.samples)
         assert shapes(anchors)[:len(calibrated)] == calibrated, label
     assert len([s for s in anchors if s.label == "mixed B=4 C=64 L=32"]) == Anchors().mixed_steps
     def order(samples):  # labels by first step, in the order measured
@@ -269,7 +277,8 @@ def test_anchors_repeat_grid_points_and_drift_is_their_change(window):
     calibrated = [label for label in order(profile.samples) if label in labels]
     assert order(anchors) == calibrated  # the mixed anchor where the calibration measured it
     recomputed = [s for s in anchors if s.label == "decode B=1 C=32" and s.shape.prefill_tokens]
-    assert bool(recomputed) == (window is not None)  # the window group cannot hit the base that far back
+    # the window group cannot hit the base that far back
+    assert bool(recomputed) == (window is not None)
     with pytest.raises(ValueError, match="one row only at 32"):
         measure_anchors(model, description, grid, Anchors(16, ((1, 64),), (4, 64, 32)))
     with pytest.raises(ValueError, match="mixed anchor"):  # not a grid point: it would never run
@@ -309,7 +318,8 @@ def test_simulate_with_a_profile_uses_its_cost_and_cost_overrides_it(tmp_path, c
     path = tmp_path / "p.json"
     write_profile(path, CostProfile(cost, {}, {}, {}, {}, "now"))
     out = tmp_path / "rep"
-    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out), "--profile", str(path)]
+    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out),
+            "--profile", str(path)]
     assert main(args) == 0
     assert json.loads((out / "report.json").read_text())["config"]["cost"] == cost.to_dict()
     assert main(args + ["--cost", "step_overhead=0.1"]) == 0
@@ -327,7 +337,8 @@ def test_simulate_with_a_profile_takes_its_layout_unless_one_is_given(tmp_path, 
     write_profile(path, CostProfile(CostModel(), {}, {}, {}, {}, "now", layout=layout))
     assert read_layout(path) == layout
     out = tmp_path / "rep"
-    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out), "--profile", str(path)]
+    args = ["simulate", "-n", "20", "--no-plots", "--no-progress", "--out", str(out),
+            "--profile", str(path)]
 
     def used_layout() -> dict:
         return json.loads((out / "report.json").read_text())["config"]["layout"]
@@ -389,7 +400,8 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
     seen = []
     replayed = run_replay(cfg, model, description, step_listener=lambda out, seconds: seen.append(
         (sum(len(item.token_ids) for item in out.seqs), seconds)))
-    expected = ModelLayout(full=1, sliding=1, window=32) if "sliding_window" in shape else ModelLayout()
+    expected = (ModelLayout(full=1, sliding=1, window=32) if "sliding_window" in shape
+                else ModelLayout())
     assert replayed.config.layout == expected
     real = replayed.summary
     sim = run_simulation(replayed.config).summary
@@ -403,7 +415,8 @@ def test_replay_makes_the_simulators_scheduling_decisions(tmp_path, preset):
         assert real[section][key] == sim[section][key], (section, key)
     assert sim["preemptions"]["total"] > 0  # the pool is small enough to matter
     assert real["checks"]["leaks"] == "ok"
-    assert real["engine"]["steps"] == real["steps"]["count"] == len(seen)  # the listener saw every step
+    # the listener saw every step
+    assert real["engine"]["steps"] == real["steps"]["count"] == len(seen)
     scheduled = sim["steps"]["mean_batch_tokens"] * sim["steps"]["count"]  # the simulator's tokens
     assert sum(tokens for tokens, _ in seen) == pytest.approx(scheduled)
     assert all(seconds > 0 for _, seconds in seen)
@@ -421,7 +434,8 @@ def test_replay_time_is_engine_time_with_idle_gaps_skipped(tmp_path, clock):
     model, description = tiny_model()
     path = tmp_path / "late.jsonl"
     path.write_text(
-        json.dumps({"id": "a", "arrival": 1000.0, "prompt_tokens": list(range(1, 40)), "output_len": 4})
+        json.dumps({"id": "a", "arrival": 1000.0, "prompt_tokens": list(range(1, 40)),
+                    "output_len": 4})
         + "\n" + json.dumps({"id": "b", "arrival": 1000.000001, "prompt_tokens": [5, 6, 7],
                               "output_len": 1}) + "\n")
     cfg = SimulationConfig(trace=str(path), vocab_size=101,
@@ -467,7 +481,8 @@ def test_replay_rejects_closed_loop_and_a_vocabulary_too_large():
     from scheduler.simulator.replay import ReplayError, run_replay
 
     model, description = tiny_model()
-    closed = SimulationConfig(workload=WorkloadConfig(num_requests=3, arrival="closed", max_context=256),
+    closed = SimulationConfig(workload=WorkloadConfig(num_requests=3, arrival="closed",
+                                                      max_context=256),
                               vocab_size=101)
     with pytest.raises(ReplayError, match="open-loop"):
         run_replay(closed, model, description)
@@ -494,7 +509,8 @@ def test_calibrate_replay_simulate_compare_from_the_cli(tmp_path, capsys):
     assert data["mlx_version"] and {"name", "optimized", "matmul_1024_gflops"} <= set(data["blas"])
     labels = {p["label"] for p in data["fit"]["points"]}
     assert {"prefill L=16", "prefill L=64", "decode B=4 C=256", "decode drawn B=4 C=64",
-            "mixed B=1 C=64 L=32", "mixed B=4 C=64 L=32", "mixed unsampled B=1 C=128 L<=63"} <= labels
+            "mixed B=1 C=64 L=32", "mixed B=4 C=64 L=32",
+            "mixed unsampled B=1 C=128 L<=63"} <= labels
     assert all(np.isfinite(p["rel_error"]) for p in data["fit"]["points"])
     assert data["cost"]["copy_per_page"] > 0
     moves = data["grid"]["tier_moves"]  # timed on the --disk-cache directory's disk
@@ -545,7 +561,8 @@ def test_a_fit_priced_by_forward_overheads_alone_is_a_cost_model():
     shapes += [StepShape(decode_rows=r, sampled_chunks=0) for r in (1, 4, 8)]
     samples = [StepSample(f"p{i}", s, truth.time_of(s)) for i, s in enumerate(shapes)]
     fitted, _ = fit_cost_model(samples, {"copy_per_page": 0.0})
-    for shape in shapes + [StepShape(decode_rows=2), StepShape(prefill_tokens=32, prefill_chunks=3)]:
+    for shape in shapes + [StepShape(decode_rows=2),
+                           StepShape(prefill_tokens=32, prefill_chunks=3)]:
         assert fitted.time_of(shape) == pytest.approx(truth.time_of(shape), rel=1e-6), shape
     assert fitted.step_overhead + fitted.prefill_per_token + fitted.decode_per_token == 0.0
     with pytest.raises(ValueError):  # a model that prices no step at all

@@ -86,8 +86,9 @@ def test_choice_draws_what_rng_choice_draws(p):
     assert len(set(drawn)) == len(p)
 
 
-@pytest.mark.parametrize("spec", ["fixed:2.5", "fixed:7", "uniform:3,40", "lognormal:mean=200,sigma=0.8",
-                                  "exponential:mean=100,max=300", "normal:mean=20,std=15,min=4"])
+@pytest.mark.parametrize("spec", ["fixed:2.5", "fixed:7", "uniform:3,40",
+                                  "lognormal:mean=200,sigma=0.8", "exponential:mean=100,max=300",
+                                  "normal:mean=20,std=15,min=4"])
 def test_one_length_is_the_one_element_sample(spec):
     """`LengthDist.one` (a scalar draw) against `sample(rng, 1)` on the same
     stream: the same lengths, and the streams stay in step after."""
@@ -331,7 +332,8 @@ def test_token_texts_are_stable_prefixes_and_distinct():
     assert source.text(derive_key(42, 1), 300) != long
     assert all(0 <= t < 1000 for t in long)
     other = derive_key(7, 3)
-    assert source.expand([(key, 100), (other, 0), (other, 40)]) == long[:100] + source.text(other, 40)
+    assert source.expand([(key, 100), (other, 0), (other, 40)]) == \
+        long[:100] + source.text(other, 40)
     assert source.expand([]) == [] and source.expand([(key, 0)]) == []
 
 

@@ -98,7 +98,8 @@ def test_headerless_mooncake_trace_reads_512_token_blocks_and_warns(tmp_path):
 def test_block_size_option_and_header_are_used_without_a_warning(tmp_path):
     records = mooncake_records(3)
     plain = write_lines(tmp_path / "mc.jsonl", records)
-    headed = write_lines(tmp_path / "h.jsonl", [{"type": "header", "prefix_block_tokens": 64}] + records)
+    headed = write_lines(tmp_path / "h.jsonl",
+                         [{"type": "header", "prefix_block_tokens": 64}] + records)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TraceWarning)
         header, sessions = read_trace(plain, prefix_block_tokens=32)
@@ -184,7 +185,8 @@ def test_bound_of_prefix_id_traces_is_mooncakes_block_reuse(tmp_path):
     assert s["first_admission_hit_rate"] == pytest.approx(s["infinite_cache_hit_rate"], abs=1e-12)
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} is absent (Mooncake's synthetic trace)")
+@pytest.mark.skipif(not MOONCAKE.is_file(),
+                    reason=f"{MOONCAKE} is absent (Mooncake's synthetic trace)")
 def test_mooncake_synthetic_trace_bound_is_the_published_65_percent():
     records = [json.loads(line) for line in MOONCAKE.read_text().splitlines() if line.strip()]
     assert len(records) == 3993
