@@ -51,7 +51,8 @@ def main() -> None:
     print(f"scheduler+blockmgr {book:.1f} s ({book / wall:.0%} of wall), {steps} steps, "
           f"{book / steps * 1e6:.0f} us/step, {book / computed * 1e6:.2f} us/computed token, "
           f"{book / args.requests * 1e3:.2f} ms/request")
-    print(f"leaks: {s.get('checks', {}).get('leaks')}, hit rate {s['prefix_cache']['hit_rate']:.3f}")
+    print(f"leaks: {s.get('checks', {}).get('leaks')}, "
+          f"hit rate {s['prefix_cache']['hit_rate']:.3f}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 

@@ -113,7 +113,8 @@ def run(lengths, reps, num_blocks=2048):
           f"gathered K+V={nbytes / 1e6:.1f} MB")
     print(f"{'layout / gather':58s} {'gather':>9s} {'gather+sdpa':>12s} {'vs contig':>9s}")
     print(f"{'plain copy of the same bytes (limit)':58s} {t_copy * 1e3:8.3f}ms")
-    print(f"{'SDPA on contiguous history (reference)':58s} {'':9s} {t_ref * 1e3:11.3f}ms {1.0:9.2f}")
+    print(f"{'SDPA on contiguous history (reference)':58s} {'':9s} {t_ref * 1e3:11.3f}ms "
+          f"{1.0:9.2f}")
     for name, shape, gather in layouts(num_blocks, pages):
         kp = mx.random.normal(shape)
         vp = mx.random.normal(shape)

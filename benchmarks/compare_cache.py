@@ -71,7 +71,8 @@ def decode_single(model, ctx, steps):
     y = mx.array([[1]])
     t_ref = time_steps(lambda: mx.eval(model(y, cache=ref)), steps)
 
-    pc = PagedCache.for_model(model, num_blocks=(ctx + 2 * steps + 64) // BLOCK + 8, block_size=BLOCK)
+    pc = PagedCache.for_model(model, num_blocks=(ctx + 2 * steps + 64) // BLOCK + 8,
+                              block_size=BLOCK)
     toks = np.random.default_rng(ctx).integers(0, 1000, ctx).tolist()
     pc.allocate("a", toks)
     prefill(model, pc.views(["a"]), ctx)
@@ -158,13 +159,17 @@ def main():
     print("|---|---|---|---|")
     for ctx in (1024, 4096):
         t_ref, t_paged = decode_single(model, ctx, a.steps)
-        print(f"| {ctx} ctx | {t_ref * 1e3:.2f} ms | {t_paged * 1e3:.2f} ms | {t_paged / t_ref:.2f} |")
+        print(f"| {ctx} ctx | {t_ref * 1e3:.2f} ms | {t_paged * 1e3:.2f} ms "
+              f"| {t_paged / t_ref:.2f} |")
     lengths = np.linspace(200, 4000, 8).astype(int).tolist()
-    t_ref, t_paged, t_buckets, ref_bytes, held, pool_bytes, pc = decode_batch(model, lengths, a.steps)
+    t_ref, t_paged, t_buckets, ref_bytes, held, pool_bytes, pc = decode_batch(model, lengths,
+                                                                              a.steps)
     B = len(lengths)
-    print(f"\n| batched decode, 8 seqs {lengths[0]}..{lengths[-1]} | mlx-lm BatchKVCache | paged views | ratio |")
+    print(f"\n| batched decode, 8 seqs {lengths[0]}..{lengths[-1]} | mlx-lm BatchKVCache "
+          "| paged views | ratio |")
     print("|---|---|---|---|")
-    print(f"| tokens/s (target ratio >= 1.0) | {B / t_ref:.0f} | {B / t_paged:.0f} | {t_ref / t_paged:.2f} |")
+    print(f"| tokens/s (target ratio >= 1.0) | {B / t_ref:.0f} | {B / t_paged:.0f} "
+          f"| {t_ref / t_paged:.2f} |")
     for k, t in t_buckets.items():
         print(f"| tokens/s, paged in {k} length buckets ({k} forwards) | {B / t_ref:.0f} "
               f"| {B / t:.0f} | {t_ref / t:.2f} |")

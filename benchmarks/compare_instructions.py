@@ -28,7 +28,8 @@ CHILD = """
 import gc, importlib.util, os, subprocess, sys
 root, key, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, root)
-spec = importlib.util.spec_from_file_location("table", os.path.join(root, "benchmarks", "blockmgr_table.py"))
+spec = importlib.util.spec_from_file_location("table", \
+os.path.join(root, "benchmarks", "blockmgr_table.py"))
 table = importlib.util.module_from_spec(spec)
 sys.modules["table"] = table  # its dataclasses look their module up
 spec.loader.exec_module(table)

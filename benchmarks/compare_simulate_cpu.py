@@ -1,7 +1,8 @@
 """Side by side: CPU time of one `blockmgr simulate` run from two checkouts.
 
 Run: python benchmarks/compare_simulate_cpu.py BASE_DIR [--rounds 3] -- SIMULATE_ARGS...
-e.g. python benchmarks/compare_simulate_cpu.py /tmp/base --rounds 3 -- --workload chat -n 10000 --rate 5 --check
+e.g. python benchmarks/compare_simulate_cpu.py /tmp/base --rounds 3 -- \\
+         --workload chat -n 10000 --rate 5 --check
 
 Each round runs the simulation once from BASE_DIR and once from this
 checkout (order alternating; the machine is shared and its load drifts), and

@@ -4,7 +4,8 @@ machine is doing (`compare_simulate_cpu.py` measures seconds, which a loaded
 machine moves by 10-40 %).
 
 Run: python benchmarks/compare_simulate_instructions.py BASE_DIR -- SIMULATE_ARGS...
-e.g. python benchmarks/compare_simulate_instructions.py /tmp/base -- --workload chat -n 1000 --rate 5
+e.g. python benchmarks/compare_simulate_instructions.py /tmp/base -- \\
+         --workload chat -n 1000 --rate 5
 
 Only the run is counted: instrumentation is switched on (`callgrind_control`)
 after the imports and off after `simulate` returns. PYTHONHASHSEED is fixed.

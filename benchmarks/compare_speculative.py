@@ -165,7 +165,8 @@ def main() -> None:
             rates[config] = rate
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__}, "
           f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '-')}")
-    print(f"target: {args.model} (hidden 1024) x {args.layers} layers; draft: hidden 256 x 2 layers; "
+    print(f"target: {args.model} (hidden 1024) x {args.layers} layers; "
+          "draft: hidden 256 x 2 layers; "
           f"k={args.k}, prompt {args.prompt_len}, {args.tokens} new tokens, "
           f"median of {args.rounds} rounds")
     print(f"{'runner':8} {'batch':>5} {'draft noise':>11} {'tok/s':>8} {'vs no draft':>11} "

@@ -167,7 +167,8 @@ def restart(args, m, common, folder) -> None:
     read_s = disk.read_seconds if disk else float("nan")
     print(f"\nrestart: first turn of a resumed {len(resumed)}-token session: "
           f"{warm:.3f} s from disk ({hit} tokens hit, {computed} computed) vs {cold:.3f} s cold "
-          f"= {cold / warm:.1f}x; disk reads {read_s * 1e3:.1f} ms for {disk.read_nbytes / 2**20:.0f}"
+          f"= {cold / warm:.1f}x; disk reads {read_s * 1e3:.1f} ms "
+          f"for {disk.read_nbytes / 2**20:.0f}"
           f" MiB = {read_s / max(hit, 1) * 1e6:.1f} us per token")
 
 

@@ -9,7 +9,8 @@ process's CPU time (run with one BLAS thread); median over the steps.
 `--own-prompts`: each row's prompt is a text of its own (no shared pages).
 
     OPENBLAS_NUM_THREADS=1 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/decode_rows.py --preset qwen3-0.6b --layers 4 --context 460 --rows 1,2,4,6,8,11,16
+        python benchmarks/decode_rows.py --preset qwen3-0.6b --layers 4 --context 460 \\
+            --rows 1,2,4,6,8,11,16
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def main() -> int:
             engine.generate(prompts, SamplingParams(max_tokens=args.steps))
     low, high = rows[0], rows[-1]
     median = {n: statistics.median(times[n]) for n in rows}
-    print(f"| decode rows | step, s (median of steps) | over the {low}-{high} chord |\n|---|---|---|")
+    print(f"| decode rows | step, s (median of steps) | over the {low}-{high} chord |"
+          "\n|---|---|---|")
     for n in rows:
         chord = median[low] + (median[high] - median[low]) * (n - low) / max(high - low, 1)
-        print(f"| {n} | {median[n]:.4f} ({len(times[n])}) | {(median[n] / chord - 1) * 100:+.1f} % |")
+        print(f"| {n} | {median[n]:.4f} ({len(times[n])}) "
+              f"| {(median[n] / chord - 1) * 100:+.1f} % |")
     return 0
 
 

@@ -79,7 +79,8 @@ def workload(name: str, **overrides) -> tuple[str, SimulationConfig]:
     for key, value in overrides.items():
         target = bm if key in BlockManagerConfig.__dataclass_fields__ else (
             sched if key in SchedulerConfig.__dataclass_fields__ else wl)
-        target[key] = parse_length(value) if key.endswith("_len") and isinstance(value, str) else value
+        target[key] = (parse_length(value) if key.endswith("_len") and isinstance(value, str)
+                       else value)
     return name, SimulationConfig(workload=WorkloadConfig(**wl),
                                   block_manager=BlockManagerConfig(**bm),
                                   scheduler=SchedulerConfig(**sched), vocab_size=32000)
@@ -146,7 +147,8 @@ def print_diagnosis(name: str, entry: dict, cost: CostModel) -> None:
         print(f"\n{name}: the profile on the replay's own steps")
         print("| steps | count | measured, s | predicted, s | error |\n|---|---|---|---|---|")
         for kind, n, measured, predicted in priced_steps(cost, entry["steps"]):
-            print(f"| {kind} | {n} | {measured:.2f} | {predicted:.2f} | {(predicted / measured - 1) * 100:+.1f} % |")
+            print(f"| {kind} | {n} | {measured:.2f} | {predicted:.2f} "
+                  f"| {(predicted / measured - 1) * 100:+.1f} % |")
     if "requests" in entry:
         lag = ttft_lag(entry["requests"]["real"], entry["requests"]["simulated"])
         print(f"{name}: simulated - real TTFT by arrival quarter: "
@@ -158,7 +160,8 @@ def drift_corrected(name: str, entry: dict, cost: CostModel, layout, args) -> No
     simulation whose coefficients are scaled by 1 + the mean drift."""
     factor = 1 + sum(entry["drift"]) / len(entry["drift"])
     scaled = cost.scaled(factor)
-    sim = run_simulation(workload_config(name, scaled, layout, args.num_slots, args.max_requests)).summary
+    sim = run_simulation(workload_config(name, scaled, layout, args.num_slots,
+                                         args.max_requests)).summary
     entry["drift_corrected"] = {"factor": factor, "rows": comparison_rows(entry["real"], sim)}
 
 
@@ -168,9 +171,13 @@ def request_times(result) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    from scheduler.simulator.calibrate import CalibrationGrid, calibrate, drift, machine_info, measure_anchors
+    from scheduler.simulator.calibrate import (
+        CalibrationGrid, calibrate, drift, machine_info, measure_anchors,
+    )
     from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
-    from scheduler.simulator.profile import format_fit, read_cost, read_fit, read_layout, write_profile
+    from scheduler.simulator.profile import (
+        format_fit, read_cost, read_fit, read_layout, write_profile,
+    )
     from scheduler.simulator.replay import run_replay
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -184,12 +191,13 @@ def main() -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (run with OPENBLAS_NUM_THREADS=1)")
     parser.add_argument("--real", metavar="FILE",
-                        help="real summaries from an earlier --out file (no replay; needs --profile)")
+                        help="real summaries from an earlier --out file "
+                             "(no replay; needs --profile)")
     parser.add_argument("--max-requests", type=int, metavar="N",
                         help="run at most N requests of each workload (a shorter run)")
     parser.add_argument("--interleave", action="store_true",
-                        help="re-measure anchor grid points after calibrating and after each replay; "
-                             "report their drift from the profile")
+                        help="re-measure anchor grid points after calibrating and after each "
+                             "replay; report their drift from the profile")
     args = parser.parse_args()
 
     if args.real:
@@ -232,8 +240,10 @@ def main() -> int:
         load_before = os.getloadavg()
         start = time.perf_counter()
         steps: list[dict] = []
-        replayed = run_replay(config, model, description, clock=args.clock, step_listener=lambda out, seconds:
-                              steps.append({"seconds": seconds, "shape": asdict(step_shape(out, layout.attended))}))
+        replayed = run_replay(config, model, description, clock=args.clock,
+                              step_listener=lambda out, seconds: steps.append(
+                                  {"seconds": seconds,
+                                   "shape": asdict(step_shape(out, layout.attended))}))
         wall = time.perf_counter() - start
         load_after = os.getloadavg()
         simulated = run_simulation(config)
@@ -245,7 +255,8 @@ def main() -> int:
             "real": real, "simulated": sim, "steps": steps,
             "requests": {"real": request_times(replayed), "simulated": request_times(simulated)},
         }
-        print(f"\n### {name} (replay {wall:.0f} s wall, load {load_before[0]:.1f} -> {load_after[0]:.1f})")
+        print(f"\n### {name} (replay {wall:.0f} s wall, "
+              f"load {load_before[0]:.1f} -> {load_after[0]:.1f})")
         print(format_comparison(rows, "real", "simulated"))
         print_diagnosis(name, results["workloads"][name], cost)
         drift_after = anchors(name)
@@ -262,11 +273,12 @@ def simulate_only(args, cost, layout) -> int:
     """The simulations of an earlier run's workloads with `cost`, against its real summaries."""
     earlier = json.loads(Path(args.real).read_text())
     names = args.only.split(",") if args.only else list(earlier["workloads"])
-    results = {**earlier, "layout": layout.to_dict(), "cost": cost.to_dict(), "real_from": args.real,
-               "workloads": {}}
+    results = {**earlier, "layout": layout.to_dict(), "cost": cost.to_dict(),
+               "real_from": args.real, "workloads": {}}
     for name in names:
         entry = earlier["workloads"][name]
-        simulated = run_simulation(workload_config(name, cost, layout, args.num_slots, args.max_requests))
+        simulated = run_simulation(workload_config(name, cost, layout, args.num_slots,
+                                                   args.max_requests))
         sim = simulated.summary
         rows = comparison_rows(entry["real"], sim)
         results["workloads"][name] = {**entry, "rows": rows, "simulated": sim}
@@ -289,8 +301,8 @@ def print_targets(results: dict) -> None:
     before and after the replay when measured, and the verdict; then the
     same for the drift-corrected simulations, when there are any."""
     print_table(results["workloads"], "rows")
-    corrected = {name: {**entry, **entry["drift_corrected"]} for name, entry in results["workloads"].items()
-                 if "drift_corrected" in entry}
+    corrected = {name: {**entry, **entry["drift_corrected"]}
+                 for name, entry in results["workloads"].items() if "drift_corrected" in entry}
     if corrected:
         print("\nWith every coefficient scaled by 1 + the anchors' mean drift over the replay "
               "(the machine's change taken out):")

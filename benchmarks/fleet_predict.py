@@ -531,7 +531,8 @@ def main() -> None:
           f"pool: {' '.join(rows[0]['pool_options'])}")
     for r in rows:
         if is_real(r):
-            print(f"{r['policy']} ({r['source']}): load average {r['load'][0]:.2f} -> {r['load'][1]:.2f}, "
+            print(f"{r['policy']} ({r['source']}): "
+                  f"load average {r['load'][0]:.2f} -> {r['load'][1]:.2f}, "
                   f"wall {r['wall_s']:.1f} s, gateway CPU {r['gateway_cpu_s']:.1f} s, "
                   f"client CPU {r['client_cpu_s']:.1f} s, other jobs {r['others_cpu_s']:.1f} "
                   f"CPU s, steal {r['steal_s']:.1f} s: {r['free_cores']:.2f} cores left for "

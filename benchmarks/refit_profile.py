@@ -41,12 +41,16 @@ from scheduler.simulator.profile import (  # noqa: E402
 
 #: CostModel field -> the StepShape field its multiplier is (None: computed).
 _SHAPE_OF = {
-    "step_overhead": None, "prefill_per_token": "prefill_tokens", "decode_per_token": "decode_rows",
+    "step_overhead": None, "prefill_per_token": "prefill_tokens",
+    "decode_per_token": "decode_rows",
     "attention_per_context_token": "context_tokens", "copy_per_page": "page_copies",
-    "copy_per_slot": "slot_copies", "swap_per_page": "swaps", "prefill_chunk_overhead": "prefill_chunks",
-    "prefill_sample_overhead": "sampled_chunks", "prefill_attention_per_token_pair": "prefill_token_pairs",
+    "copy_per_slot": "slot_copies", "swap_per_page": "swaps",
+    "prefill_chunk_overhead": "prefill_chunks",
+    "prefill_sample_overhead": "sampled_chunks",
+    "prefill_attention_per_token_pair": "prefill_token_pairs",
     "decode_batch_overhead": None, "decode_padded_context_token": None,
-    "random_sample_per_row": "random_samples", "prefill_chunk_token_square": "prefill_token_squares",
+    "random_sample_per_row": "random_samples",
+    "prefill_chunk_token_square": "prefill_token_squares",
     "decode_attention_per_context_token": "decode_context_tokens",
 }
 
@@ -66,7 +70,8 @@ def shape_of(names: list[str], terms: list[float], label: str, layout: ModelLayo
         values["prefill_token_squares"] = t["prefill_per_token"] ** 2
     if "decode_attention_per_context_token" not in t and rows:
         if several:
-            raise ValueError(f"step {label!r} has several prefill chunks: its decode keys are not recorded")
+            raise ValueError(f"step {label!r} has several prefill chunks: "
+                             "its decode keys are not recorded")
         values["decode_context_tokens"] = t["attention_per_context_token"] - _chunk_keys(t, layout)
     ints = {f.name for f in fields(StepShape) if f.type == "int"}
     shape = StepShape(**{k: int(v) if k in ints else v for k, v in values.items()})
@@ -105,7 +110,8 @@ def main() -> int:
     if unknown:
         parser.error(f"--without: not a cost coefficient: {', '.join(unknown)}")
     data = json.loads(Path(source).read_text())
-    names = data.get("step_fields") or [f.name for f in fields(CostModel)][:len(data["steps"][0][2])]
+    names = (data.get("step_fields")
+             or [f.name for f in fields(CostModel)][:len(data["steps"][0][2])])
     layout = read_layout(source)
     knee = data["cost"].get("decode_context_knee", 0.0)
     samples, skipped = [], []
@@ -115,11 +121,13 @@ def main() -> int:
         except ValueError as exc:  # a step the recorded multipliers do not pin: left out
             skipped.append(str(exc))
     if skipped:
-        print(f"left out {len(skipped)} of {len(data['steps'])} steps: {skipped[0]}", file=sys.stderr)
+        print(f"left out {len(skipped)} of {len(data['steps'])} steps: {skipped[0]}",
+              file=sys.stderr)
     copy = data["grid"]["copy_per_page_measured_s"]
     held = {name: 0.0 for name in without}
     cost, fit = fit_cost_model(samples, {"copy_per_page": copy, "swap_per_page": copy, **held})
-    grid = {**data["grid"], "refitted_from": source} | ({"refitted_without": without} if without else {})
+    grid = {**data["grid"], "refitted_from": source} | (
+        {"refitted_without": without} if without else {})
     profile = CostProfile(cost, fit, data["machine"], data["model"], grid,
                           data["created"], tuple(samples), layout)
     write_profile(target, profile)

@@ -79,7 +79,8 @@ def main() -> None:
         b = base[call] if call != "total" else [sum(v) for v in zip(*base.values())]
         t = this[call] if call != "total" else [sum(v) for v in zip(*this.values())]
         print(f"{call:13s} best base {min(b):6.1f} us  this {min(t):6.1f} us"
-              f"  ratio {min(t) / min(b):.2f}   median base {statistics.median(b):6.1f}  this {statistics.median(t):6.1f}"
+              f"  ratio {min(t) / min(b):.2f}   median base {statistics.median(b):6.1f}"
+              f"  this {statistics.median(t):6.1f}"
               f"  ratio {statistics.median(t) / statistics.median(b):.2f}")
 
 

@@ -1,6 +1,7 @@
 """Diff the simulate reports of two source trees over a fixed set of runs.
 
-    python benchmarks/sim_report_identity.py OLD_ROOT [NEW_ROOT] [--quick] [--added-config] [CASE ...]
+    python benchmarks/sim_report_identity.py OLD_ROOT [NEW_ROOT] [--quick] [--added-config] \\
+        [CASE ...]
 
 Runs each case with `python -m scheduler.cli simulate` from both roots
 (fixed seeds) and compares report.json, leaving out the fields that measure
@@ -32,8 +33,8 @@ CASES: dict[str, list[str]] = {
                   "--check", "--long-prefill-threshold", "256", "--max-partial-prefills", "2"],
     "swap": ["--workload", "agent", "-n", "600", "--num-blocks", "700", "--num-host-blocks", "2000",
              "--preemption", "swap", "--policy", "priority", "--rate", "20", "--check"],
-    "sliding": ["--workload", "multiturn", "-n", "600", "--layout", "sliding", "--sliding-window", "256",
-                "--num-blocks", "800", "--check"],
+    "sliding": ["--workload", "multiturn", "-n", "600", "--layout", "sliding",
+                "--sliding-window", "256", "--num-blocks", "800", "--check"],
     "closed": ["--workload", "tenants", "-n", "800", "--arrival", "closed", "--concurrency", "48",
                "--block-size", "32", "--watermark", "0.05", "--check"],
     "mooncake": ["--trace", str(TRACE), "--num-blocks", "65536", "--time-scale", "4", "--check"],

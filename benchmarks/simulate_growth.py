@@ -62,8 +62,9 @@ def main() -> None:
         cpu = time.process_time()
         seconds = cpu - mark["cpu"]
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{num_done:9d} requests  {seconds:7.2f} s  {seconds / (num_done - mark['done']) * 1e3:.3f} "
-              f"ms/request  gc {clock.seconds - mark['gc']:5.2f} s ({clock.num_full - mark['full']} full)  "
+        print(f"{num_done:9d} requests  {seconds:7.2f} s  "
+              f"{seconds / (num_done - mark['done']) * 1e3:.3f} ms/request  "
+              f"gc {clock.seconds - mark['gc']:5.2f} s ({clock.num_full - mark['full']} full)  "
               f"tracked {len(gc.get_objects())}  peak rss {rss:.0f} MB", flush=True)
         mark.update(done=num_done, cpu=time.process_time(), gc=clock.seconds, full=clock.num_full)
 

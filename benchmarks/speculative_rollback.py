@@ -20,7 +20,8 @@ from tests.tiny_models import HYBRID_VOCAB, built
 
 
 def main() -> None:
-    print("| model | draft noise | acceptance | target forwards | recomputed | recomputed / generated |")
+    print("| model | draft noise | acceptance | target forwards | recomputed "
+          "| recomputed / generated |")
     print("|---|---|---|---|---|---|")
     prompts = make_prompts(HYBRID_VOCAB)[:8]
     for name in ("lfm2", "qwen3_next", "recurrent_gemma"):
