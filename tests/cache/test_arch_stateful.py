@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from blockmgr.errors import InvalidArgument
+from blockmgr.errors import InvalidArgument, OutOfSlots
 from cache import PagedCache
 from tests.arch_checks import TOL
 from tests.arch_models import VOCAB, build
@@ -114,7 +114,12 @@ class DeclaredCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def checkpoint(self, data):
         sid = data.draw(st.sampled_from(sorted(self.live)))
-        self.pc.cache_prefix(sid)
+        before = self.pc.debug_state()
+        try:
+            self.pc.cache_prefix(sid)
+        except OutOfSlots:  # every slot held: the sequences' own and the snapshots on their paths
+            assert self.pc.num_free_slots == 0
+            assert self.pc.debug_state() == before
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
