@@ -20,6 +20,8 @@ COMMANDS = {"simulate": cmd_simulate, "replay": cmd_replay, "calibrate": cmd_cal
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `blockmgr` command on `argv` (default: the process's
+    arguments); returns its exit status."""
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning  # a warning is one line, like an error
         return _main(argv)
