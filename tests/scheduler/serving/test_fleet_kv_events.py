@@ -29,6 +29,7 @@ grpc = pytest.importorskip("grpc", reason="needs grpcio (installed with smg)")
 proto = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2_grpc",
                             reason="needs smg-grpc-proto (the gateway's gRPC stubs)")
 
+from blockmgr.errors import InvalidArgument  # noqa: E402
 from scheduler import Engine  # noqa: E402
 from scheduler.engine.kv_events import KVEventBatch, ZmqSink, encode_batch  # noqa: E402
 from smg_grpc_proto.generated import common_pb2  # noqa: E402
@@ -134,6 +135,24 @@ def test_smgs_event_relay_rebuilds_what_the_store_serves(name, vocab, tmp_path):
     assert engine.cache.store.stats.num_evicted_nodes > 0, "the pool was meant to evict"
 
 
+def _bound_again(endpoint: str, replay_endpoint: str) -> ZmqSink:
+    """A sink bound to the addresses a closed one had. ZMQ closes a socket's
+    listener in its I/O thread a moment after `close` returns, so the first
+    tries may find them in use (a restarted process finds them free)."""
+    sinks: list[ZmqSink] = []
+
+    def bind() -> bool:
+        try:
+            sinks.append(ZmqSink(endpoint, bind=True, replay_endpoint=replay_endpoint))
+        except InvalidArgument as error:
+            if "Address already in use" not in str(error):
+                raise
+        return bool(sinks)
+
+    wait_for(bind, f"{endpoint} and {replay_endpoint} free again", timeout=10)
+    return sinks[0]
+
+
 def test_smgs_relay_takes_a_restarted_engine_from_zero(tmp_path):
     """A replica restarted at the same address numbers its batches from zero
     again: SMG's relay reads the restart and ends the stream with DATA_LOSS,
@@ -159,7 +178,7 @@ def test_smgs_relay_takes_a_restarted_engine_from_zero(tmp_path):
                  "the relayed view never matched the first engine's", timeout=20)
         num_old_batches = first.num_sent
         old.close()  # the replica stops (its publisher and replay socket close) ...
-        second = ZmqSink(endpoint, bind=True, replay_endpoint=replay_endpoint)  # ... and is back
+        second = _bound_again(endpoint, replay_endpoint)  # ... and is back
         # The relay reads a restart from the new incarnation's batch 0 or 1: it
         # must have reconnected before them (a replica loading its model takes
         # seconds; back within milliseconds, SMG 1.13 takes the new batches for
