@@ -10,7 +10,7 @@ import uuid
 from blockmgr.kv_format import KVFormat, parse_bytes
 from scheduler.cli.config import build_config
 from scheduler.cli.options import SERVED_SETTINGS, kv_format_fields
-from scheduler.cli.simulate import write_and_print
+from scheduler.cli.simulate import progress_bar, write_and_print
 
 
 def cmd_serve(args) -> int:
@@ -115,11 +115,7 @@ def cmd_bench(args) -> int:
     except (InvalidArgument, TraceError) as exc:
         raise ValueError(str(exc)) from None
     total = sum(len(s) for s in sessions)
-    bar = None
-    if not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="req", desc=f"bench {args.url}", file=sys.stderr)
+    bar = progress_bar(args, total, "req", f"bench {args.url}")
     try:
         result = run_bench(config, options, sessions,
                            on_done=(lambda outcome: bar.update(1)) if bar is not None else None)

@@ -17,14 +17,24 @@ from scheduler.cli.config import build_config, check_pool_sizes, check_trace
 from scheduler.cli.options import DEFAULT_OUT
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None, None
+def progress_bar(args, total: int, unit: str, desc: str, **options: Any) -> Any:
+    """A tqdm bar on stderr for `total` `unit`s, or None: with
+    --no-progress, when stderr is not a terminal, or without tqdm."""
+    if args.no_progress or not sys.stderr.isatty():
+        return None
     try:
         from tqdm import tqdm
     except ImportError:
+        return None
+    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, **options)
+
+
+def _simulation_bar(args, total: int):
+    """The bar of a simulation and the runner's progress callback advancing
+    it (both None without a bar)."""
+    bar = progress_bar(args, total, "req", "simulating", dynamic_ncols=True)
+    if bar is None:
         return None, None
-    bar = tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, dynamic_ncols=True)
     state = {"done": 0}
 
     def update(done: int, submitted: int, sim_time: float) -> None:
@@ -128,9 +138,8 @@ def _run_with_progress(args, config, run):
     """`run(progress_callback)` under a progress bar; trace errors become ValueError."""
     from scheduler.simulator.trace import TraceError, TraceWarning
 
-    show = not args.no_progress and sys.stderr.isatty()
     try:
-        bar, update = _progress_bar(_total_requests(config), show)
+        bar, update = _simulation_bar(args, _total_requests(config))
         try:
             with warnings.catch_warnings():  # _total_requests has reported them
                 warnings.simplefilter("ignore", TraceWarning)
@@ -186,11 +195,7 @@ def cmd_calibrate(args) -> int:
     if args.repeats is not None:
         grid = replace(grid, repeats=args.repeats)
     model, description = load_model(model_spec(args))
-    bar = None
-    if not args.no_progress and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=grid.num_points, unit="point", desc="calibrating", file=sys.stderr)
+    bar = progress_bar(args, grid.num_points, "point", "calibrating")
     try:
         profile = calibrate(model, description, grid, progress=_bar_progress(bar),
                             clock=args.clock, disk_cache=args.disk_cache)
@@ -278,15 +283,7 @@ def cmd_sweep(args, base) -> int:
         except ValueError as exc:
             raise ValueError(f"sweep point {params}: {exc}") from None
     jobs = args.jobs or 2
-    show = not args.no_progress and sys.stderr.isatty()
-    bar = None
-    if show:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(points), unit="run", desc="sweep", file=sys.stderr)
-        except ImportError:
-            bar = None
+    bar = progress_bar(args, len(points), "run", "sweep")
     rows = run_sweep(points, jobs=jobs, on_done=(lambda row: bar.update(1)) if bar else None,
                      ray_address=args.ray, fleet=fleet_of(args))
     if bar is not None:
