@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from collections.abc import Sequence as Seq
-from itertools import chain
 
 from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
@@ -51,9 +50,10 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
+from blockmgr.checks import StoreChecks
 from blockmgr.growth import Growth, grow, plan_growth
 from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, Tier, ZeroSlot
-from blockmgr.page_group import PageGroup
+from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import (
     TOKEN_BYTES,
@@ -62,10 +62,8 @@ from blockmgr.prefix_trie import (
     PrefixMatch,
     PrefixTrie,
     TrieNode,
-    pack_tokens,
-    path_tokens,
 )
-from blockmgr.sequence import Allocation, Sequence, SequenceTable, Speculation
+from blockmgr.sequence import Allocation, Sequence, SequenceTable
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
@@ -128,6 +126,8 @@ class BlockManager:
         self._trie = self._new_trie(config, listener) if config.enable_prefix_cache else None
         self._speculation = SpeculationTransactions(self._groups, self._slots, self._seqs)
         self._swap = HostSwap(self._groups, self._slots, self._host_slots)
+        self._checks = StoreChecks(
+            self._groups, self._slots, self._host_slots, self._seqs, self._block_size)
         # Listener calls queued by the trie, delivered when a call is done.
         self._events: list[PrefixEvent] = self._trie.events if self._trie is not None else []
         self._listener_errors: list[tuple[str, BaseException]] = []
@@ -700,7 +700,7 @@ class BlockManager:
     def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
         """Are the pages the token at `num_tokens` would attend to still held
         (in every page group)?"""
-        return all(group.window_keeps(seq, num_tokens) for group in self._groups)
+        return windows_keep(self._groups, seq, num_tokens)
 
     def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
         """Would `append_decode(seq_ids, tokens)` (any valid tokens) succeed
@@ -1471,166 +1471,21 @@ class BlockManager:
         return problems
 
     def check_integrity(self) -> None:
-        """Raise `IntegrityError` if any invariant is broken. O(state size).
-
-        Per group, refcounts equal the references held by sequences and the
-        trie (device and host pools apart); free and used ids add up; no id
-        is both free and referenced; each table covers exactly its
-        sequence's tokens, released pages first; borrowed pages lie on the
-        locked path; the trie's own invariants hold.
-        """
-        page_refs = [[0] * g.pages.num_items for g in self._groups]
-        host_refs = [[0] * g.host_pages.num_items for g in self._groups]
-        slot_refs = [0] * self._slots.num_items if self._slots is not None else None
-        host_slot_refs = [0] * self._host_slots.num_items
-        locks: dict[int, int] = {}
-        for seq in self._seqs.values():
-            where = f"sequence {seq.seq_id!r}"
-            if not len(seq.tables) == len(seq.released) == len(self._groups):
-                raise IntegrityError(f"{where} has page tables of other groups than the manager's")
-            refs = host_refs if seq.swapped else page_refs
-            for group in self._groups:
-                group.check_sequence(seq, refs[group.index], where)
-            self._check_sequence(seq, host_slot_refs if seq.swapped else slot_refs, locks, where)
-        for node in self._pins.values():
-            if node.parent is None or node.tier:
-                raise IntegrityError(f"a pin locks node {node.node_id}, off the device or the trie")
-            while node.parent is not None:
-                locks[node.node_id] = locks.get(node.node_id, 0) + 1
-                node = node.parent
-        if self._trie is not None:
-            self._trie.check_integrity(locks)  # first: the nodes' shape
-            self._trie.add_references(page_refs, slot_refs)
-        for group in self._groups:
-            what = f"page of group {group.group}" if len(self._groups) > 1 else "page"
-            group.pages.check_integrity(page_refs[group.index], what)
-            group.host_pages.check_integrity(host_refs[group.index], f"host {what}")
-        self._host_slots.check_integrity(host_slot_refs, "host slot")
-        if self._slots is not None and slot_refs is not None:
-            self._slots.check_integrity(slot_refs, "slot")
-
-    def _check_sequence(
-        self, seq: Sequence, slot_refs: list[int] | None, locks: dict[int, int], where: str
-    ) -> None:
-        """A sequence's own invariants beside its tables: packed tokens,
-        slot, lock, borrowed pages, speculation and recompute hold."""
-        if seq.packed != pack_tokens(seq.tokens[: len(seq.packed) // TOKEN_BYTES]):
-            raise IntegrityError(f"{where} has stale packed tokens")
-        if (seq.slot is None) != (self._slots is None):
-            raise IntegrityError(f"{where} slot {seq.slot} does not fit the model kind")
-        if seq.swapped and seq.locked_node is not None:
-            raise IntegrityError(f"{where} is swapped out but locks the trie")
-        if seq.slot is not None and slot_refs is not None:
-            slot_refs[seq.slot] += 1
-        if seq.speculation is not None:
-            self._check_speculation(seq, seq.speculation, where, slot_refs)
-        self._check_recompute_hold(seq, seq.recompute_from, len(seq.tokens), where)
-        node = seq.locked_node
-        if node is not None and (node.parent is None or node.tier):
-            raise IntegrityError(f"{where} locks a node off the device or the trie")
-        if seq.anchored and (node is None or path_tokens(node) != seq.tokens[: node.end]):
-            raise IntegrityError(f"{where} is anchored at a node that spells other tokens")
-        if seq.num_borrowed:
-            self._check_borrowed(seq, where)
-        while node is not None and node.parent is not None:
-            locks[node.node_id] = locks.get(node.node_id, 0) + 1
-            node = node.parent
-
-    def _check_speculation(
-        self, seq: Sequence, spec: Speculation, where: str, slot_refs: list[int] | None
-    ) -> None:
-        """An open transaction: resident, its start within the tokens, a
-        checkpoint slot exactly when hybrid, its own, distinct from the
-        working one."""
-        if seq.swapped or not 0 <= spec.start <= len(seq.tokens):
-            raise IntegrityError(f"{where} speculates from {spec.start} (or while swapped out)")
-        if (spec.checkpoint is None) != (seq.slot is None) or (
-            spec.checkpoint is not None and spec.checkpoint == seq.slot
-        ):
-            raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} beside slot {seq.slot}")
-        if spec.checkpoint is not None and slot_refs is not None:
-            slot_refs[spec.checkpoint] += 1
-            # A restore makes the sequence compute into it: never shared.
-            if self._slot_pool.refcount(spec.checkpoint) != 1:
-                raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} is shared")
-        if seq.recompute_from is not None:
-            raise IntegrityError(f"{where} holds {seq.recompute_from} beside its transaction")
-        self._check_recompute_hold(seq, spec.recompute_from, spec.start, where)
-
-    def _check_recompute_hold(
-        self, seq: Sequence, position: int | None, limit: int, where: str
-    ) -> None:
-        """A position to compute again from: within `limit`, its window held."""
-        if position is not None and not (
-            0 <= position <= limit and (seq.swapped or self._window_keeps(seq, position))
-        ):
-            raise IntegrityError(f"{where} recomputes from {position} but its window is released")
-
-    def _check_borrowed(self, seq: Sequence, where: str) -> None:
-        """Borrowed pages are full, inside the locked path, held at their
-        index by a node of that path (in every group), and spell the
-        sequence's tokens."""
-        node, num_borrowed = seq.locked_node, seq.num_borrowed
-        end = num_borrowed * self._block_size
-        if node is None or seq.swapped or num_borrowed < 0:
-            raise IntegrityError(f"{where} borrows pages without a lock (or while swapped out)")
-        if end > node.end or end > len(seq.tokens):
-            raise IntegrityError(f"{where} borrows {num_borrowed} pages past its lock or end")
-        if path_tokens(node)[:end] != seq.tokens[:end]:
-            raise IntegrityError(f"{where} borrows pages that hold other tokens")
-        held: set[tuple[int, int, int | None]] = set()
-        while node.parent is not None:
-            first = node.start // self._block_size
-            for group, pages in enumerate(node.pages):
-                held.update((group, index, page) for index, page in enumerate(pages, first))
-            node = node.parent
-        for group, (table, released) in enumerate(zip(seq.tables, seq.released)):
-            for index in range(released, num_borrowed):
-                if (group, index, table[index]) not in held:
-                    raise IntegrityError(
-                        f"{where}: borrowed page {index} of group {group} is not on its locked path"
-                    )
+        """Raise `IntegrityError` if any invariant is broken
+        (`blockmgr.checks` lists them: refcounts, free lists, tables,
+        borrowed pages, speculation, the trie's own). O(state size)."""
+        self._checks.check(self._trie, self._pins)
 
     def debug_state(self) -> tuple[object, ...]:
         """Everything observable, as plain values: equal before and after any
         call that failed. For tests; O(state size)."""
-        seqs = tuple(
-            (
-                seq_id,
-                seq.namespace,
-                tuple(seq.tokens),
-                tuple(map(tuple, seq.tables)),
-                tuple(seq.released),
-                seq.slot,
-                seq.locked_node.node_id if seq.locked_node is not None else None,
-                seq.swapped,
-                seq.anchored,
-                seq.num_borrowed,
-                None if seq.speculation is None else (
-                    seq.speculation.start, seq.speculation.checkpoint,
-                    seq.speculation.recompute_from,
-                ),
-                seq.recompute_from,
-            )
-            for seq_id, seq in self._seqs.items()
-        )
-        pools = tuple(
-            tuple(pool.free_items()) + (None,) + tuple(pool.refcounts())
-            for pool in chain(
-                (pool for g in self._groups for pool in (g.pages, g.host_pages)),
-                [self._slots] if self._slots is not None else [],
-                [self._host_slots],
-            )
-        )
         counters = (
             self._num_queries,
             self._num_hits,
             self._num_query_tokens,
             self._num_hit_tokens,
         )
-        trie = self._trie.debug_state() if self._trie is not None else None
-        pins = tuple((pin_id, node.node_id) for pin_id, node in self._pins.items())
-        return seqs, pools, counters, trie, pins
+        return self._checks.debug_state(self._trie, self._pins, counters)
 
 
 #: The match of a manager without a prefix cache (never mutated: no hit).

@@ -238,3 +238,9 @@ class PageGroup:
                 f"{where}: page {position} of group {self.group} released out of order")
         for page in table[seq.first_owned(index):]:
             page_refs[page] += 1  # type: ignore[index]  # past the released: a page
+
+
+def windows_keep(groups: tuple[PageGroup, ...], seq: Sequence, num_tokens: int) -> bool:
+    """Are the pages the token at `num_tokens` attends to still held in
+    every group? O(groups)."""
+    return all(group.window_keeps(seq, num_tokens) for group in groups)
