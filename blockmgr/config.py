@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockmgr.errors import InvalidArgument
+from blockmgr.validation import check_bool, check_int, check_number
+
 
 @dataclass(slots=True, frozen=True)
 class BlockManagerConfig:
-    """What the manager manages; validated on construction (`ValueError`).
+    """What the manager manages; validated on construction (`InvalidArgument`).
 
     num_blocks: KV pages in the pool.
     block_size: tokens per page.
@@ -42,23 +45,17 @@ class BlockManagerConfig:
     num_disk_slots: int = 0
 
     def __post_init__(self) -> None:
-        _require_int("num_blocks", self.num_blocks, minimum=1)
-        _require_int("block_size", self.block_size, minimum=1)
-        _require_int("num_slots", self.num_slots, minimum=0)
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise ValueError(
-                f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}"
-            )
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
-            raise ValueError(f"watermark must be a number, got {self.watermark!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        check_int("num_blocks", self.num_blocks, 1, strict=True)
+        check_int("block_size", self.block_size, 1, strict=True)
+        check_int("num_slots", self.num_slots, 0, strict=True)
+        check_bool("enable_prefix_cache", self.enable_prefix_cache)
+        check_number("watermark", self.watermark, 0.0, below=1.0)
         if self.sliding_window is not None:
-            _require_int("sliding_window", self.sliding_window, minimum=1)
-        _require_int("num_host_blocks", self.num_host_blocks, minimum=0)
-        _require_int("num_host_slots", self.num_host_slots, minimum=0)
+            check_int("sliding_window", self.sliding_window, 1, strict=True)
+        check_int("num_host_blocks", self.num_host_blocks, 0, strict=True)
+        check_int("num_host_slots", self.num_host_slots, 0, strict=True)
         if self.num_host_slots and not self.num_slots:
-            raise ValueError("num_host_slots needs num_slots > 0")
+            raise InvalidArgument("num_host_slots needs num_slots > 0")
         _check_tiers(self)
 
     @property
@@ -82,7 +79,7 @@ class BlockManagerConfig:
 
 @dataclass(slots=True, frozen=True)
 class GroupedStoreConfig:
-    """The layer groups of one model; validated on construction (`ValueError`).
+    """The layer groups of one model; validated on construction (`InvalidArgument`).
 
     windows: one entry per layer group: None for full attention, else the
         sliding window W in tokens. Entries are distinct. Group 0 also keeps
@@ -111,14 +108,14 @@ class GroupedStoreConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.windows, tuple) or not self.windows:
-            raise ValueError(f"windows must be a non-empty tuple, got {self.windows!r}")
+            raise InvalidArgument(f"windows must be a non-empty tuple, got {self.windows!r}")
         for window in self.windows:
             if window is not None:
-                _require_int("a sliding window", window, minimum=1)
+                check_int("a sliding window", window, 1, strict=True)
         if len(set(self.windows)) != len(self.windows):
-            raise ValueError(f"windows must be distinct, got {self.windows!r}")
+            raise InvalidArgument(f"windows must be distinct, got {self.windows!r}")
         if self.window_blocks is not None:
-            _require_int("window_blocks", self.window_blocks, minimum=1)
+            check_int("window_blocks", self.window_blocks, 1, strict=True)
         for index in range(len(self.windows)):
             self.group_config(index)  # validates every other field
 
@@ -171,19 +168,12 @@ def _check_tiers(config: BlockManagerConfig) -> None:
         ("num_disk_blocks", config.num_disk_blocks),
         ("num_disk_slots", config.num_disk_slots),
     ):
-        _require_int(name, value, minimum=0)
+        check_int(name, value, 0, strict=True)
     if config.has_cache_tiers and not config.enable_prefix_cache:
-        raise ValueError("host and disk cache tiers need enable_prefix_cache")
+        raise InvalidArgument("host and disk cache tiers need enable_prefix_cache")
     if (config.num_host_cache_slots or config.num_disk_slots) and not config.num_slots:
-        raise ValueError("cache tier slots need num_slots > 0")
+        raise InvalidArgument("cache tier slots need num_slots > 0")
     if config.num_host_cache_slots and not config.num_host_cache_blocks:
-        raise ValueError("num_host_cache_slots needs num_host_cache_blocks > 0")
+        raise InvalidArgument("num_host_cache_slots needs num_host_cache_blocks > 0")
     if config.num_disk_slots and not config.num_disk_blocks:
-        raise ValueError("num_disk_slots needs num_disk_blocks > 0")
-
-
-def _require_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidArgument("num_disk_slots needs num_disk_blocks > 0")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from blockmgr.errors import IntegrityError
+from blockmgr.errors import IntegrityError, InvalidArgument
 
 
 class RefCountedPool:
@@ -24,7 +24,7 @@ class RefCountedPool:
 
     def __init__(self, num_items: int) -> None:
         if num_items < 0:
-            raise ValueError(f"num_items must be >= 0, got {num_items}")
+            raise InvalidArgument(f"num_items must be >= 0, got {num_items}")
         self._num_items = num_items
         self._refcounts = [0] * num_items
         self._free = list(range(num_items - 1, -1, -1))
@@ -63,7 +63,7 @@ class RefCountedPool:
         """
         free = self._free
         if num_items > len(free):
-            raise ValueError(f"asked for {num_items} ids, {len(free)} free")
+            raise InvalidArgument(f"asked for {num_items} ids, {len(free)} free")
         if num_items == 0:
             return []
         items = free[-num_items:]

@@ -49,7 +49,7 @@ from typing import Protocol, cast
 
 from sortedcontainers import SortedList
 
-from blockmgr.errors import IntegrityError
+from blockmgr.errors import IntegrityError, InvalidArgument
 from blockmgr.pool import RefCountedPool
 from blockmgr.validation import as_words
 
@@ -251,7 +251,7 @@ class PrefixTrie:
     ) -> None:
         """`groups`: (page pool, sliding window or None) of each page group."""
         if not groups:
-            raise ValueError("a prefix trie needs at least one page group")
+            raise InvalidArgument("a prefix trie needs at least one page group")
         self._block_size = block_size
         self._groups = tuple(
             _PageGroup(pool, window, [0] * pool.num_items) for pool, window in groups

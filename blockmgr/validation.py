@@ -20,7 +20,7 @@ import math
 import operator
 from array import array
 from collections.abc import Hashable, Iterable
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -31,6 +31,8 @@ from blockmgr.errors import InvalidArgument, WrongArgumentType
 _SHORT = 4
 #: Token ids are unsigned 64-bit ints (the prefix trie packs them so).
 MAX_TOKEN_ID = 2**64 - 1
+
+T = TypeVar("T")
 
 
 def as_words(tokens: list[int]) -> array[int]:
@@ -168,10 +170,21 @@ def _as_int(value: object, name: str, what: str = "an int") -> int:
     raise WrongArgumentType(f"{name} must be {what}, got {value!r:.80}")
 
 
-def check_int(name: str, value: object, minimum: int | None = 0, maximum: int | None = None) -> int:
+def check_int(
+    name: str,
+    value: object,
+    minimum: int | None = 0,
+    maximum: int | None = None,
+    *,
+    strict: bool = False,
+) -> int:
     """`value` as an int in [minimum, maximum] (None: unbounded). Numpy
-    integers are accepted and converted; bools and floats are refused."""
+    integers are accepted and converted, unless `strict` (a config, which
+    keeps the value it was given and writes it to JSON, takes Python ints
+    only); bools and floats are refused."""
     if type(value) is not int:  # an exact int is its own int: skip the conversion
+        if strict:
+            raise WrongArgumentType(f"{name} must be an int, got {value!r:.80}")
         value = _as_int(value, name)
     if minimum is not None and value < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
@@ -187,8 +200,17 @@ def check_count(name: str, value: object) -> int:
     return check_int(name, value, 0)
 
 
-def check_number(name: str, value: object, minimum: float | None = None) -> float:
-    """A finite real number (int or float, numpy ones too; not bool) as a float."""
+def check_number(
+    name: str,
+    value: object,
+    minimum: float | None = None,
+    *,
+    above: float | None = None,
+    below: float | None = None,
+) -> float:
+    """A finite real number (int or float, numpy ones too; not bool) as a
+    float, at least `minimum`, greater than `above` and less than `below`
+    (None: unbounded)."""
     real = (int, float, np.integer, np.floating)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, real):
         raise WrongArgumentType(f"{name} must be a number, got {value!r:.80}")
@@ -197,7 +219,29 @@ def check_number(name: str, value: object, minimum: float | None = None) -> floa
         raise InvalidArgument(f"{name} must be finite, got {value!r}")
     if minimum is not None and number < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}, got {value!r}")
+    if above is not None and number <= above:
+        raise InvalidArgument(f"{name} must be > {above}, got {value!r}")
+    if below is not None and number >= below:
+        raise InvalidArgument(f"{name} must be < {below}, got {value!r}")
     return number
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` as a bool: a bool (or numpy bool); anything else refused, 0
+    and 1 too (a flag is never a count)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise WrongArgumentType(f"{name} must be a bool, got {value!r:.80}")
+
+
+def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
+    """`value` if it equals one of `choices`, else `InvalidArgument` naming
+    them. O(len(choices))."""
+    options = tuple(choices)
+    if value not in options:
+        listed = ", ".join(repr(option) for option in options)
+        raise InvalidArgument(f"{name} must be one of {listed}, got {value!r:.80}")
+    return value
 
 
 def check_hashable(name: str, value: object) -> Hashable:

@@ -34,6 +34,7 @@ from typing import Generic, Protocol, TypeVar
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.kv_store import KVStore
+from blockmgr.validation import check_choice
 
 #: Above this many waiting sequences "lpm" orders them FCFS (SGLang: 128).
 LPM_MAX_WAITING = 128
@@ -328,11 +329,8 @@ def register_policy(policy: Policy) -> None:
 
 
 def policy_named(name: str) -> Policy:
-    """The registered policy `name` (`ValueError` naming the choices)."""
-    try:
-        return POLICIES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {name!r}") from None
+    """The registered policy `name` (`InvalidArgument` naming the choices)."""
+    return POLICIES[check_choice("policy", name, POLICIES)]
 
 
 register_policy(Policy("fcfs", "first come, first served (preempted ones first)",

@@ -54,7 +54,7 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.kv_store import KVStore
-from blockmgr.validation import check_int, token_list
+from blockmgr.validation import check_bool, check_choice, check_int, token_list
 from scheduler.core.policies import POLICIES, WaitingQueue, policy_named
 from scheduler.core.records import (
     AcceptedTokens,
@@ -83,9 +83,10 @@ class StaleSchedulerOutput(InvalidArgument):
     or one already applied."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Scheduling limits and policies; validated on construction (`ValueError`).
+    """Scheduling limits and policies; validated on construction
+    (`InvalidArgument`, a `ValueError`).
 
     max_num_batched_tokens: token budget of one step (prefill + decode).
     max_num_seqs: sequences running at once (a request with n samples
@@ -128,19 +129,18 @@ class SchedulerConfig:
         metavar="TOKENS", minimum=1)
 
     def __post_init__(self) -> None:
-        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, strict=True)
+        check_int("max_num_seqs", self.max_num_seqs, 1, strict=True)
         policy_named(self.policy)
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}"
-            )
-        for name in ("long_prefill_token_threshold", "max_num_partial_prefills", "max_model_len"):
-            value = getattr(self, name)
+        check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        for name, value in (
+            ("long_prefill_token_threshold", self.long_prefill_token_threshold),
+            ("max_num_partial_prefills", self.max_num_partial_prefills),
+            ("max_model_len", self.max_model_len),
+        ):
             if value is not None:
-                _require_int(name, value, 1)
-        if not isinstance(self.checkpoint_prefill, bool):
-            raise ValueError(f"checkpoint_prefill must be a bool, got {self.checkpoint_prefill!r}")
+                check_int(name, value, 1, strict=True)
+        check_bool("checkpoint_prefill", self.checkpoint_prefill)
 
 
 # -------------------------------------------------------------- sequences
@@ -222,7 +222,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
-            raise ValueError(f"config must be a SchedulerConfig, got {config!r}")
+            raise WrongArgumentType(f"config must be a SchedulerConfig, got {config!r:.80}")
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -1214,10 +1214,6 @@ def _can_swap_out(kv: KVStore, seq_id: Hashable) -> bool:
         return kv.can_swap_out(seq_id)
     except BlockManagerError:
         return False
-
-
-def _require_int(name: str, value: object, minimum: int) -> None:
-    check_int(name, value, minimum)
 
 
 __all__ = [

@@ -29,7 +29,7 @@ from typing import Any
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat
-from blockmgr.validation import check_int
+from blockmgr.validation import check_bool, check_int, check_number
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.core.settings import setting
 
@@ -79,12 +79,8 @@ class CacheConfig:
             check_int("num_slots", self.num_slots, 0)
         check_int("num_host_blocks", self.num_host_blocks, 0)
         check_int("num_host_slots", self.num_host_slots, 0)
-        if not isinstance(self.enable_prefix_cache, bool):
-            raise InvalidArgument(
-                f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache!r}")
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)) \
-                or not 0.0 <= self.watermark < 1.0:
-            raise InvalidArgument(f"watermark must be a number in [0, 1), got {self.watermark!r}")
+        check_bool("enable_prefix_cache", self.enable_prefix_cache)
+        check_number("watermark", self.watermark, 0.0, below=1.0)
 
     def storage_kwargs(self, num_slots: int, hybrid: bool) -> dict[str, Any]:
         """`PagedCache.for_model`'s keywords (after `model, num_blocks,
@@ -149,8 +145,7 @@ class EngineConfig:
             raise WrongArgumentType(
                 f"scheduler must be a SchedulerConfig, got {self.scheduler!r:.80}")
         check_int("prefill_batch", self.prefill_batch, 1)
-        if not isinstance(self.batch_probe, bool):
-            raise InvalidArgument(f"batch_probe must be a bool, got {self.batch_probe!r}")
+        check_bool("batch_probe", self.batch_probe)
         check_int("max_forward_retries", self.max_forward_retries, 1)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.vocab_size is not None:

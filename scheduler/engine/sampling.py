@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from blockmgr.errors import InvalidArgument
 from scheduler.core.constraints import unpack_masks
 from scheduler.core.request import SamplingParams, TokenLogprob
 
@@ -71,7 +72,7 @@ def sample_rows(
     """
     rows = len(params)
     if rows != logits.shape[0] or rows != len(keys):
-        raise ValueError(f"{logits.shape[0]} logit rows for {rows} params / {len(keys)} keys")
+        raise InvalidArgument(f"{logits.shape[0]} logit rows for {rows} params / {len(keys)} keys")
     logits = adjust_logits(logits, params, histories)
     if masks is not None:
         logits = mask_logits(logits, masks)
@@ -186,7 +187,7 @@ def _block_early_stops(
 
 def _needs_histories(histories: Sequence[History | None] | None) -> Sequence[History | None]:
     if histories is None:
-        raise ValueError("rows with penalties or logits processors need their token histories")
+        raise InvalidArgument("rows with penalties or logits processors need their token histories")
     return histories
 
 
@@ -194,7 +195,7 @@ def _history(histories: Sequence[History | None], row: int) -> History:
     """Row `row`'s history, which its penalties or processors need."""
     history = histories[row]
     if history is None:
-        raise ValueError(f"row {row} has penalties or logits processors but no token history")
+        raise InvalidArgument(f"row {row} has penalties or logits processors but no token history")
     return history
 
 

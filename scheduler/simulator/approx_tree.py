@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from blockmgr.validation import check_int
+
 
 @dataclass(slots=True, eq=False)
 class _Node:
@@ -44,8 +46,7 @@ class ApproxPrefixTree:
     only its own). Not thread-safe; pure Python."""
 
     def __init__(self, page_size: int = 16) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        check_int("page_size", page_size, 1, strict=True)
         self.page_size = page_size
         self._roots: dict[Hashable, _Node] = {}
         self._num_pages: dict[int, int] = {}  # replica -> nodes it is at

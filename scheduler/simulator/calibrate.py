@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from blockmgr.errors import InvalidArgument
+from blockmgr.validation import check_choice, check_int
 from scheduler.simulator.cost_model import step_shape
 from scheduler.simulator.profile import CostProfile, StepSample, fit_cost_model
 from scheduler.simulator.tier_bandwidth import measure_tier_moves
@@ -80,17 +82,16 @@ class CalibrationGrid:
         for name in ("prefill_chunks", "decode_batches", "decode_contexts", "mixed_chunks",
                      "mixed_batches", "mixed_contexts"):
             values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                                 for v in values):
-                raise ValueError(f"{name} must be ints >= 1, got {values!r}")
+            if not values:
+                raise InvalidArgument(f"{name} must not be empty")
+            for value in values:
+                check_int(f"each of {name}", value, 1, strict=True)
         for name in ("max_context", "decode_steps", "repeats", "block_size", "copy_pages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1, strict=True)
         for name in ("decode_contexts", "mixed_contexts"):
             if max(getattr(self, name)) > self.max_context:
-                raise ValueError(f"{name} {getattr(self, name)} exceed max_context "
-                                 f"{self.max_context}")
+                raise InvalidArgument(f"{name} {getattr(self, name)} exceed max_context "
+                                      f"{self.max_context}")
 
     @property
     def num_points(self) -> int:
@@ -146,8 +147,7 @@ def calibrate(model: Any, description: dict, grid: CalibrationGrid,
 
     tick = progress or (lambda label: None)
     source = TokenSource(min(vocab_size(description), 32000))
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    check_choice("clock", clock, CLOCKS)
     layout = model_layout(model)
     recorder = _Recorder(CLOCKS[clock], layout.attended)
     for repeat in range(grid.repeats):
@@ -343,7 +343,7 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid,
     the points in the calibration's `decode_order` and, before each, the
     prompts the calibration computed before that point: the same hits and
     recomputations). About 30 s of CPU on Qwen3-0.6B's layers (4 of them).
-    Anchors off the grid raise ValueError.
+    Anchors off the grid raise `InvalidArgument`.
 
     A decode anchor of one row must be at the grid's smallest decode
     context (raises ValueError): at a larger one the calibration's 1-row
@@ -352,21 +352,20 @@ def measure_anchors(model: Any, description: dict, grid: CalibrationGrid,
     on what else the trie held."""
     from scheduler.simulator.engine_models import model_layout, vocab_size
 
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    check_choice("clock", clock, CLOCKS)
     smallest = min(grid.decode_contexts)
     for batch, context in anchors.decode:
         if context not in grid.decode_contexts or batch not in grid.decode_batches \
                 or (batch == 1 and context != smallest):
-            raise ValueError(f"decode anchor ({batch}, {context}): rows and contexts must be "
-                             f"the grid's {grid.decode_batches} and {grid.decode_contexts}, "
-                             f"one row only at {smallest}")
+            raise InvalidArgument(f"decode anchor ({batch}, {context}): rows and contexts must be "
+                                  f"the grid's {grid.decode_batches} and {grid.decode_contexts}, "
+                                  f"one row only at {smallest}")
     rows, context, chunk = anchors.mixed
     if rows not in grid.mixed_batches or context not in grid.mixed_contexts \
             or chunk not in grid.mixed_chunks:
-        raise ValueError(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the "
-                         f"grid's {grid.mixed_batches}, {grid.mixed_contexts} and "
-                         f"{grid.mixed_chunks}")
+        raise InvalidArgument(f"mixed anchor {anchors.mixed}: rows, context and chunk must be the "
+                              f"grid's {grid.mixed_batches}, {grid.mixed_contexts} and "
+                              f"{grid.mixed_chunks}")
     source = TokenSource(min(vocab_size(description), 32000))
     recorder = _Recorder(CLOCKS[clock], model_layout(model).attended)
     _measure_prefill(model, grid, anchors.prefill_chunk, source, recorder, 0)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from blockmgr import BlockManagerConfig
+from blockmgr.errors import InvalidArgument, WrongArgumentType
+from blockmgr.validation import check_int, check_number
 from scheduler.core.scheduler import SchedulerConfig
 from scheduler.simulator.cost_model import CostModel
 from scheduler.simulator.kv_memory import KVMemory
@@ -18,9 +20,10 @@ from scheduler.simulator.layout import ModelLayout
 from scheduler.simulator.workloads import WorkloadConfig
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SimulationConfig:
-    """One simulation; validated on construction (`ValueError`).
+    """One simulation; validated on construction
+    (`InvalidArgument`, a `ValueError`).
 
     layout: the model's layer kinds (`ModelLayout`): the store gets one
         layer group per attention window, with `block_manager`'s pages
@@ -67,37 +70,35 @@ class SimulationConfig:
             ("layout", ModelLayout),
         ):
             if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"{name} must be a {kind.__name__}")
-        _int_at_least("vocab_size", self.vocab_size, 2)
-        _int_at_least("sample_every", self.sample_every, 1)
+                raise WrongArgumentType(f"{name} must be a {kind.__name__}")
+        check_int("vocab_size", self.vocab_size, 2, strict=True)
+        check_int("sample_every", self.sample_every, 1, strict=True)
         if self.check_every is not None:
-            _int_at_least("check_every", self.check_every, 1)
+            check_int("check_every", self.check_every, 1, strict=True)
         if self.trace is not None and not isinstance(self.trace, str):
-            raise ValueError(f"trace must be a path, got {self.trace!r}")
+            raise WrongArgumentType(f"trace must be a path, got {self.trace!r:.80}")
         if self.trace_block_tokens is not None:
-            _int_at_least("trace_block_tokens", self.trace_block_tokens, 1)
-        if isinstance(self.time_scale, bool) or not isinstance(self.time_scale, (int, float)) \
-                or not 0 < self.time_scale < float("inf"):
-            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
+            check_int("trace_block_tokens", self.trace_block_tokens, 1, strict=True)
+        check_number("time_scale", self.time_scale, above=0.0)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if self.trace is None and self.workload.max_context > capacity:
-            raise ValueError(
+            raise InvalidArgument(
                 f"max_context {self.workload.max_context} tokens does not fit the pool "
                 f"({self.block_manager.num_blocks} pages x {self.block_manager.block_size} tokens)"
             )
         bm, sched = self.block_manager, self.scheduler
         if bm.num_slots and bm.num_slots < 2:
-            raise ValueError("a hybrid simulation needs num_slots >= 2")
+            raise InvalidArgument("a hybrid simulation needs num_slots >= 2")
         if sched.preemption == "swap" and bm.num_host_blocks == 0:
-            raise ValueError("preemption 'swap' needs host pages (num_host_blocks > 0)")
-        self.layout.store_config(bm)  # raises ValueError when they do not fit
+            raise InvalidArgument("preemption 'swap' needs host pages (num_host_blocks > 0)")
+        self.layout.store_config(bm)  # raises InvalidArgument when they do not fit
         if self.kv_memory is not None:
             if not isinstance(self.kv_memory, KVMemory):
-                raise ValueError("kv_memory must be a KVMemory")
+                raise WrongArgumentType("kv_memory must be a KVMemory")
             pages = self.kv_memory.num_blocks(bm.block_size, bm.num_slots)
             if bm.num_blocks != pages:
-                raise ValueError(f"num_blocks {bm.num_blocks} is not the {pages} pages the KV "
-                                 f"memory holds; give one or the other")
+                raise InvalidArgument(f"num_blocks {bm.num_blocks} is not the {pages} pages the KV "
+                                      f"memory holds; give one or the other")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,13 +119,13 @@ class SimulationConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SimulationConfig":
-        """Inverse of `to_dict`; missing keys take defaults. Raises ValueError."""
+        """Inverse of `to_dict`; missing keys take defaults. Raises `InvalidArgument`."""
         if not isinstance(data, dict):
-            raise ValueError("a simulation config must be a JSON object")
+            raise InvalidArgument("a simulation config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+            raise InvalidArgument(f"unknown config keys: {', '.join(unknown)}")
         values: dict[str, Any] = {}
         if "workload" in data:
             values["workload"] = WorkloadConfig.from_dict(data["workload"])
@@ -149,7 +150,7 @@ class SimulationConfig:
 def apply_kv_memory(data: dict[str, Any]) -> None:
     """Set the `block_manager.num_blocks` of a config dict (`to_dict`'s
     form) to the pages its `kv_memory` holds at its block size and slots;
-    nothing without one. Raises ValueError."""
+    nothing without one. Raises `InvalidArgument`."""
     bm = data["block_manager"]
     size, slots = bm.get("block_size"), bm.get("num_slots") or 0
     if data.get("kv_memory") is None or not (_is_int(size) and size >= 1 and _is_int(slots)):
@@ -167,17 +168,12 @@ def _fields(obj) -> dict[str, Any]:
 
 def _build(kind, data, name: str):
     if not isinstance(data, dict):
-        raise ValueError(f"{name} must be a JSON object")
+        raise InvalidArgument(f"{name} must be a JSON object")
     known = {f.name for f in fields(kind)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"unknown {name} settings: {', '.join(unknown)}")
+        raise InvalidArgument(f"unknown {name} settings: {', '.join(unknown)}")
     try:
         return kind(**data)
     except TypeError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-
-
-def _int_at_least(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise InvalidArgument(f"{name}: {exc}") from None

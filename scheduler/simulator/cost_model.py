@@ -61,12 +61,13 @@ O(scheduled sequences + ops) for `step_shape`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from blockmgr import CopyBlock, CopySlot, ZeroSlot
+from blockmgr.errors import InvalidArgument
 from blockmgr.ops import MovePage, MoveSlot, SwapIn, SwapInSlot, SwapOut, SwapOutSlot, Tier
+from blockmgr.validation import check_number
 
 _SWAP_OPS = (SwapOut, SwapIn, SwapOutSlot, SwapInSlot)
 _SLOT_OPS = (CopySlot, ZeroSlot)
@@ -266,18 +267,14 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"cost {item.name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"cost {item.name} must be finite and >= 0, got {value}")
+            check_number(f"cost {item.name}", getattr(self, item.name), 0.0)
         # A fit can price a small model's steps by their forwards alone (every
         # chunk and every decode forward pays an overhead), so those count too.
         if (self.step_overhead + self.prefill_per_token + self.decode_per_token
                 + self.prefill_chunk_overhead + self.decode_forward_overhead) <= 0:
-            raise ValueError("a step must cost some time: step_overhead, prefill_per_token, "
-                             "decode_per_token, prefill_chunk_overhead and "
-                             "decode_forward_overhead cannot all be 0")
+            raise InvalidArgument("a step must cost some time: step_overhead, prefill_per_token, "
+                                  "decode_per_token, prefill_chunk_overhead and "
+                                  "decode_forward_overhead cannot all be 0")
 
     def time_of(self, shape: StepShape) -> float:
         """Seconds the step of this shape takes: the sum over fields of field

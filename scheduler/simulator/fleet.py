@@ -83,7 +83,7 @@ class FleetSpec:
     `background` runnable threads of other work (`shared_cores.py`);
     `step_jitter`: the standard deviation of the log of each step's time
     factor (0: none; see the module doc), drawn from `seed`.
-    Raises ValueError."""
+    Raises `InvalidArgument`."""
 
     num_replicas: int = 1
     router: str = "round_robin"
@@ -95,13 +95,13 @@ class FleetSpec:
     def __post_init__(self) -> None:
         n = self.num_replicas
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_REPLICAS:
-            raise ValueError(f"replicas must be an int in [1, {MAX_REPLICAS}], got {n!r}")
+            raise InvalidArgument(f"replicas must be an int in [1, {MAX_REPLICAS}], got {n!r}")
         if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
+            raise InvalidArgument(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
         if self.cores is not None:
             SharedCores(self.cores, self.background)  # raises for bad counts
         elif self.background:
-            raise ValueError("background threads need the fleet's cores")
+            raise InvalidArgument("background threads need the fleet's cores")
         if check_number("step_jitter", self.step_jitter, 0.0) > MAX_STEP_JITTER:
             raise InvalidArgument(f"step_jitter must be <= {MAX_STEP_JITTER}, "
                                   f"got {self.step_jitter!r}")
@@ -124,9 +124,9 @@ class FleetSpec:
     def from_dict(cls, data: dict) -> "FleetSpec":
         keys = {"replicas", "router", "cores", "background", "step_jitter", "seed"}
         if not isinstance(data, dict) or set(data) - keys:
-            raise ValueError(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C, "
-                             f"'background': B, 'step_jitter': S, 'seed': N]}}, "
-                             f"got {data!r:.80}")
+            raise InvalidArgument(f"a fleet is {{'replicas': N, 'router': NAME[, 'cores': C, "
+                                  f"'background': B, 'step_jitter': S, 'seed': N]}}, "
+                                  f"got {data!r:.80}")
         return cls(data.get("replicas", 1), data.get("router", "round_robin"),
                    data.get("cores"), data.get("background", 0.0),
                    data.get("step_jitter", 0.0), data.get("seed", 0))

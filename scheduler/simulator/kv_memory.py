@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.kv_format import KVFormat
+from blockmgr.validation import check_choice, check_int
 
 #: Bytes per element of the dtypes a model's K/V (and quantization scales) take.
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -55,12 +57,10 @@ class KVShape:
     def __post_init__(self) -> None:
         for name, minimum in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1),
                               ("slot_bytes", 0)):
-            _int_at_least(f"kv shape {_KEYS[name]}", getattr(self, name), minimum)
+            check_int(f"kv shape {_KEYS[name]}", getattr(self, name), minimum, strict=True)
         if self.v_head_dim is not None:
-            _int_at_least("kv shape v_head_dim", self.v_head_dim, 1)
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"kv shape dtype must be one of {', '.join(DTYPE_BYTES)}, "
-                             f"got {self.dtype!r}")
+            check_int("kv shape v_head_dim", self.v_head_dim, 1, strict=True)
+        check_choice("kv shape dtype", self.dtype, DTYPE_BYTES)
 
     @property
     def value_head_dim(self) -> int:
@@ -76,8 +76,8 @@ class KVShape:
         given = _known(data, "kv shape", tuple(_KEYS.values()))
         missing = [key for key in ("layers", "kv_heads", "head_dim") if key not in given]
         if missing:
-            raise ValueError(f"kv shape needs {', '.join(missing)} (e.g. "
-                             f"layers=28,kv_heads=8,head_dim=128,dtype=bfloat16)")
+            raise InvalidArgument(f"kv shape needs {', '.join(missing)} (e.g. "
+                                  f"layers=28,kv_heads=8,head_dim=128,dtype=bfloat16)")
         names = {key: name for name, key in _KEYS.items()}
         return cls(**{names[key]: value for key, value in given.items()})
 
@@ -90,7 +90,7 @@ _KEYS = {"num_layers": "layers", "num_kv_heads": "kv_heads", "head_dim": "head_d
 @dataclass(frozen=True, slots=True)
 class KVMemory:
     """A KV memory `budget` (bytes) for a model of `shape` with pages in
-    `format`. Raises `ValueError` when a quantized side's head size is not
+    `format`. Raises `InvalidArgument` when a quantized side's head size is not
     a multiple of the group size (`mx.quantize` could not store it)."""
 
     budget: int
@@ -98,9 +98,9 @@ class KVMemory:
     format: KVFormat = KVFormat()
 
     def __post_init__(self) -> None:
-        _int_at_least("kv memory budget", self.budget, 1)
+        check_int("kv memory budget", self.budget, 1, strict=True)
         if not isinstance(self.shape, KVShape) or not isinstance(self.format, KVFormat):
-            raise ValueError("kv memory needs a KVShape and a KVFormat")
+            raise WrongArgumentType("kv memory needs a KVShape and a KVFormat")
         self.format.check_head_dims(None, self.shape.head_dim, self.shape.value_head_dim)
 
     def page_bytes(self, block_size: int) -> int:
@@ -113,16 +113,16 @@ class KVMemory:
 
     def num_blocks(self, block_size: int, num_slots: int) -> int:
         """Pages the budget holds after `num_slots` recurrent slots, as
-        `serve.size_pool` counts them. Raises `ValueError` when not even
+        `serve.size_pool` counts them. Raises `InvalidArgument` when not even
         the slots and one page fit, or when slots are asked for with no
         `slot_bytes` (they would take no memory)."""
         if num_slots and not self.shape.slot_bytes:
-            raise ValueError("a hybrid pool's recurrent slots come off the KV memory first: "
-                             "give one slot's bytes (kv shape slot_bytes=N)")
+            raise InvalidArgument("a hybrid pool's recurrent slots come off the KV memory first: "
+                                  "give one slot's bytes (kv shape slot_bytes=N)")
         per_page = self.page_bytes(block_size)
         left = self.budget - num_slots * self.shape.slot_bytes
         if left < per_page:
-            raise ValueError(
+            raise InvalidArgument(
                 f"a KV memory of {self.budget} bytes does not hold {num_slots} recurrent slots "
                 f"of {self.shape.slot_bytes} bytes and one page of {per_page} bytes")
         return left // per_page
@@ -135,21 +135,16 @@ class KVMemory:
     def from_dict(cls, data: Any) -> KVMemory:
         given = _known(data, "kv_memory", ("budget", "format", "shape"))
         if "budget" not in given or "shape" not in given:
-            raise ValueError("kv_memory needs a budget and a shape")
+            raise InvalidArgument("kv_memory needs a budget and a shape")
         return cls(budget=given["budget"], shape=KVShape.from_dict(given["shape"]),
                    format=KVFormat.from_dict(given.get("format", {})))
 
 
 def _known(data: Any, what: str, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object")
+        raise InvalidArgument(f"{what} must be a JSON object")
     unknown = sorted(set(data) - set(keys))
     if unknown:
-        raise ValueError(f"unknown {what} settings: {', '.join(unknown)} "
-                         f"(known: {', '.join(keys)})")
+        raise InvalidArgument(f"unknown {what} settings: {', '.join(unknown)} "
+                              f"(known: {', '.join(keys)})")
     return data
-
-
-def _int_at_least(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from blockmgr import BlockManagerConfig, GroupedStoreConfig
+from blockmgr.errors import InvalidArgument
+from blockmgr.validation import check_int
 
 #: Window of a preset's sliding layers when none is given (tokens).
 DEFAULT_WINDOW = 1024
@@ -39,18 +41,15 @@ class ModelLayout:
 
     def __post_init__(self) -> None:
         for name in ("full", "sliding", "recurrent"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"layout.{name} must be an int >= 0, got {value!r}")
+            check_int(f"layout.{name}", getattr(self, name), 0, strict=True)
         if self.full + self.sliding + self.recurrent == 0:
-            raise ValueError("a layout needs at least one layer")
+            raise InvalidArgument("a layout needs at least one layer")
         if self.sliding and self.window is None:
-            raise ValueError("a layout with sliding layers needs a window")
+            raise InvalidArgument("a layout with sliding layers needs a window")
         if self.window is not None:
-            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-                raise ValueError(f"layout.window must be an int >= 1, got {self.window!r}")
+            check_int("layout.window", self.window, 1, strict=True)
             if not self.sliding:
-                raise ValueError("layout.window is set but the layout has no sliding layer")
+                raise InvalidArgument("layout.window is set but the layout has no sliding layer")
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -82,9 +81,9 @@ class ModelLayout:
     def store_config(self, bm: BlockManagerConfig) -> GroupedStoreConfig:
         """The grouped store for this layout with `bm`'s pages and slots."""
         if bm.sliding_window is not None:
-            raise ValueError("give the sliding window in the layout, not the block manager")
+            raise InvalidArgument("give the sliding window in the layout, not the block manager")
         if self.recurrent and bm.num_slots < 2:
-            raise ValueError("a layout with recurrent layers needs num_slots >= 2")
+            raise InvalidArgument("a layout with recurrent layers needs num_slots >= 2")
         return GroupedStoreConfig(
             num_blocks=bm.num_blocks,
             block_size=bm.block_size,
@@ -106,10 +105,10 @@ class ModelLayout:
     @classmethod
     def from_dict(cls, data: Any) -> ModelLayout:
         if not isinstance(data, dict):
-            raise ValueError("layout must be a JSON object")
+            raise InvalidArgument("layout must be a JSON object")
         unknown = sorted(set(data) - {"full", "sliding", "recurrent", "window"})
         if unknown:
-            raise ValueError(f"unknown layout settings: {', '.join(unknown)}")
+            raise InvalidArgument(f"unknown layout settings: {', '.join(unknown)}")
         return cls(**data)
 
 
@@ -126,11 +125,11 @@ LAYOUTS: dict[str, ModelLayout] = {
 def layout_named(name: str, window: int | None = None) -> ModelLayout:
     """A preset, with its sliding window replaced by `window` when given."""
     if name not in LAYOUTS:
-        raise ValueError(f"unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
+        raise InvalidArgument(f"unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
     layout = LAYOUTS[name]
     if window is not None:
         if not layout.sliding:
-            raise ValueError(f"layout {name!r} has no sliding layer for a window")
+            raise InvalidArgument(f"layout {name!r} has no sliding layer for a window")
         layout = replace(layout, window=window)
     return layout
 

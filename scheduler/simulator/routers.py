@@ -58,7 +58,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from blockmgr.errors import InvalidArgument
 from blockmgr.kv_store import KVStore
+from blockmgr.validation import check_int, check_number
 from scheduler.simulator.approx_tree import ApproxPrefixTree
 
 
@@ -132,18 +134,13 @@ class RouterSettings:
     kv_pressure_weight: float = 0.15
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "pool_pages", "page_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not 0 <= self.cache_threshold <= 1:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold!r}")
-        if self.balance_abs_threshold < 0:
-            raise ValueError("balance_abs_threshold must be >= 0, "
-                             f"got {self.balance_abs_threshold!r}")
-        if not self.balance_rel_threshold >= 1:
-            raise ValueError("balance_rel_threshold must be >= 1, "
-                             f"got {self.balance_rel_threshold!r}")
+        check_int("num_replicas", self.num_replicas, 1, strict=True)
+        check_int("pool_pages", self.pool_pages, 1, strict=True)
+        check_int("page_size", self.page_size, 1, strict=True)
+        if check_number("cache_threshold", self.cache_threshold, 0.0) > 1:
+            raise InvalidArgument(f"cache_threshold must be <= 1, got {self.cache_threshold!r}")
+        check_number("balance_abs_threshold", self.balance_abs_threshold, 0.0)
+        check_number("balance_rel_threshold", self.balance_rel_threshold, 1.0)
 
 
 class Router(Protocol):
@@ -316,10 +313,9 @@ ROUTERS: dict[str, type] = {cls.name: cls for cls in (RoundRobin, LeastLoad, Cac
 
 
 def make_router(name: str, settings: RouterSettings) -> Router:
-    """The router of policy `name`. Raises ValueError for an unknown one."""
-    try:
-        cls = ROUTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown router {name!r} (one of {', '.join(ROUTERS)})") from None
+    """The router of policy `name`. Raises `InvalidArgument` for an unknown one."""
+    if name not in ROUTERS:
+        raise InvalidArgument(f"unknown router {name!r} (one of {', '.join(ROUTERS)})")
+    cls = ROUTERS[name]
     router: Router = cls(settings)
     return router

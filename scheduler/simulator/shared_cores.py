@@ -23,18 +23,11 @@ Costs: `begin` and `end` O(steps in flight); `end_time` O(1).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from blockmgr.errors import InvalidArgument
-
-
-def _check_count(name: str, value: object, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidArgument(f"{name} must be a finite number {bound}, got {value!r}")
+from blockmgr.validation import check_number
 
 
 @dataclass(slots=True)
@@ -50,8 +43,8 @@ class SharedCores:
     nothing."""
 
     def __init__(self, cores: float, background: float = 0.0) -> None:
-        _check_count("cores", cores, allow_zero=False)
-        _check_count("background", background, allow_zero=True)
+        check_number("cores", cores, above=0.0)
+        check_number("background", background, 0.0)
         self.cores = float(cores)
         self.background = float(background)
         self._work: dict[Hashable, _Work] = {}
@@ -90,7 +83,7 @@ class SharedCores:
         """Step `key` starts at `now` with `work` seconds of work."""
         if key in self._work:
             raise InvalidArgument(f"step {key!r} is in flight already")
-        _check_count("work", work, allow_zero=True)
+        check_number("work", work, 0.0)
         self._advance(now)
         self._work[key] = _Work(work, False)
         self._mark_shared()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from blockmgr.errors import InvalidArgument
 from blockmgr.kv_format import parse_bytes
 from scheduler.simulator.config import SimulationConfig, apply_kv_memory
 from scheduler.simulator.fleet import FleetSpec, run_fleet
@@ -130,7 +131,7 @@ def grid_points(
             config = SimulationConfig.from_dict(data)
             fleet_of(params, None)  # a bad replica count or router is refused here
         except ValueError as exc:
-            raise ValueError(f"sweep point {params}: {exc}") from None
+            raise InvalidArgument(f"sweep point {params}: {exc}") from None
         points.append((params, config))
     return points
 
@@ -138,13 +139,14 @@ def grid_points(
 def _set_kv_memory(data: dict, params: dict, key: str, value) -> None:
     """Set a kv_* sweep value in the config dict's kv_memory section:
     `budget` (a size such as 4GiB, or bytes), `format` (kv_bits: both sides;
-    none for the model's dtype) or one format field. Raises ValueError
+    none for the model's dtype) or one format field. Raises `InvalidArgument`
     without a KV memory, or when num_blocks is swept beside it."""
     if data.get("kv_memory") is None:
-        raise ValueError(f"sweeping kv_* needs a pool sized by --kv-memory (and --kv-shape); "
-                         f"got {params}")
+        raise InvalidArgument(f"sweeping kv_* needs a pool sized by --kv-memory (and --kv-shape); "
+                              f"got {params}")
     if "num_blocks" in params:
-        raise ValueError("sweep num_blocks or the KV memory, not both (the memory sizes the pool)")
+        raise InvalidArgument(
+            "sweep num_blocks or the KV memory, not both (the memory sizes the pool)")
     memory = data["kv_memory"]
     if key == "budget":
         memory["budget"] = value if isinstance(value, int) else parse_bytes(str(value))

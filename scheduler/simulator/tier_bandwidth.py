@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from blockmgr.errors import InvalidArgument
 from blockmgr.ops import MovePage, Tier
 
 
@@ -68,7 +69,7 @@ def measure_tier_moves(model: Any, block_size: int, num_pages: int = 64,
     new temporary directory inside it, removed after; default the system's
     temporary directory). Raises `ValueError` for a count below 1."""
     if num_pages < 1 or repeats < 1:
-        raise ValueError(f"num_pages and repeats must be >= 1, got {num_pages}, {repeats}")
+        raise InvalidArgument(f"num_pages and repeats must be >= 1, got {num_pages}, {repeats}")
     with tempfile.TemporaryDirectory(prefix="blockmgr-calibrate-", dir=directory) as tmp:
         return _measure(model, block_size, num_pages, Path(tmp), repeats, clock)
 

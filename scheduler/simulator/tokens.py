@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from blockmgr.validation import check_int
+
 TABLE_BITS = 20
 SALT_BITS = 15
 _TABLE_SIZE = 1 << TABLE_BITS
@@ -52,8 +54,7 @@ class TokenSource:
     __slots__ = ("vocab_size", "_table", "_kept", "_seen", "_ids")
 
     def __init__(self, vocab_size: int = 32000) -> None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-            raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+        check_int("vocab_size", vocab_size, 2, strict=True)
         self.vocab_size = vocab_size
         rng = np.random.default_rng(TABLE_SEED)
         # Twice the size so any slice of length <= table size is contiguous.

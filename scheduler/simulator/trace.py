@@ -40,13 +40,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import math
 import warnings
 from datetime import datetime
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from blockmgr.errors import InvalidArgument
+from blockmgr.validation import check_int, check_number
 from scheduler.simulator.tokens import derive_key
 from scheduler.simulator.workloads import RequestSpec
 
@@ -127,14 +128,9 @@ def read_trace(
 
 
 def _check_replay_options(prefix_block_tokens, time_scale) -> None:
-    if prefix_block_tokens is not None and (
-        isinstance(prefix_block_tokens, bool) or not isinstance(prefix_block_tokens, int)
-        or prefix_block_tokens < 1
-    ):
-        raise ValueError(f"prefix_block_tokens must be an int >= 1, got {prefix_block_tokens!r}")
-    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) \
-            or not math.isfinite(time_scale) or time_scale <= 0:
-        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    if prefix_block_tokens is not None:
+        check_int("prefix_block_tokens", prefix_block_tokens, 1, strict=True)
+    check_number("time_scale", time_scale, above=0.0)
 
 
 def _scaled(spec: RequestSpec, scale: float) -> RequestSpec:
@@ -218,9 +214,7 @@ class _BlockSize:
             return self.option
         if "prefix_block_tokens" in self.header:
             value = self.header["prefix_block_tokens"]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"header prefix_block_tokens must be an int >= 1, got {value!r}")
-            return value
+            return check_int("header prefix_block_tokens", value, 1, strict=True)
         self.guessed = True
         warnings.warn(TraceWarning(
             f"{self.path}: no header gives the prefix block size; reading hash_ids as "
@@ -298,7 +292,7 @@ def _spec(record: dict, lineno: int, blocks: "_BlockSize") -> RequestSpec:
         output_key = derive_key(_id_hash(request_id), 1)
     namespace = record.get("namespace")
     if namespace is not None and not isinstance(namespace, (str, int)):
-        raise ValueError(f"namespace must be a string or an integer, got {namespace!r}")
+        raise InvalidArgument(f"namespace must be a string or an integer, got {namespace!r}")
     prompt, tokens = _prompt(record, request_id, blocks)
     return RequestSpec(
         request_id,
@@ -332,14 +326,14 @@ def _prompt(record: dict, request_id: str, blocks: "_BlockSize"):
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
         ):
-            raise ValueError("prompt_tokens must be a list of non-negative ints")
+            raise InvalidArgument("prompt_tokens must be a list of non-negative ints")
         return (), tuple(tokens)
     if "prompt" in record:
         segments = []
         for item in record["prompt"]:
             key, length = item
             if int(length) < 1:
-                raise ValueError("prompt segment lengths must be >= 1")
+                raise InvalidArgument("prompt segment lengths must be >= 1")
             segments.append((int(key), int(length)))
         return tuple(segments), None
     ids = record.get("prefix_ids", record.get("hash_ids"))

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from blockmgr.errors import IntegrityError
+from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
+from blockmgr.validation import check_choice, check_int, check_number
 from scheduler.simulator.lengths import LengthDist, parse_length
 from scheduler.simulator.tokens import derive_key
 
@@ -74,15 +75,17 @@ class RequestSpec:
 
     def __post_init__(self) -> None:
         if self.output_len < 1:
-            raise ValueError(f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
+            raise InvalidArgument(
+                f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
         if self.n < 1:
-            raise ValueError(f"{self.request_id}: n must be >= 1, got {self.n}")
+            raise InvalidArgument(f"{self.request_id}: n must be >= 1, got {self.n}")
         if self.prompt_len < 1:
-            raise ValueError(f"{self.request_id}: empty prompt")
+            raise InvalidArgument(f"{self.request_id}: empty prompt")
         if self.think_time < 0 or not math.isfinite(self.think_time):
-            raise ValueError(f"{self.request_id}: think_time must be >= 0, got {self.think_time}")
+            raise InvalidArgument(
+                f"{self.request_id}: think_time must be >= 0, got {self.think_time}")
         if self.arrival is not None and (self.arrival < 0 or not math.isfinite(self.arrival)):
-            raise ValueError(f"{self.request_id}: arrival must be >= 0, got {self.arrival}")
+            raise InvalidArgument(f"{self.request_id}: arrival must be >= 0, got {self.arrival}")
 
     @property
     def prompt_len(self) -> int:
@@ -110,9 +113,10 @@ def _lognormal(mean: float, sigma: float, high: int, low: int = 1) -> LengthDist
     return LengthDist("lognormal", mean, sigma, low, high)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkloadConfig:
-    """What to generate; validated on construction (`ValueError`).
+    """What to generate; validated on construction (`InvalidArgument`, a
+    `ValueError`).
 
     mix: workload kind -> weight (the share of *sessions* of that kind).
     num_requests: total requests (the last session may be cut short).
@@ -149,39 +153,32 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mix, dict) or not self.mix:
-            raise ValueError("workload mix must name at least one kind")
+            raise InvalidArgument("workload mix must name at least one kind")
         for kind, weight in self.mix.items():
-            if kind not in WORKLOAD_KINDS:
-                raise ValueError(
-                    f"unknown workload {kind!r} (one of {', '.join(WORKLOAD_KINDS)})"
-                )
-            if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-                raise ValueError(f"workload weight for {kind} must be >= 0, got {weight!r}")
+            check_choice("workload", kind, WORKLOAD_KINDS)
+            check_number(f"workload weight for {kind}", weight, 0.0)
         if sum(self.mix.values()) <= 0:
-            raise ValueError("workload weights must not all be 0")
-        if self.arrival not in ARRIVALS:
-            raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
-        _positive_int("num_requests", self.num_requests)
-        _positive_int("concurrency", self.concurrency)
-        _positive_int("num_system_prompts", self.num_system_prompts)
-        _positive_int("num_agents", self.num_agents)
-        _positive_int("n", self.n)
-        _positive_int("num_tenants", self.num_tenants)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
-        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) \
-                or self.max_context < 16:
-            raise ValueError(f"max_context must be an int >= 16, got {self.max_context!r}")
-        for name in ("rate", "think_time", "tool_time"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.rate <= 0:
-            raise ValueError(f"rate must be > 0, got {self.rate}")
+            raise InvalidArgument("workload weights must not all be 0")
+        check_choice("arrival", self.arrival, ARRIVALS)
+        for name, value in (
+            ("num_requests", self.num_requests),
+            ("concurrency", self.concurrency),
+            ("num_system_prompts", self.num_system_prompts),
+            ("num_agents", self.num_agents),
+            ("n", self.n),
+            ("num_tenants", self.num_tenants),
+        ):
+            check_int(name, value, 1, strict=True)
+        check_int("seed", self.seed, 0, strict=True)
+        check_int("max_context", self.max_context, 16, strict=True)
+        check_number("rate", self.rate, above=0.0)
+        check_number("think_time", self.think_time, 0.0)
+        check_number("tool_time", self.tool_time, 0.0)
         for name, spec in self.__dataclass_fields__.items():
             if isinstance(spec.default, LengthDist) \
                     and not isinstance(getattr(self, name), LengthDist):
-                raise ValueError(f"{name} must be a LengthDist, got {getattr(self, name)!r}")
+                raise WrongArgumentType(
+                    f"{name} must be a LengthDist, got {getattr(self, name)!r:.80}")
 
     def to_dict(self) -> dict:
         out = {}
@@ -196,7 +193,7 @@ class WorkloadConfig:
         known = cls.__dataclass_fields__
         unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"unknown workload settings: {', '.join(unknown)}")
+            raise InvalidArgument(f"unknown workload settings: {', '.join(unknown)}")
         values: dict[str, Any] = {}
         for name, value in data.items():
             default = known[name].default
@@ -212,11 +209,6 @@ def head_arrival(session: Sequence[RequestSpec]) -> float:
     if arrival is None:
         raise IntegrityError(f"session of {session[0].request_id} has no arrival time")
     return arrival
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 class _Generator:

@@ -117,7 +117,7 @@ def test_missing_matplotlib_degrades_with_a_message(tmp_path, capsys, monkeypatc
         (["--sweep", "bogus=1,2"], "cannot sweep 'bogus'"),
         (["--jobs", "2"], "--jobs only applies to --sweep"),
         (["--max-context", "100000"], "does not fit the pool"),
-        (["--watermark", "1.5"], "watermark must be in [0, 1)"),
+        (["--watermark", "1.5"], "watermark must be < 1.0, got 1.5"),
         (["--config", "/nonexistent.json"], "cannot read config"),
         (["--frobnicate"], "unrecognized arguments"),
     ],

@@ -301,7 +301,7 @@ def test_profile_round_trip_and_bad_profiles(tmp_path):
     data = json.loads(path.read_text())
     data["cost"]["decode_per_token"] = -1
     path.write_text(json.dumps(data))
-    with pytest.raises(ProfileError, match="decode_per_token must be finite and >= 0"):
+    with pytest.raises(ProfileError, match="cost decode_per_token must be >= 0.0, got -1"):
         read_cost(path)
     data["cost"]["bogus"] = 1
     path.write_text(json.dumps(data))

@@ -223,8 +223,8 @@ def test_tenants_never_hit_another_namespace(tmp_path):
 
 
 def test_hybrid_and_swap_runs_pass_the_checks():
-    hybrid = small_config()
-    hybrid.block_manager = BlockManagerConfig(num_blocks=512, block_size=16, num_slots=48)
+    hybrid = replace(small_config(),
+                     block_manager=BlockManagerConfig(num_blocks=512, block_size=16, num_slots=48))
     s = run_simulation(_Cfg.from_dict(hybrid.to_dict())).summary
     assert s["checks"]["leaks"] == "ok"
     assert 0 < s["slots"]["used_peak"] <= 48
@@ -445,9 +445,9 @@ def test_time_per_output_token_matches_the_cost_model(tmp_path, n):
 
 def _tiered(num_host: int, num_disk: int, disk_load: float = 0.0005) -> dict:
     cfg = small_config(mix={"agent": 1.0}, num_requests=80, rate=4.0)
-    cfg.block_manager = BlockManagerConfig(
-        num_blocks=160, block_size=16, num_host_cache_blocks=num_host, num_disk_blocks=num_disk)
-    cfg.cost = replace(cfg.cost, disk_load_per_page=disk_load)
+    cfg = replace(cfg, block_manager=BlockManagerConfig(
+        num_blocks=160, block_size=16, num_host_cache_blocks=num_host, num_disk_blocks=num_disk),
+        cost=replace(cfg.cost, disk_load_per_page=disk_load))
     return run_simulation(cfg).summary
 
 
