@@ -319,7 +319,7 @@ class Engine:
             longest = capacity if model_context is None else min(capacity, model_context)
             return replace(sched, max_model_len=longest)
         check_model_len(sched.max_model_len, model_context)
-        return replace(sched)
+        return sched  # frozen: shared as it is
 
     def _speculator(self, draft_model: Any, num_slots: int) -> Speculator:
         """Speculative decoding: the draft model on its own paged storage
