@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataclasses import asdict  # noqa: E402
 
 from blockmgr import BlockManagerConfig  # noqa: E402
-from scheduler.core.scheduler import SchedulerConfig  # noqa: E402
+from scheduler.core.config import SchedulerConfig  # noqa: E402
 from scheduler.simulator import SimulationConfig, WorkloadConfig, parse_length, run_simulation  # noqa: E402
 from scheduler.simulator.cost_model import CostModel, StepShape, step_shape  # noqa: E402
 from scheduler.simulator.report import comparison_rows, format_comparison  # noqa: E402

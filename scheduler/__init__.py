@@ -18,12 +18,8 @@ from scheduler.core.records import (
     SchedulerStats,
     SequenceInfo,
 )
-from scheduler.core.scheduler import (
-    RequestTooLarge,
-    Scheduler,
-    SchedulerConfig,
-    StaleSchedulerOutput,
-)
+from scheduler.core.config import SchedulerConfig
+from scheduler.core.scheduler import RequestTooLarge, Scheduler, StaleSchedulerOutput
 from scheduler.engine.config import CacheConfig, EngineConfig
 
 _LAZY = {"AutoRequestId", "Engine", "GenerationOutput"}

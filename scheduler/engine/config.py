@@ -30,7 +30,7 @@ from typing import Any
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.kv_format import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, KVFormat
 from blockmgr.validation import check_bool, check_int, check_number
-from scheduler.core.scheduler import SchedulerConfig
+from scheduler.core.config import SchedulerConfig
 from scheduler.core.settings import setting
 
 

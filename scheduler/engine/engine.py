@@ -48,6 +48,7 @@ from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, PagedCache, layer_specs
 from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.core.constraints import Grammars, RowMatcher
+from scheduler.core.config import SchedulerConfig
 from scheduler.engine.faults import ForwardFaults
 from scheduler.engine.kv_events import EventSink, KVEventPublisher, open_publisher
 from scheduler.core.prefill_groups import prefill_groups
@@ -62,7 +63,7 @@ from scheduler.engine.config import EngineConfig
 from scheduler.engine.runner import ModelRunner, Runner, StepSampling
 from scheduler.engine.sampling import KeyChain
 from scheduler.core.records import RequestOutput, ScheduledSeq, SchedulerOutput
-from scheduler.core.scheduler import Scheduler, SchedulerConfig
+from scheduler.core.scheduler import Scheduler
 from scheduler.engine.speculative import Speculator
 from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
 

@@ -13,7 +13,7 @@ from typing import Any
 from blockmgr import BlockManagerConfig
 from blockmgr.errors import InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_number
-from scheduler.core.scheduler import SchedulerConfig
+from scheduler.core.config import SchedulerConfig
 from scheduler.simulator.cost_model import CostModel
 from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.layout import ModelLayout
