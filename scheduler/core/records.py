@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from blockmgr.errors import IntegrityError
 from scheduler.core.request import Request, RequestStatus
 
 
@@ -38,6 +39,14 @@ class ScheduledSeq:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def scheduled_request(self) -> Request:
+        """The request of a row the scheduler scheduled (it always sets it;
+        a record built by hand without one raises `IntegrityError`)."""
+        if self.request is None:
+            raise IntegrityError(f"scheduled row {self.seq_id!r} has no request")
+        return self.request
 
 
 @dataclass(slots=True)

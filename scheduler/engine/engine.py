@@ -38,7 +38,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -46,12 +46,9 @@ import mlx.core as mx
 from blockmgr.errors import IntegrityError, InvalidArgument, WrongArgumentType
 from blockmgr.validation import check_int, check_token_range, prompt_list
 from cache import LayerKind, PagedCache, layer_specs
-from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
-from scheduler.core.constraints import Grammars, RowMatcher
 from scheduler.core.config import SchedulerConfig
-from scheduler.engine.faults import ForwardFaults
-from scheduler.engine.kv_events import EventSink, KVEventPublisher, open_publisher
-from scheduler.core.prefill_groups import prefill_groups
+from scheduler.core.constraints import Grammars, RowMatcher
+from scheduler.core.records import RequestOutput, ScheduledSeq, SchedulerOutput
 from scheduler.core.request import (
     Request,
     RequestMetrics,
@@ -59,12 +56,16 @@ from scheduler.core.request import (
     SamplingParams,
     TokenLogprob,
 )
+from scheduler.core.scheduler import Scheduler
+from scheduler.engine.batch_probe import BatchSupport, probe_batching, probe_cache
 from scheduler.engine.config import EngineConfig
+from scheduler.engine.faults import ForwardFaults
+from scheduler.engine.kv_events import EventSink, KVEventPublisher, open_publisher
 from scheduler.engine.runner import ModelRunner, Runner, StepSampling
 from scheduler.engine.sampling import KeyChain
-from scheduler.core.records import RequestOutput, ScheduledSeq, SchedulerOutput
-from scheduler.core.scheduler import Scheduler
 from scheduler.engine.speculative import Speculator
+from scheduler.engine.stats import EngineStats
+from scheduler.engine.step_forwards import StepForwards, StepRun
 from scheduler.engine.text import SampleText, TextCodec, is_text_prompt, stop_strings
 
 Callback = Callable[[RequestOutput], None]
@@ -119,59 +120,11 @@ class _Tracked:
     logprobs: list[list[TokenLogprob]] | None
 
 
-@dataclass(slots=True)
-class _StepRun:
-    """What of a step's work finished: items (a sampling chunk's head may
-    finish without its tail), their samples, and the requests to abort
-    because their forward keeps failing (with the error)."""
-
-    done: list[ScheduledSeq] = field(default_factory=list)
-    sampled: dict[Hashable, Any] = field(default_factory=dict)
-    aborts: list[tuple[Hashable, Exception]] = field(default_factory=list)
-
-
 def default_num_slots(max_num_seqs: int, speculative: bool = False) -> int:
     """Recurrent slots a hybrid model's engine gets by default: two per
     running sequence (its state and a prefix snapshot), three with a draft
     model (plus the speculation checkpoint), plus two."""
     return (3 if speculative else 2) * max_num_seqs + 2
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters and timings (seconds) over the engine's life.
-
-    peak_kv_bytes: most KV page bytes held at once (sequences + prefix trie);
-    peak_state_bytes: likewise for recurrent slots;
-    num_forward_errors: forwards that raised (rolled back and retried);
-    num_draft_tokens / num_accepted_tokens / num_draft_forwards /
-    num_recomputed_tokens: speculative decoding (`acceptance_rate`; tokens
-    computed again after a hybrid checkpoint restore); `num_forwards`
-    counts the target's only.
-    """
-
-    num_steps: int = 0
-    num_forwards: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_generated_tokens: int = 0
-    schedule_time: float = 0.0
-    forward_time: float = 0.0
-    peak_kv_bytes: int = 0
-    peak_state_bytes: int = 0
-    num_forward_errors: int = 0
-    step_times: list[float] = field(default_factory=list)
-    num_draft_tokens: int = 0  # speculative decoding: tokens the draft proposed
-    num_accepted_tokens: int = 0  # ... and the target accepted
-    num_draft_forwards: int = 0
-    num_recomputed_tokens: int = 0  # pending again after a hybrid checkpoint restore
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / drafted tokens (None before any draft)."""
-        if not self.num_draft_tokens:
-            return None
-        return self.num_accepted_tokens / self.num_draft_tokens
 
 
 class Engine:
@@ -285,7 +238,11 @@ class Engine:
         # constrained decoding: each sample's grammar matcher, this step's masks
         self._matchers: dict[Hashable, dict[int, RowMatcher]] = {}
         self._step_masks: dict[tuple[Hashable, int], Any] = {}
-        self._sampling = StepSampling(self._keys, self._step_masks, self._step_logprobs)
+        #: forwards each step's rows, faults kept to their requests
+        self._forwards = StepForwards(
+            self.faults, self.batching, config.prefill_batch,
+            StepSampling(self._keys, self._step_masks, self._step_logprobs), self.stats,
+            self.speculator, self._keys)
         #: Waiting requests whose disk-cached prefixes are read ahead each
         #: step (admission prefetch; 0: read when allocated).
         self.num_prefetch_ahead = 4
@@ -524,9 +481,9 @@ class Engine:
                 raise RuntimeError("requests are waiting but none fits in the page pool")
             self._publish_kv_events()
             return []
-        run = _StepRun()
+        run = StepRun()
         try:
-            self._run(out, run)
+            self._forwards.run(self._constrain(out.seqs, run), self.runner, run)
         except BaseException:  # not an Exception (those are contained): re-raise
             self._settle(out, run)
             raise
@@ -586,7 +543,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _settle(self, out: SchedulerOutput, run: _StepRun) -> list[RequestOutput]:
+    def _settle(self, out: SchedulerOutput, run: StepRun) -> list[RequestOutput]:
         """Give the scheduler what ran (a failed forward's items are scheduled
         again next step), abort the requests whose forward keeps failing, and
         deliver the outputs (see `_deliver`)."""
@@ -670,74 +627,7 @@ class Engine:
                     r.finish_reasons = stopped.finish_reasons
             r.new_text[index] = delta
 
-    def _run(self, out: SchedulerOutput, run: _StepRun) -> None:
-        """Forward the scheduled work, recording in `run` what finished.
-
-        With batched decode, a sampling prefill chunk runs as its head (all
-        but the last token, no logits) before the decode forward and its
-        last token as one more row of that forward: the step reads the
-        weights and the LM head once for every sampled row, instead of once
-        more per prefill (on a model whose weights dominate, that forward
-        costs about as much as the whole decode batch)."""
-        seqs = self._constrain(out.seqs, run)
-        if self.speculator is not None:  # the rows it does not take
-            seqs = self._run_speculative(self.speculator, seqs, run)
-        decode = [s for s in seqs if s.num_tokens == 1]
-        prefill = [s for s in seqs if s.num_tokens > 1]
-        isolated = self.faults.isolated
-        together = [s for s in decode if not isolated(s.request_id)]
-        alone = [s for s in decode if isolated(s.request_id)]
-        if not self.batching.decode:
-            together, alone = [], together + alone
-        split = [s for s in prefill
-                 if s.sample and self.batching.decode and not isolated(s.request_id)]
-        whole = [s for s in prefill if not any(s is x for x in split)]
-        heads = [replace(s, token_ids=s.token_ids[:-1], sample=False) for s in split]
-        self._run_prefill(heads, run)
-        ran = {id(item) for item in run.done}
-        chunks = {id(head): seq for head, seq in zip(heads, split) if id(head) in ran}
-        if together or chunks:
-            self._run_decode(together, chunks, run)
-        for seq in alone:
-            self._run_group([seq], run)
-        self._run_prefill(whole, run)
-
-    def _run_decode(self, rows: list[ScheduledSeq], chunks: dict[int, ScheduledSeq],
-                    run: _StepRun) -> None:
-        """One forward over the decode rows and the last token of every
-        chunk whose head ran (`chunks`: id of the head in `run.done` -> the
-        chunk). On success a chunk replaces its head in `run.done`; on a
-        failure the heads stay there (computed: only the last tokens run
-        again) and the rows are handled as `_run_group` does."""
-        tails = [replace(seq, token_ids=seq.token_ids[-1:],
-                         start_position=seq.start_position + seq.num_tokens - 1)
-                 for seq in chunks.values()]
-        group = rows + tails
-        try:
-            run.sampled.update(self._forward(group))
-        except Exception as error:
-            self._failed(group, error, run)
-            return
-        run.done[:] = [chunks.get(id(item), item) for item in run.done]
-        run.done.extend(rows)
-        self.faults.succeeded(s.request_id for s in group)
-
-    def _run_prefill(self, prefill: list[ScheduledSeq], run: _StepRun) -> None:
-        """Prefill chunks alone or in groups of up to `prefill_batch` with
-        bounded padding (`scheduler.core.prefill_groups`)."""
-        k = self.prefill_batch if self.batching.prefill else 1
-        if k == 1:
-            for seq in prefill:
-                self._prefill_one(seq, run)
-            return
-        alone = [s for s in prefill if self.faults.isolated(s.request_id)]
-        together = [s for s in prefill if not self.faults.isolated(s.request_id)]
-        for group in prefill_groups(together, k):
-            self._run_group(group, run)
-        for seq in alone:
-            self._prefill_one(seq, run)
-
-    def _constrain(self, seqs: list[ScheduledSeq], run: _StepRun) -> list[ScheduledSeq]:
+    def _constrain(self, seqs: list[ScheduledSeq], run: StepRun) -> list[ScheduledSeq]:
         """The grammar mask of every sampling row whose request has a
         constraint (into `_step_masks`), computed before the forward; a row
         whose matcher raises is left out of the step and its request
@@ -746,7 +636,7 @@ class Engine:
         self._step_masks.clear()
         kept = []
         for seq in seqs:
-            request = _seq_request(seq)
+            request = seq.scheduled_request
             constraint = request.sampling.constraint
             if constraint is None or not seq.sample:
                 kept.append(seq)
@@ -765,83 +655,6 @@ class Engine:
                 continue
             kept.append(seq)
         return kept
-
-    def _run_speculative(self, speculator: Speculator, seqs: list[ScheduledSeq],
-                         run: _StepRun) -> list[ScheduledSeq]:
-        """Speculate the eligible rows (`Speculator.eligible`, not isolated
-        by a fault) in one draft-and-verify round; returns the other rows.
-        A raising round counts as never run, as any failed forward."""
-        rows = [s for s in seqs if speculator.eligible(s)
-                and _seq_request(s).sampling.constraint is None
-                and not self.faults.isolated(s.request_id)]
-        if not rows:
-            return seqs
-        try:
-            accepted, counts = speculator.run(rows, self._keys)
-        except Exception as error:
-            self._failed(rows, error, run)
-        else:
-            run.sampled.update(accepted)
-            run.done.extend(rows)
-            self.faults.succeeded(s.request_id for s in rows)
-            stats = self.stats
-            stats.num_forwards += counts.num_target_forwards
-            stats.num_draft_forwards += counts.num_draft_forwards
-            stats.num_draft_tokens += counts.num_drafted
-            stats.num_accepted_tokens += counts.num_accepted
-            stats.num_generated_tokens += counts.num_accepted
-            stats.num_recomputed_tokens += counts.num_recomputed
-        taken = {id(s) for s in rows}
-        return [s for s in seqs if id(s) not in taken]
-
-    def _run_group(self, group: list[ScheduledSeq], run: _StepRun) -> None:
-        """One forward over `group`; a raising one is recorded (`run`), not
-        raised: the other groups of the step still run."""
-        try:
-            run.sampled.update(self._forward(group))
-        except Exception as error:
-            self._failed(group, error, run)
-            return
-        run.done.extend(group)
-        self.faults.succeeded(s.request_id for s in group)
-
-    def _failed(self, group: list[ScheduledSeq], error: Exception, run: _StepRun) -> None:
-        self.stats.num_forward_errors += 1
-        for request_id in self.faults.failed([s.request_id for s in group]):
-            run.aborts.append((request_id, error))
-
-    def _prefill_one(self, seq: ScheduledSeq, run: _StepRun) -> None:
-        """A chunk that samples runs as all-but-last (no logits) then the last
-        token, as mlx-lm's generate does: the LM head sees one position."""
-        if not seq.sample:
-            self._run_group([seq], run)
-            return
-        head = replace(seq, token_ids=seq.token_ids[:-1], sample=False)
-        tail = replace(
-            seq, token_ids=seq.token_ids[-1:], start_position=seq.start_position + head.num_tokens
-        )
-        try:
-            self._forward([head])
-        except Exception as error:
-            self._failed([seq], error, run)
-            return
-        try:
-            run.sampled.update(self._forward([tail]))
-        except BaseException as error:
-            run.done.append(head)  # computed: only the tail runs again
-            if not isinstance(error, Exception):
-                raise
-            self._failed([seq], error, run)
-            return
-        run.done.append(seq)
-        self.faults.succeeded([seq.request_id])
-
-    def _forward(self, group: list[ScheduledSeq]) -> dict[Hashable, Any]:
-        """One forward over `group` by the runner; returns the samples of its
-        picked rows. A raising forward computed nothing (rolled back)."""
-        sampled = self.runner.run(group, self._sampling)
-        self.stats.num_forwards += 1
-        return sampled
 
     def _record(self, out: SchedulerOutput, t0: float, t1: float, t2: float) -> None:
         stats = self.stats
@@ -1011,13 +824,6 @@ class Engine:
             tuple(self._keys),
             tuple(self._tracked),
         )
-
-
-def _seq_request(seq: ScheduledSeq) -> Request:
-    """The request of a row the scheduler scheduled (it always sets it)."""
-    if seq.request is None:
-        raise IntegrityError(f"scheduled row {seq.seq_id!r} has no request")
-    return seq.request
 
 
 def _generation_output(request: Request, tracked: _Tracked | None) -> GenerationOutput:

@@ -141,7 +141,7 @@ class Speculator:
     def eligible(self, item: ScheduledSeq) -> bool:
         """Can this scheduled row be speculated? A sampling row of one
         sample past its prompt, with a short pending chunk, no logprobs."""
-        request = _request(item)
+        request = item.scheduled_request
         return (
             item.sample
             and item.num_samples == 1
@@ -180,7 +180,7 @@ class Speculator:
         return accepted, counts
 
     def _row(self, item: ScheduledSeq) -> _Row:
-        request = _request(item)
+        request = item.scheduled_request
         index = item.sample_index
         if index is None:  # `eligible` rows are one sample's
             raise IntegrityError(f"speculating {item.seq_id!r}, a prompt shared by samples")
@@ -394,13 +394,6 @@ def _sampling_logprobs(adjusted: mx.array, params: SamplingParams) -> mx.array:
     scaled by 1 / temperature, renormalized. ``[R, V]``."""
     scaled = filtered_logprobs(adjusted, params) * (1.0 / params.temperature)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-
-
-def _request(item: ScheduledSeq) -> Request:
-    """The request of a row the scheduler scheduled (it always sets it)."""
-    if item.request is None:
-        raise IntegrityError(f"scheduled row {item.seq_id!r} has no request")
-    return item.request
 
 
 def _key(keys: Mapping[Hashable, KeyChain], row: _Row) -> KeyChain | None:
