@@ -465,6 +465,7 @@ class BlockManager:
             num_borrowed=match.num_locked_pages,
             packed=packed,
             retention=retention,
+            branch_point=match.branch_point,
         )
         self._count_query(num_tokens, num_cached)
         if self._events:
@@ -1017,6 +1018,15 @@ class BlockManager:
         point (the end of a prefill chunk). Pages are shared; the slot is
         copied (`CopySlot`). A no-op without a prefix cache. Raises
         `OutOfSlots` when no slot can be had for the snapshot.
+
+        The snapshot is a *checkpoint* (`TrieNode.checkpoint`) unless it
+        is at the allocation's branch point: the sequence goes on, so the
+        next snapshot on its path serves its session better (the one `free`
+        leaves, which a next turn continues from). Under slot pressure
+        checkpoints are dropped first, and a checkpoint only takes the slot
+        of another checkpoint: when no slot is free and the first snapshot
+        eviction would drop is not a checkpoint, this raises `OutOfSlots`
+        (nothing changed). `design/prefix_trie.md` has the measurements.
         """
         seq = self._seqs.idle(seq_id)
         num_tokens = self._computed_count(seq, num_tokens)
@@ -1025,7 +1035,16 @@ class BlockManager:
             return NO_OPS
         snapshot = None
         evicted = NO_OPS
+        checkpoint = num_tokens != seq.branch_point
         if seq.slot is not None:
+            slots = self._slot_pool
+            if checkpoint and not slots.num_free and not trie.can_free_slots(
+                1, checkpoints_only=True
+            ):
+                raise OutOfSlots(
+                    f"checkpoint at {num_tokens}: no slot free of {slots.num_items} and "
+                    "the snapshot eviction would drop first is not a checkpoint"
+                )
             evicted = self._reserve([0] * len(self._groups), 1)
             snapshot = self._slot_pool.take_one()
         start = self._insert_start(seq, num_tokens)
@@ -1033,7 +1052,9 @@ class BlockManager:
         # the insert returns: the trie locks it before its LRU update, which
         # then leaves a new leaf out of the LRU list instead of in and out.
         moves = start is not None or seq.locked_node is None
-        node, took_slot = self._insert(trie, seq, num_tokens, snapshot, start, lock=moves)
+        node, took_slot = self._insert(
+            trie, seq, num_tokens, snapshot, start, lock=moves, checkpoint=checkpoint
+        )
         ops = evicted
         if snapshot is not None and seq.slot is not None:
             self._slot_pool.release(snapshot)  # the trie holds its own reference
@@ -1053,11 +1074,13 @@ class BlockManager:
         start: TrieNode | None,
         *,
         lock: bool = False,
+        checkpoint: bool = False,
     ) -> tuple[TrieNode | None, bool]:
         """Store the sequence's first `num_tokens` tokens (state `slot`) in the
         trie from `start` (`_insert_start`); the caller then drops the
         sequence's lock or moves it to the returned node (`lock`: the trie
-        locks that node first, as `PrefixTrie.insert`'s `lock`). From the
+        locks that node first, as `PrefixTrie.insert`'s `lock`;
+        `checkpoint` as `PrefixTrie.insert`'s). From the
         sequence's own unshared leaf the trie extends that leaf
         (`PrefixTrie.extend`: what the insert and that lock change give, at
         once). Returns `insert`'s (node, took_slot)."""
@@ -1069,7 +1092,7 @@ class BlockManager:
         tokens = seq.tokens if num_tokens == len(seq.tokens) else seq.tokens[:num_tokens]
         return trie.insert(
             seq.namespace, tokens, seq.tables, slot, start, seq.packed, lock=lock,
-            retention=seq.retention,
+            retention=seq.retention, checkpoint=checkpoint,
         )
 
     @staticmethod

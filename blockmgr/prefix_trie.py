@@ -82,6 +82,11 @@ class TrieNode:
     device unless a tiered trie demoted it; a child is never in a warmer
     tier than its parent); `num_hot_children` counts the children in the
     node's own tier (a node with none is its tier's eviction frontier).
+    `checkpoint`: the snapshot at its end (when it holds one) was taken
+    by a sequence that went on past it (`insert(..., checkpoint=True)`: a
+    prefill chunk end) and no insert has ended there since; under slot
+    pressure it is dropped before the other snapshots of its retention
+    priority (`_slot_key`).
     """
 
     node_id: int
@@ -97,10 +102,11 @@ class TrieNode:
     last_access: int = 0
     retention: int = 0  # the retention priority of the last call that used it
     leaf_key: tuple[int, int, int] | None = None  # in its tier's frontier LRU list
-    slot_key: tuple[int, int, int] | None = None
+    slot_key: tuple[int, int, int, int] | None = None  # in the slot LRU list
     packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
     tier: int = 0
     num_hot_children: int = 0
+    checkpoint: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -595,7 +601,9 @@ class PrefixTrie:
         A node's place in the LRU lists (its key) is `(retention,
         last_access, node_id)`: lowest retention priority first, then least
         recently used (eviction and demotion take the first). A node's
-        priority is that of the last call that hit or cached it."""
+        priority is that of the last call that hit or cached it. The slot
+        list's key also ranks checkpoints first within a priority
+        (`_slot_key`)."""
         if node.lock_count and node.leaf_key is None and node.slot_key is None:
             return  # locked: in no list, and stays out
         unlocked = node.lock_count == 0 and node.parent is not None
@@ -609,7 +617,7 @@ class PrefixTrie:
                 frontier.add(leaf_key)
             node.leaf_key = leaf_key
         # Slot pressure is the device's: its list holds device snapshots.
-        slot_key = key if unlocked and node.slot is not None and not node.tier else None
+        slot_key = _slot_key(node) if unlocked and node.slot is not None and not node.tier else None
         if slot_key != node.slot_key:
             if node.slot_key is not None:
                 self._slot_lru.remove(node.slot_key)
@@ -630,10 +638,15 @@ class PrefixTrie:
         *,
         lock: bool = False,
         retention: int = 0,
+        checkpoint: bool = False,
     ) -> tuple[TrieNode | None, bool]:
         """Cache `tokens`, whose KV is in `tables` (per page group, one page
         per page index). `retention`: the inserter's retention priority
-        (every node of the path takes it, see `_reindex`).
+        (every node of the path takes it, see `_reindex`). `checkpoint`:
+        the inserting sequence goes on past `tokens` (a prefill chunk end):
+        a snapshot taken here is a checkpoint (`TrieNode.checkpoint`),
+        dropped first under slot pressure; an insert that is not one
+        makes the snapshot at its end a checkpoint no more.
 
         The trie takes its own references to the pages it keeps (and to
         `slot`, the recurrent state at `len(tokens)`, unless a snapshot is
@@ -697,8 +710,11 @@ class PrefixTrie:
         ):
             self._slots.incref(slot)
             node.slot = slot
+            node.checkpoint = checkpoint
             self.num_slots_held += 1
             took_slot = True
+        elif node.checkpoint and not checkpoint and node.end == num_tokens:
+            node.checkpoint = False  # a sequence ended here: no longer a mere chunk end
         result = node if node.parent is not None else None
         if lock and result is not None:
             self.lock(result)  # first: a locked new leaf never enters the LRU list
@@ -985,8 +1001,10 @@ class PrefixTrie:
             self._evict(self._nodes[self._leaf_lru[0][-1]])
         return pages.num_free >= num_free_wanted
 
-    def can_free_slots(self, num_slots: int) -> bool:
+    def can_free_slots(self, num_slots: int, *, checkpoints_only: bool = False) -> bool:
         """Could dropping unlocked snapshots free `num_slots` slots? Pure.
+        `checkpoints_only`: and would `evict_slots` drop only checkpoints
+        (`TrieNode.checkpoint`) on the way?
 
         A snapshot a new sequence copies from is on its locked path, so it is
         never in the list walked here.
@@ -996,7 +1014,10 @@ class PrefixTrie:
         num_freed = 0
         refcount = self._slot_pool.refcount
         for *_, node_id in self._slot_lru:
-            if refcount(_slot_of(self._nodes[node_id])) == 1:
+            node = self._nodes[node_id]
+            if checkpoints_only and not node.checkpoint:
+                return False
+            if refcount(_slot_of(node)) == 1:
                 num_freed += 1
                 if num_freed >= num_slots:
                     return True
@@ -1028,6 +1049,7 @@ class PrefixTrie:
         self.version += 1
         slot = _slot_of(node)
         node.slot = None
+        node.checkpoint = False
         self.num_slots_held -= 1
         self._slot_pool.release(slot)
         self._reindex(node)
@@ -1068,6 +1090,7 @@ class PrefixTrie:
         if node.slot is not None:
             self._tier_slot_pool(tier).release(node.slot)
             node.slot = None
+            node.checkpoint = False
             if not tier:
                 self.num_slots_held -= 1
         self.num_evicted_nodes += 1
@@ -1197,6 +1220,7 @@ class PrefixTrie:
                 tuple(sorted(child.node_id for child in node.children.values())),
                 node.tier,
                 node.num_hot_children,
+                node.checkpoint,
             )
             for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
         )
@@ -1324,7 +1348,9 @@ class PrefixTrie:
         key = (node.retention, node.last_access, node.node_id)  # as `_reindex` keys it
         unlocked = node.lock_count == 0
         want_leaf = key if unlocked and not node.num_hot_children else None
-        want_slot = key if unlocked and node.slot is not None and not node.tier else None
+        want_slot = (
+            _slot_key(node) if unlocked and node.slot is not None and not node.tier else None
+        )
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
             raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
 
@@ -1349,6 +1375,15 @@ def _check_children(node: TrieNode) -> None:
     if node.num_hot_children != num_hot:
         raise IntegrityError(f"{_node_where(node)} counts {node.num_hot_children} children "
                              f"in its tier, has {num_hot}")
+
+
+def _slot_key(node: TrieNode) -> tuple[int, int, int, int]:
+    """The node's key in the slot LRU list: `(retention, kept,
+    last_access, node_id)`, `kept` 0 for a checkpoint (a prefill chunk end,
+    `TrieNode.checkpoint`) and 1 for a snapshot a sequence ended at, so
+    within one retention priority every checkpoint is dropped before any
+    such snapshot, least recently used first within each kind."""
+    return (node.retention, 0 if node.checkpoint else 1, node.last_access, node.node_id)
 
 
 def _present(pages: Sequence[int | None]) -> list[int]:

@@ -63,6 +63,9 @@ class Sequence:
     `recompute_from` is set after a commit restored a recurrent checkpoint:
     the tokens from that position on are computed again, so the sliding
     windows keep the pages that position attends to (see `append`).
+    `branch_point` is its allocation's (`Allocation.branch_point`): a
+    snapshot there is one a sibling hits, not a mere checkpoint (see
+    `BlockManager.cache_prefix`).
     """
 
     seq_id: Hashable
@@ -79,6 +82,7 @@ class Sequence:
     speculation: Speculation | None = None
     recompute_from: int | None = None
     retention: int = 0
+    branch_point: int | None = None
 
     def first_owned(self, index: int) -> int:
         """Index of the first page of group `index` the sequence holds a

@@ -466,6 +466,7 @@ class TieredTrie(PrefixTrie):
         *,
         lock: bool = False,
         retention: int = 0,
+        checkpoint: bool = False,
     ) -> tuple[TrieNode | None, bool]:
         """`PrefixTrie.insert`; the demoted nodes it covers take the
         inserter's device pages (`_refresh`), and once the insert is done
@@ -475,7 +476,7 @@ class TieredTrie(PrefixTrie):
         tier). The end node survives: its children are colder."""
         self._refreshed = []
         result = super().insert(namespace, tokens, tables, slot, start, packed, lock=lock,
-                                retention=retention)
+                                retention=retention, checkpoint=checkpoint)
         end = result[0]  # the caller may lock it: a merge keeps it (it is the child)
         for node in reversed(self._refreshed):
             parent = node.parent
