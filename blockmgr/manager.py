@@ -1023,10 +1023,12 @@ class BlockManager:
         is at the allocation's branch point: the sequence goes on, so the
         next snapshot on its path serves its session better (the one `free`
         leaves, which a next turn continues from). Under slot pressure
-        checkpoints are dropped first, and a checkpoint only takes the slot
-        of another checkpoint: when no slot is free and the first snapshot
-        eviction would drop is not a checkpoint, this raises `OutOfSlots`
-        (nothing changed). `design/prefix_trie.md` has the measurements.
+        checkpoints are dropped first within a retention priority, and a
+        checkpoint only takes the slot of another checkpoint or of a lower
+        priority's snapshot: when no slot is free and eviction would first
+        drop a snapshot a sequence of its priority (or a higher one) ended
+        at, this raises `OutOfSlots` (nothing changed). `design/prefix_trie.md`
+        has the measurements.
         """
         seq = self._seqs.idle(seq_id)
         num_tokens = self._computed_count(seq, num_tokens)
@@ -1039,11 +1041,11 @@ class BlockManager:
         if seq.slot is not None:
             slots = self._slot_pool
             if checkpoint and not slots.num_free and not trie.can_free_slots(
-                1, checkpoints_only=True
+                1, checkpoint_retention=seq.retention
             ):
                 raise OutOfSlots(
                     f"checkpoint at {num_tokens}: no slot free of {slots.num_items} and "
-                    "the snapshot eviction would drop first is not a checkpoint"
+                    "eviction would first drop a snapshot a sequence of its priority ended at"
                 )
             evicted = self._reserve([0] * len(self._groups), 1)
             snapshot = self._slot_pool.take_one()

@@ -1001,10 +1001,13 @@ class PrefixTrie:
             self._evict(self._nodes[self._leaf_lru[0][-1]])
         return pages.num_free >= num_free_wanted
 
-    def can_free_slots(self, num_slots: int, *, checkpoints_only: bool = False) -> bool:
+    def can_free_slots(self, num_slots: int, *, checkpoint_retention: int | None = None) -> bool:
         """Could dropping unlocked snapshots free `num_slots` slots? Pure.
-        `checkpoints_only`: and would `evict_slots` drop only checkpoints
-        (`TrieNode.checkpoint`) on the way?
+        `checkpoint_retention`: asked for a checkpoint of that retention
+        priority, which may take the slot of a snapshot ranked below an
+        end-of-request snapshot of its own priority (a lower priority's, or
+        a checkpoint of its own priority): would `evict_slots` drop only
+        those on the way? O(snapshots walked).
 
         A snapshot a new sequence copies from is on its locked path, so it is
         never in the list walked here.
@@ -1013,10 +1016,11 @@ class PrefixTrie:
             return True
         num_freed = 0
         refcount = self._slot_pool.refcount
-        for *_, node_id in self._slot_lru:
-            node = self._nodes[node_id]
-            if checkpoints_only and not node.checkpoint:
+        bound = None if checkpoint_retention is None else (checkpoint_retention, 1)
+        for key in self._slot_lru:
+            if bound is not None and key[:2] >= bound:
                 return False
+            node = self._nodes[key[-1]]
             if refcount(_slot_of(node)) == 1:
                 num_freed += 1
                 if num_freed >= num_slots:

@@ -3,7 +3,8 @@
 `cache_prefix` snapshots a sequence that goes on (a prefill chunk end): a
 checkpoint. `free` leaves the snapshot a session's next turn continues from.
 Under slot pressure checkpoints are dropped first, a checkpoint only takes
-the slot of another checkpoint, and a snapshot at the allocation's branch
+the slot of another checkpoint (or of a lower retention priority's
+snapshot), and a snapshot at the allocation's branch
 point (one a sibling hits) is no checkpoint (`design/prefix_trie.md`).
 
 Each scenario states which snapshots survive as the hits a prompt gets
@@ -110,3 +111,23 @@ def test_a_sequence_ending_at_its_checkpoint_makes_it_an_end():
     bm.allocate("x", [3] * 8)  # a slot: d's checkpoint goes, not b's older end
     bm.check_integrity()
     assert [_hit(bm, B[:8]), _hit(bm, A), _hit(bm, [6] * 12), _hit(bm, [6] * 16)] == [8, 12, 0, 16]
+
+
+def test_a_checkpoint_takes_a_lower_priority_snapshot_but_never_a_higher_one():
+    bm = _manager(num_slots=3)
+    bm.allocate("lo", A, retention=0)
+    bm.free("lo")  # A's end, at priority 0
+    bm.allocate("hi", B, retention=5)
+    bm.cache_prefix("hi", 8)  # the last free slot
+    assert bm.num_free_slots == 0
+    bm.cache_prefix("hi", 16)  # A's end ranks below its own priority's ends: taken
+    bm.check_integrity()
+    assert [_hit(bm, A), _hit(bm, B[:8]), _hit(bm, B[:16])] == [0, 8, 16]
+    bm.free("hi")  # three snapshots at priority 5: two checkpoints and B's end
+    bm.allocate("lo2", [5] * 20, retention=0)  # admission drops a checkpoint for its slot
+    assert bm.num_free_slots == 0
+    before = bm.debug_state()
+    with pytest.raises(OutOfSlots):
+        bm.cache_prefix("lo2", 8)  # only priority 5 snapshots left to drop: refused
+    assert bm.debug_state() == before
+    assert _hit(bm, B) == 24
