@@ -38,7 +38,7 @@ from blockmgr.ops import (
     Tier,
     ZeroSlot,
 )
-from blockmgr.prefix_trie import PrefixCacheListener, PrefixMatch
+from blockmgr.trie_node import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage

@@ -27,7 +27,8 @@ from itertools import chain
 from blockmgr.errors import IntegrityError
 from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import TOKEN_BYTES, PrefixTrie, TrieNode, pack_tokens, path_tokens
+from blockmgr.prefix_trie import PrefixTrie
+from blockmgr.trie_node import TOKEN_BYTES, TrieNode, pack_tokens, path_tokens
 from blockmgr.sequence import Sequence, SequenceTable, Speculation
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from blockmgr.config import GroupedStoreConfig
 from blockmgr.errors import InvalidArgument
 from blockmgr.manager import BlockManager
-from blockmgr.prefix_trie import PrefixCacheListener
+from blockmgr.trie_node import PrefixCacheListener
 
 
 class GroupedStore(BlockManager):

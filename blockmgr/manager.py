@@ -55,14 +55,8 @@ from blockmgr.growth import Growth, grow, plan_growth
 from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, Tier, ZeroSlot
 from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import (
-    TOKEN_BYTES,
-    PrefixCacheListener,
-    PrefixEvent,
-    PrefixMatch,
-    PrefixTrie,
-    TrieNode,
-)
+from blockmgr.prefix_trie import PrefixTrie
+from blockmgr.trie_node import TOKEN_BYTES, PrefixCacheListener, PrefixEvent, PrefixMatch, TrieNode
 from blockmgr.sequence import Allocation, Sequence, SequenceTable
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats

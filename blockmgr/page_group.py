@@ -18,7 +18,7 @@ from blockmgr.config import BlockManagerConfig
 from blockmgr.errors import IntegrityError, OutOfBlocks
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PageList, PrefixMatch
+from blockmgr.trie_node import PageList, PrefixMatch
 from blockmgr.sequence import Sequence, held, held_page
 
 

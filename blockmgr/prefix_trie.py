@@ -43,187 +43,32 @@ O(log n) per touched node (sortedcontainers).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from itertools import chain
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import cast
 
 from sortedcontainers import SortedList
 
 from blockmgr.errors import IntegrityError, InvalidArgument
 from blockmgr.pool import RefCountedPool
-from blockmgr.validation import as_words
-
-
-class PrefixCacheListener(Protocol):
-    """Follows what the trie caches (for a cache-aware router).
-
-    Called after the block manager call that stored or evicted the entries
-    has finished, in event order, never in the middle of a change: a
-    listener may read the manager. An exception a listener raises is caught
-    and kept (`BlockManager.take_listener_errors()`); it cannot undo or
-    corrupt the change it was told about.
-    """
-
-    def stored(self, pages: list[int], tokens: list[int]) -> None: ...
-
-    def removed(self, pages: list[int]) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class TrieNode:
-    """One edge of the trie: a token run and the pages (and slot) holding it.
-
-    `pages[g]` lists page group g's pages of the node's page indices
-    (`start // block_size` on); None is a page no hit needs (sliding window
-    only; holes come first). `end` is `start + len(tokens)`, stored: a split
-    keeps the lower part, a merge the child, and with it the end; only
-    `extend` moves it, on a leaf that one sequence alone locks (its own
-    cached tokens). `tier` says where its pages and slot live (`Tier`: the
-    device unless a tiered trie demoted it; a child is never in a warmer
-    tier than its parent); `num_hot_children` counts the children in the
-    node's own tier (a node with none is its tier's eviction frontier).
-    `checkpoint`: the snapshot at its end (when it holds one) was taken
-    by a sequence that went on past it (`insert(..., checkpoint=True)`: a
-    prefill chunk end) and no insert has ended there since; under slot
-    pressure it is dropped before the other snapshots of its retention
-    priority (`_slot_key`).
-    """
-
-    node_id: int
-    namespace: Hashable
-    tokens: list[int]
-    start: int
-    end: int
-    parent: TrieNode | None
-    pages: list[list[int | None]]
-    children: dict[int, TrieNode] = field(default_factory=dict)
-    slot: int | None = None
-    lock_count: int = 0
-    last_access: int = 0
-    retention: int = 0  # the retention priority of the last call that used it
-    leaf_key: tuple[int, int, int] | None = None  # in its tier's frontier LRU list
-    slot_key: tuple[int, int, int, int] | None = None  # in the slot LRU list
-    packed: bytes = b""  # `tokens` as unsigned 64-bit ints: compared with memcmp
-    tier: int = 0
-    num_hot_children: int = 0
-    checkpoint: bool = False
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None and not self.tokens
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """The usable part of a prompt found in the trie (read-only result).
-
-    num_tokens: tokens whose KV (and, in hybrid mode, recurrent state) can be
-        reused; never more than the `limit` asked for.
-    pages: per page group, the pages holding them, one per page index
-        `0 .. ceil(n/bs) - 1` (empty lists when `num_tokens` is 0).
-    node: the deepest node wholly inside the usable prefix (to lock), or
-        None. A hit may end inside a further node: its pages are shared but
-        it stays unlocked, so the part past the hit can still be evicted
-        (the sequence's own page references keep what it uses alive).
-    slot: in hybrid mode, the snapshot slot at `num_tokens`.
-    branch_point: in hybrid mode, where the prompt leaves the trie when that
-        is beyond `num_tokens` (a checkpoint there makes siblings hit).
-    path: the nodes used, root side first (to touch for LRU).
-    num_locked_pages: the first pages, up to `node.end // block_size`, lie
-        wholly inside the path to `node`: a node of that path holds each of
-        them, so locking `node` keeps them alive without another reference.
-    released: per page group, the first pages the hit does not need (sliding
-        window only; they are `None` in `pages`): the new sequence starts
-        with them released.
-    loads: nodes of the hit in a colder tier than the device (a tiered
-        trie's): `pages` name no device pages until `TieredTrie.load` brought
-        them back and the match is made again.
-    """
-
-    num_tokens: int = 0
-    pages: list[list[int | None]] = field(default_factory=list)
-    node: TrieNode | None = None
-    slot: int | None = None
-    branch_point: int | None = None
-    path: list[TrieNode] = field(default_factory=list)
-    num_locked_pages: int = 0
-    released: Sequence[int] = ()
-    loads: Sequence[TrieNode] = ()
-
-
-#: A page group's pages of a node or a path, one per page index; None: a
-#: page no hit needs (sliding window only, before the held ones).
-PageList = list[int | None]
-#: A listener call not delivered yet: (method name, pages, tokens or None).
-PrefixEvent = tuple[str, list[int], "list[int] | None"]
-
-#: Bytes per token in `TrieNode.packed` and in a packed query.
-TOKEN_BYTES = 8
-
-
-def pack_tokens(tokens: list[int]) -> bytes:
-    """A list of token ids (ints in [0, 2**64)) as unsigned 64-bit machine words."""
-    return as_words(tokens).tobytes()
-
-
-def common_packed_prefix_length(edge: bytes, packed: bytes, pos: int) -> int:
-    """`common_prefix_length` over packed tokens: how many tokens of `edge`
-    equal those of `packed` from token `pos` on. O(L) bytes compared by
-    memcmp plus O(log L) slices."""
-    start = pos * TOKEN_BYTES
-    rest = len(packed) - start  # the shorter of the two, without a min() call (per edge)
-    limit = (len(edge) if len(edge) < rest else rest) // TOKEN_BYTES
-    lo, hi = 0, limit  # edge[:lo] matches; edge[:hi + 1] does not (or hi == limit)
-    if edge[: limit * TOKEN_BYTES] == packed[start : start + limit * TOKEN_BYTES]:
-        return limit
-    hi = limit - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        a, b = lo * TOKEN_BYTES, mid * TOKEN_BYTES
-        if edge[a:b] == packed[start + a : start + b]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _packed_run(tokens: list[int], packed: bytes, pos: int, end: int | None = None) -> bytes:
-    """`pack_tokens(tokens[pos:end])`, from `packed` (the first
-    `len(packed) // 8` tokens, packed) as far as it reaches."""
-    if end is None:
-        end = len(tokens)
-    num_packed = len(packed) // TOKEN_BYTES
-    if num_packed >= end:
-        return packed[pos * TOKEN_BYTES : end * TOKEN_BYTES]
-    if num_packed <= pos:
-        return pack_tokens(tokens[pos:end])
-    return packed[pos * TOKEN_BYTES :] + pack_tokens(tokens[num_packed:end])
-
-
-def common_prefix_length(edge: list[int], tokens: list[int], pos: int) -> int:
-    """Length of the common prefix of `edge` and `tokens[pos:]`.
-
-    O(L) element compares at C speed plus O(log L) slices: a bisection over
-    slice equality instead of a per-token Python loop.
-    """
-    limit = len(tokens) - pos  # the shorter of the two, without a min() call (per edge)
-    if len(edge) < limit:
-        limit = len(edge)
-    head = edge if limit == len(edge) else edge[:limit]
-    if head == tokens[pos : pos + limit]:
-        return limit
-    lo, hi = 0, limit - 1  # edge[:lo] matches; edge[:hi + 1] does not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if edge[lo:mid] == tokens[pos + lo : pos + mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+from blockmgr.trie_node import (
+    TOKEN_BYTES,
+    PageList,
+    PrefixCacheListener,
+    PrefixEvent,
+    PrefixMatch,
+    TrieNode,
+    common_packed_prefix_length,
+    common_prefix_length,
+    node_where,
+    pack_tokens,
+    packed_run,
+    parent_of,
+    present_pages,
+)
 
 
 @dataclass(slots=True, eq=False)
-class _PageGroup:
+class TriePageGroup:
     """One page group of the trie in one tier: its pool, window and
     reference counts.
 
@@ -260,7 +105,7 @@ class PrefixTrie:
             raise InvalidArgument("a prefix trie needs at least one page group")
         self._block_size = block_size
         self._groups = tuple(
-            _PageGroup(pool, window, [0] * pool.num_items) for pool, window in groups
+            TriePageGroup(pool, window, [0] * pool.num_items) for pool, window in groups
         )
         #: The window of each group that has one, by index: where a hit needs
         #: its window's pages.
@@ -288,7 +133,7 @@ class PrefixTrie:
         self._slot_lru: SortedList = SortedList()
         #: Per tier: the page groups' records, the slot pool and the frontier
         #: LRU list (a tiered trie adds the colder tiers).
-        self._tier_groups: list[tuple[_PageGroup, ...]] = [self._groups]
+        self._tier_groups: list[tuple[TriePageGroup, ...]] = [self._groups]
         self._tier_slots: list[RefCountedPool | None] = [slots]
         self._frontiers: list[SortedList] = [self._leaf_lru]
         self._merges_deferred = 0
@@ -345,7 +190,7 @@ class PrefixTrie:
             return 0
         if path[-1].start < num_tokens:
             for group in groups:
-                if not self._window_present(path, num_tokens, group):
+                if not self._windowpresent_pages(path, num_tokens, group):
                     break
             else:
                 return num_tokens  # the common case: every window is there
@@ -370,7 +215,7 @@ class PrefixTrie:
         """
         while path and path[-1].start >= num_tokens:
             path = path[:-1]
-        if num_tokens == 0 or self._window_present(path, num_tokens, group):
+        if num_tokens == 0 or self._windowpresent_pages(path, num_tokens, group):
             return num_tokens
         block_size, window = self._block_size, self._windows[group]
         p = num_tokens
@@ -386,7 +231,7 @@ class PrefixTrie:
             p = hole * block_size
         return 0
 
-    def _window_present(self, path: list[TrieNode], p: int, group: int) -> bool:
+    def _windowpresent_pages(self, path: list[TrieNode], p: int, group: int) -> bool:
         """Are the pages of the window before `p` all present along `path`
         (whose last node holds position p - 1)? O(depth).
 
@@ -774,7 +619,7 @@ class PrefixTrie:
             node.tokens += tail  # O(tail): nothing outside the trie holds the list
         else:
             node.tokens = node.tokens + tail  # a new list: a listener may hold the old one
-        node.packed = node.packed + _packed_run(tokens, packed, pos, num_tokens)
+        node.packed = node.packed + packed_run(tokens, packed, pos, num_tokens)
         node.end = num_tokens
         del self._nodes[node.node_id]
         node.node_id = self._next_node_id  # the merged leaf's id, as `insert` + merge give
@@ -843,14 +688,14 @@ class PrefixTrie:
             self._hold_pages(held, group)
             pages.append(held)
         child = self._new_node(
-            parent.namespace, tokens[pos:], pos, parent, pages, _packed_run(tokens, packed, pos)
+            parent.namespace, tokens[pos:], pos, parent, pages, packed_run(tokens, packed, pos)
         )
         parent.children[tokens[pos]] = child
         parent.num_hot_children += 1  # a new node is on the device, as its parent
         if parent.num_hot_children == 1:
             self._reindex(parent)  # it was its tier's frontier
         if self._listener is not None:
-            self.events.append(("stored", _present(pages[0]), child.tokens))
+            self.events.append(("stored", present_pages(pages[0]), child.tokens))
         return child
 
     def _split(self, node: TrieNode, num_head_tokens: int) -> TrieNode:
@@ -870,7 +715,7 @@ class PrefixTrie:
             for group, pages in enumerate(node.pages):
                 if pages[0] is not None:
                     self._hold_pages(pages[:1], group, node.tier)
-        parent = _parent_of(node)
+        parent = parent_of(node)
         head = self._new_node(
             node.namespace, node.tokens[:num_head_tokens], node.start, parent, head_pages,
             node.packed[: num_head_tokens * TOKEN_BYTES],
@@ -973,7 +818,7 @@ class PrefixTrie:
                     return False
                 node = self._nodes[key[-1]]
             num_freed += pool.tally_release(self._group_pages(node, group), pending)
-            parent = _parent_of(node)
+            parent = parent_of(node)
             if parent.parent is None or parent.lock_count:
                 continue
             left = children_left.get(parent.node_id, parent.num_hot_children) - 1
@@ -991,7 +836,7 @@ class PrefixTrie:
         pages = node.pages[group]
         if self._groups[group].window is None:
             return pages  # type: ignore[return-value]  # a full-attention group has no holes
-        return _present(pages)
+        return present_pages(pages)
 
     def evict_pages(self, num_free_wanted: int, group: int) -> bool:
         """Evict LRU unlocked leaves (every group's pages of each) until the
@@ -1083,7 +928,7 @@ class PrefixTrie:
     def _remove_leaf(self, node: TrieNode) -> TrieNode:
         """Take a leaf out of the trie, dropping its pages and slot (in its
         tier); its parent. O(pages)."""
-        parent = _parent_of(node)
+        parent = parent_of(node)
         del parent.children[node.tokens[0]]
         if node.tier == parent.tier:
             parent.num_hot_children -= 1
@@ -1106,7 +951,7 @@ class PrefixTrie:
     def _refresh(self, node: TrieNode, tables: Sequence[PageList]) -> None:
         """Give a demoted node on an insert's path the inserter's device pages
         (a tiered trie's; a device-only trie has no demoted node)."""
-        raise IntegrityError(f"{_node_where(node)} is in tier {node.tier} of a device-only trie")
+        raise IntegrityError(f"{node_where(node)} is in tier {node.tier} of a device-only trie")
 
     def deliver_events(self) -> list[tuple[str, BaseException]]:
         """Call the listener for every queued event, oldest first; return the
@@ -1176,7 +1021,7 @@ class PrefixTrie:
         # A full-attention group's pages have no holes (typed so without a call).
         held: list[int] = pages  # type: ignore[assignment]
         if record.window is not None:
-            held = _present(pages)
+            held = present_pages(pages)
         record.pool.incref_all(held)
         refs = record.trie_refs
         num_new = 0
@@ -1193,7 +1038,7 @@ class PrefixTrie:
         record = self._tier_groups[tier][group]
         held: list[int] = pages  # type: ignore[assignment]
         if record.window is not None:
-            held = _present(pages)
+            held = present_pages(pages)
         refs = record.trie_refs
         num_gone = 0
         for page in held:
@@ -1213,7 +1058,7 @@ class PrefixTrie:
                 node.namespace,
                 tuple(node.tokens),
                 node.start,
-                None if _parent_of(node).is_root else _parent_of(node).node_id,
+                None if parent_of(node).is_root else parent_of(node).node_id,
                 tuple(map(tuple, node.pages)),
                 node.slot,
                 node.lock_count,
@@ -1304,23 +1149,23 @@ class PrefixTrie:
         expected_locks: dict[int, int],
         held_refs: list[list[list[int]]],
     ) -> None:
-        parent = _parent_of(node)
+        parent = parent_of(node)
         if not node.tokens:
-            raise IntegrityError(f"{_node_where(node)} has no tokens")
+            raise IntegrityError(f"{node_where(node)} has no tokens")
         if node.namespace is not namespace and node.namespace != namespace:  # NaN
-            raise IntegrityError(f"{_node_where(node)} is in the wrong namespace")
+            raise IntegrityError(f"{node_where(node)} is in the wrong namespace")
         if parent.children.get(node.tokens[0]) is not node:
-            raise IntegrityError(f"{_node_where(node)} is not filed under its first token")
+            raise IntegrityError(f"{node_where(node)} is not filed under its first token")
         if node.start != parent.end:
-            raise IntegrityError(f"{_node_where(node)} does not start where its parent ends")
+            raise IntegrityError(f"{node_where(node)} does not start where its parent ends")
         if node.end != node.start + len(node.tokens):
-            raise IntegrityError(f"{_node_where(node)} has a stale end")
+            raise IntegrityError(f"{node_where(node)} has a stale end")
         if node.packed != pack_tokens(node.tokens):
-            raise IntegrityError(f"{_node_where(node)} has stale packed tokens")
+            raise IntegrityError(f"{node_where(node)} has stale packed tokens")
         block_size = self._block_size
         num_pages = (node.end - 1) // block_size - node.start // block_size + 1
         if len(node.pages) != len(self._groups):
-            raise IntegrityError(f"{_node_where(node)} holds pages of other groups than the trie's")
+            raise IntegrityError(f"{node_where(node)} holds pages of other groups than the trie's")
         for g, (pages, group) in enumerate(zip(node.pages, self._groups)):
             problem = None  # named only when found: this runs per node and group
             if len(pages) != num_pages:
@@ -1330,24 +1175,24 @@ class PrefixTrie:
             elif None in pages[pages.count(None) :]:
                 problem = "holds a page before a hole"
             if problem is not None:
-                raise IntegrityError(f"{_node_where(node)}, group {g}: {problem}")
+                raise IntegrityError(f"{node_where(node)}, group {g}: {problem}")
             refs = held_refs[node.tier][g]
             for page in pages:
                 if page is not None:
                     refs[page] += 1
         if node.lock_count != expected_locks.get(node.node_id, 0):
             raise IntegrityError(
-                f"{_node_where(node)} lock count {node.lock_count}, "
+                f"{node_where(node)} lock count {node.lock_count}, "
                 f"expected {expected_locks.get(node.node_id, 0)}"
             )
         if self._hybrid and not node.children and node.slot is None:
-            raise IntegrityError(f"{_node_where(node)} is a tombstone leaf")
+            raise IntegrityError(f"{node_where(node)} is a tombstone leaf")
         if not self._hybrid and node.slot is not None:
-            raise IntegrityError(f"{_node_where(node)} holds a slot without recurrent state")
+            raise IntegrityError(f"{node_where(node)} holds a slot without recurrent state")
         if node.slot is None and len(node.children) == 1 and not self._windowed:
             (child,) = node.children.values()
             if child.lock_count == node.lock_count and child.tier == node.tier:
-                raise IntegrityError(f"{_node_where(node)} should have been merged into its child")
+                raise IntegrityError(f"{node_where(node)} should have been merged into its child")
         _check_children(node)
         key = (node.retention, node.last_access, node.node_id)  # as `_reindex` keys it
         unlocked = node.lock_count == 0
@@ -1356,16 +1201,7 @@ class PrefixTrie:
             _slot_key(node) if unlocked and node.slot is not None and not node.tier else None
         )
         if node.leaf_key != want_leaf or node.slot_key != want_slot:
-            raise IntegrityError(f"{_node_where(node)} has stale LRU keys")
-
-
-def path_tokens(node: TrieNode) -> list[int]:
-    """The tokens the path from the root to `node` spells. O(end)."""
-    runs = []
-    while node.parent is not None:
-        runs.append(node.tokens)
-        node = node.parent
-    return list(chain.from_iterable(reversed(runs)))  # flattened at C speed
+            raise IntegrityError(f"{node_where(node)} has stale LRU keys")
 
 
 def _check_children(node: TrieNode) -> None:
@@ -1374,10 +1210,10 @@ def _check_children(node: TrieNode) -> None:
     num_hot = 0
     for child in node.children.values():
         if child.tier < node.tier:
-            raise IntegrityError(f"{_node_where(node)} has a child in a warmer tier")
+            raise IntegrityError(f"{node_where(node)} has a child in a warmer tier")
         num_hot += child.tier == node.tier
     if node.num_hot_children != num_hot:
-        raise IntegrityError(f"{_node_where(node)} counts {node.num_hot_children} children "
+        raise IntegrityError(f"{node_where(node)} counts {node.num_hot_children} children "
                              f"in its tier, has {num_hot}")
 
 
@@ -1390,34 +1226,16 @@ def _slot_key(node: TrieNode) -> tuple[int, int, int, int]:
     return (node.retention, 0 if node.checkpoint else 1, node.last_access, node.node_id)
 
 
-def _present(pages: Sequence[int | None]) -> list[int]:
-    """The pages of a windowed group's list that are held (not holes)."""
-    return [page for page in pages if page is not None]
-
-
 def _full(pages: PageList) -> list[int]:
     """A full-attention group's pages: it has no holes (the same list, typed so)."""
     return cast("list[int]", pages)
 
 
-def _parent_of(node: TrieNode) -> TrieNode:
-    """The parent of a node below a root (every node but the roots has one)."""
-    parent = node.parent
-    if parent is None:
-        raise IntegrityError(f"{_node_where(node)} is a root or left the trie")
-    return parent
-
-
 def _slot_of(node: TrieNode) -> int:
     """The snapshot slot of a node in a slot list (it holds one)."""
     if node.slot is None:
-        raise IntegrityError(f"{_node_where(node)} is in the slot list without a slot")
+        raise IntegrityError(f"{node_where(node)} is in the slot list without a slot")
     return node.slot
-
-
-def _node_where(node: TrieNode) -> str:
-    """How an integrity error names `node` (built only for the error)."""
-    return f"node {node.node_id} [{node.start}, {node.end})"
 
 
 def _last_none(pages: list[int | None], first: int, last: int) -> int | None:

@@ -15,7 +15,7 @@ from blockmgr.errors import (
     UnknownSequence,
 )
 from blockmgr.ops import MemoryOp
-from blockmgr.prefix_trie import PageList, TrieNode
+from blockmgr.trie_node import PageList, TrieNode
 
 
 @dataclass(slots=True)

@@ -37,16 +37,15 @@ from sortedcontainers import SortedList
 from blockmgr.errors import IntegrityError
 from blockmgr.ops import MemoryOp, MovePage, MoveSlot, Tier
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import (
+from blockmgr.prefix_trie import PrefixTrie, TriePageGroup
+from blockmgr.trie_node import (
     PageList,
     PrefixCacheListener,
     PrefixMatch,
-    PrefixTrie,
     TrieNode,
-    _PageGroup,
-    _parent_of,
-    _present,
+    parent_of,
     path_tokens,
+    present_pages,
 )
 
 COLD_TIERS = (Tier.HOST, Tier.DISK)
@@ -112,12 +111,12 @@ class TieredTrie(PrefixTrie):
         self._first_group = first_group
         self._capacities: dict[Tier, TierCapacity] = {}
         for tier, capacity in ((Tier.HOST, host), (Tier.DISK, disk)):
-            records: tuple[_PageGroup, ...] = ()
+            records: tuple[TriePageGroup, ...] = ()
             slot_pool = None
             if capacity is not None:
                 self._capacities[tier] = capacity
                 records = tuple(
-                    _PageGroup(RefCountedPool(capacity.num_pages), record.window,
+                    TriePageGroup(RefCountedPool(capacity.num_pages), record.window,
                                [0] * capacity.num_pages)
                     for record in self._groups
                 )
@@ -261,7 +260,7 @@ class TieredTrie(PrefixTrie):
         node = self._new_node(entry.namespace, tokens[entry.start:], entry.start, parent,
                               [list(pages) for pages in entry.pages])
         for group, record in enumerate(self._tier_groups[Tier.DISK]):
-            held = _present(node.pages[group])
+            held = present_pages(node.pages[group])
             record.pool.claim(held)
             self._hold_pages(node.pages[group], group, Tier.DISK)
             record.pool.release_all(held)  # `claim` took the trie's reference
@@ -445,7 +444,7 @@ class TieredTrie(PrefixTrie):
                 moved.append(new_page)
             self._drop_pages(self._group_pages(node, group), group, source)
             self._hold_pages(moved, group, tier)
-            record.pool.release_all(_present(moved))  # the trie's reference is the take's
+            record.pool.release_all(present_pages(moved))  # the trie's reference is the take's
             node.pages[group] = moved
         if node.slot is not None:
             new_slot = self._tier_slot_pool(tier).take_one()
@@ -520,7 +519,7 @@ class TieredTrie(PrefixTrie):
     def _retier(self, node: TrieNode, tier: Tier) -> None:
         """Set the node's tier; keep its and its parent's same-tier child
         counts and LRU places."""
-        parent = _parent_of(node)
+        parent = parent_of(node)
         if parent.tier == node.tier:
             parent.num_hot_children -= 1
         node.tier = tier

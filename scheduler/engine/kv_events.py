@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from blockmgr.errors import InvalidArgument
-from blockmgr.prefix_trie import common_prefix_length
+from blockmgr.trie_node import common_prefix_length
 
 logger = logging.getLogger(__name__)
 

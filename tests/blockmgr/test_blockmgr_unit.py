@@ -30,7 +30,7 @@ from blockmgr import (
     ZeroSlot,
 )
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import pack_tokens
+from blockmgr.trie_node import pack_tokens
 from tests.shadow import ShadowStorage
 
 

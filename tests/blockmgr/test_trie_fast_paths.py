@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from blockmgr.pool import RefCountedPool
-from blockmgr.prefix_trie import PrefixTrie, pack_tokens
+from blockmgr.prefix_trie import PrefixTrie
+from blockmgr.trie_node import pack_tokens
 
 BLOCK = 4
 SYSTEM = list(range(100, 110))  # 10 tokens: a shared node ending inside page 2
