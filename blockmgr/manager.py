@@ -753,7 +753,10 @@ class BlockManager:
             seqs = list(map(self._seqs.__getitem__, seq_ids))  # the common case, at C speed
         except (KeyError, TypeError):
             seqs = [self._seqs.resident(seq_id) for seq_id in seq_ids]  # raises, naming the id
-        if len(set(map(id, seqs))) != len(seqs):
+        # Sequences hash by identity, as CPython hashes a pointer: rotated so
+        # that the zero low bits of aligned addresses do not crowd the set's
+        # slots (a set of raw `id`s collided every few rows).
+        if len(set(seqs)) != len(seqs):
             raise InvalidArgument(f"seq_ids repeats a sequence: {seq_ids!r:.120}")
         return seqs
 
