@@ -21,7 +21,9 @@ device pages when the op is applied. A waiting request's records can be
 read ahead on a background thread (`prefetch`), overlapping other
 requests' forwards; its allocation then takes them. A disk that fails (a full disk, an
 I/O error) is turned off (`disable_tier`) with one log line; requests go
-on with the device and host tiers. Costs: O(bytes moved) per op run, one
+on with the device and host tiers. The disk's index is written every
+`checkpoint_interval` seconds of disk activity, checked after each flush
+(`after_flush`), and at `close_disk`. Costs: O(bytes moved) per op run, one
 device evaluation per wave of reads.
 """
 
@@ -36,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from blockmgr import PrefixMatch
+from blockmgr import Allocation, PrefixMatch
 from blockmgr.errors import IntegrityError, InvalidArgument
 from blockmgr.ops import MovePage, MoveSlot, Tier
 from blockmgr.tiered_trie import DiskEntry, TierUsage
@@ -67,6 +69,10 @@ class TieredStore(Protocol):
     """What `CacheTiers` asks of the bookkeeping (`blockmgr.GroupedStore`)."""
 
     def find_prefix(self, tokens: Iterable[int], namespace: Hashable = None) -> PrefixMatch: ...
+    def can_allocate(self, tokens: Iterable[int], namespace: Hashable = None, *,
+                     match: PrefixMatch | None = None) -> bool: ...
+    def allocate(self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None, *,
+                 retention: int = 0, match: PrefixMatch | None = None) -> Allocation: ...
     def disk_loads(self, match: PrefixMatch) -> tuple[list[list[int]], list[int]]: ...
     def forget_disk_pages(self, group: int, pages: Sequence[int]) -> None: ...
     def disk_entries(self) -> list[DiskEntry]: ...
@@ -138,10 +144,12 @@ class CacheTiers:
         num_host_pages: int = 0,
         num_host_slots: int = 0,
         disk: DiskTier | None = None,
+        checkpoint_interval: float = 10.0,
     ) -> None:
         """`pages[g]`: group g's device pages as records (None: a group no
         layer stores, whose moves copy nothing); `slots`: the device slots
-        (None without recurrent state)."""
+        (None without recurrent state); `checkpoint_interval`: seconds
+        between two writes of the disk's index (`after_flush`)."""
         self._device: dict[str, RecordStore | None] = {
             page_kind(g): store for g, store in enumerate(pages)}
         self._device[SLOTS] = slots
@@ -157,6 +165,9 @@ class CacheTiers:
         self._reader: ThreadPoolExecutor | None = None
         self.max_prefetch_nbytes = DEFAULT_PREFETCH_NBYTES
         self.num_prefetched = 0  # records read ahead and then used by an allocation
+        self.checkpoint_interval = checkpoint_interval
+        self._last_checkpoint = time.monotonic()
+        self._checkpointed = 0  # the disk activity the last checkpoint saw
 
     # ---------------------------------------------------------------- moves
 
@@ -227,6 +238,25 @@ class CacheTiers:
             self.counters.stored_records[tier] += len(rows) if tier else 0
 
     # ------------------------------------------------------------- loading
+
+    def can_allocate(self, store: TieredStore, tokens: Sequence[int],
+                     namespace: Hashable) -> bool:
+        """`store.can_allocate` on the `verified_match` of `tokens`: the
+        answer `allocate` will find."""
+        match = self.verified_match(store, tokens, namespace)
+        return store.can_allocate(tokens, namespace, match=match)
+
+    def allocate(self, store: TieredStore, seq_id: Hashable, tokens: Sequence[int],
+                 namespace: Hashable, retention: int) -> Allocation:
+        """`store.allocate` on the `verified_match` of `tokens` (a hit in a
+        colder tier is loaded back by the plan), the hit counted by tier
+        (`Allocation.cached_tokens_by_tier`). Raises like `store.allocate`."""
+        match = self.verified_match(store, tokens, namespace)
+        hits = self.hit_tiers(match)
+        alloc = store.allocate(seq_id, tokens, namespace, match=match, retention=retention)
+        self.count_hit(hits)
+        alloc.cached_tokens_by_tier = (hits[0], hits[1], hits[2])
+        return alloc
 
     def verified_match(self, store: TieredStore, tokens: Sequence[int],
                        namespace: Hashable) -> PrefixMatch:
@@ -354,6 +384,43 @@ class CacheTiers:
         self._staged.clear()
 
     # ----------------------------------------------------------- the disk
+
+    def after_flush(self, store: TieredStore) -> None:
+        """After a flush applied the moves: forget records read ahead for
+        nothing, turn the disk off if its writer failed, and write the index
+        when the disk changed and `checkpoint_interval` has passed."""
+        self.drop_staged()
+        self.check_disk(store)
+        if self.disk is not None and \
+                time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
+            self.checkpoint(store)
+
+    def checkpoint(self, store: TieredStore, *, force: bool = False) -> None:
+        """Queue the disk's index as `store` has it now (written by the
+        writer thread after the records queued before it), if the disk saw
+        activity since the last one (`force`: whatever it saw). No-op
+        without a disk. O(disk entries)."""
+        disk = self.disk
+        if disk is None:
+            return
+        self._last_checkpoint = time.monotonic()
+        activity = self.counters.stored_records[Tier.DISK] + self.counters.num_disk_misses
+        if activity == self._checkpointed and not force:
+            return
+        self._checkpointed = activity
+        disk.checkpoint(store.disk_entries())
+
+    def close_disk(self, store: TieredStore) -> None:
+        """Write the index, finish the writes and unlock the directory: the
+        disk is off from here, and a restart on the directory finds what it
+        holds. The caller moved what it keeps there first (`flush_to_disk`,
+        flushed). No-op without a disk."""
+        disk = self.disk
+        if disk is None:
+            return
+        self.checkpoint(store, force=True)
+        disk.close()
+        self.disable_disk(store, "closed", logged=True)
 
     def check_disk(self, store: TieredStore) -> None:
         """Turn the disk tier off if its writer failed (one log line was

@@ -18,7 +18,6 @@ mlx-lm model) reads the model and builds that backend through
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut, Tier
+from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
@@ -215,9 +214,6 @@ class PagedCache:
             self._allocate_pools(kv_shapes)
         self._tiers: CacheTiers | None = None
         self._model_fingerprint = model_fingerprint
-        self._checkpoint_interval = checkpoint_interval
-        self._last_checkpoint = time.monotonic()
-        self._checkpointed = 0  # the disk activity the last checkpoint saw
         self._closed = False
         if self.store.config.has_cache_tiers:
             if kv_shapes is None:
@@ -225,7 +221,7 @@ class PagedCache:
                     "host and disk cache tiers need kv_shapes (PagedCache.for_model finds them)")
             self._tiers = open_tiers(
                 self.store, [g.pools for g in self._groups], self._recurrent, block_size,
-                self.kv_format, disk_cache, model_fingerprint)
+                self.kv_format, disk_cache, model_fingerprint, checkpoint_interval)
 
     @classmethod
     def for_model(
@@ -490,9 +486,7 @@ class PagedCache:
         as `allocate` does: the answer is the one it will find."""
         if self._tiers is None:
             return self.store.can_allocate(tokens, namespace)
-        tokens = _token_list(tokens)
-        match = self._tiers.verified_match(self.store, tokens, namespace)
-        return self.store.can_allocate(tokens, namespace, match=match)
+        return self._tiers.can_allocate(self.store, _token_list(tokens), namespace)
 
     def allocate(
         self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None, *,
@@ -506,13 +500,8 @@ class PagedCache:
         if self._tiers is None:
             alloc = self.store.allocate(seq_id, tokens, namespace, retention=retention)
         else:
-            tokens = _token_list(tokens)
-            match = self._tiers.verified_match(self.store, tokens, namespace)
-            hits = self._tiers.hit_tiers(match)
-            alloc = self.store.allocate(seq_id, tokens, namespace, match=match,
-                                        retention=retention)
-            self._tiers.count_hit(hits)
-            alloc.cached_tokens_by_tier = (hits[0], hits[1], hits[2])
+            alloc = self._tiers.allocate(self.store, seq_id, _token_list(tokens), namespace,
+                                         retention)
         self._queue(alloc.ops)
         num_tokens = self.store.num_tokens(seq_id)
         self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
@@ -890,7 +879,7 @@ class PagedCache:
                 elif self._recurrent is not None:
                     self._recurrent.apply_plan(run)
         if self._tiers is not None:
-            self._after_tier_moves()
+            self._tiers.after_flush(self.store)
 
     def eval_state(self) -> None:
         """Evaluate the K/V (and recurrent state) writes of the last forward
@@ -1269,30 +1258,11 @@ class PagedCache:
         if {kind: len(rows) for kind, rows in prefix.records.items()} != want:
             raise CorruptPrefixFile("the prefix file's records do not match its tokens")
 
-    def _after_tier_moves(self) -> None:
-        """After a flush: forget records read ahead for nothing, turn the
-        disk off if its writer failed, and write the index when the disk
-        changed and `checkpoint_interval` has passed."""
-        tiers = self._tier_storage
-        tiers.drop_staged()
-        tiers.check_disk(self.store)
-        disk = tiers.disk
-        if disk is not None and time.monotonic() - self._last_checkpoint >= \
-                self._checkpoint_interval:
-            self.checkpoint()
-
     def checkpoint(self) -> None:
         """Queue the disk tier's index as it is now (written by the writer
         thread after the records queued before it). No-op without a disk."""
-        tiers = self._tiers
-        if tiers is None or tiers.disk is None:
-            return
-        self._last_checkpoint = time.monotonic()
-        activity = tiers.counters.stored_records[Tier.DISK] + tiers.counters.num_disk_misses
-        if activity == self._checkpointed:
-            return
-        self._checkpointed = activity
-        tiers.disk.checkpoint(self.store.disk_entries())
+        if self._tiers is not None:
+            self._tiers.checkpoint(self.store)
 
     def close(self) -> None:
         """Shut the tiers down gracefully: every pin released, every cached
@@ -1311,13 +1281,7 @@ class PagedCache:
         tiers.stop_reader()
         self._queue(self.store.flush_to_disk())
         self.flush()
-        disk = tiers.disk
-        if disk is None:  # the flush found it failed
-            return
-        self._checkpointed = -1
-        self.checkpoint()
-        disk.close()
-        tiers.disable_disk(self.store, "closed", logged=True)
+        tiers.close_disk(self.store)  # a no-op if the flush found the disk failed
 
     def __enter__(self) -> PagedCache:
         return self

@@ -216,10 +216,11 @@ def record_stores(pools: Sequence[Mapping[int, PageStore]], recurrent: Recurrent
 def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
                recurrent: RecurrentBackend | None, block_size: int, kv_format: KVFormat,
                disk_cache: str | os.PathLike[str] | None,
-               model_fingerprint: str | None) -> CacheTiers:
+               model_fingerprint: str | None, checkpoint_interval: float) -> CacheTiers:
     """The tiers' storage for a cache whose `store` has tiers and whose
     `pools` (per group, by layer) are allocated: the disk directory opened,
-    locked and restored into `store` (a fresh one). Raises
+    locked and restored into `store` (a fresh one); its index written every
+    `checkpoint_interval` seconds of disk activity. Raises
     `InvalidArgument` for a disk tier without a directory or fingerprint,
     `DiskCacheLocked` for a directory in use."""
     config = store.config
@@ -237,7 +238,8 @@ def open_tiers(store: GroupedStore, pools: Sequence[Mapping[int, PageStore]],
         disk = DiskTier(disk_cache, fingerprint, kinds)
         _restore(store, disk)
     return CacheTiers(pages, slots, num_host_pages=config.num_host_cache_blocks,
-                      num_host_slots=config.num_host_cache_slots, disk=disk)
+                      num_host_slots=config.num_host_cache_slots, disk=disk,
+                      checkpoint_interval=checkpoint_interval)
 
 
 def _restore(store: GroupedStore, disk: DiskTier) -> None:
