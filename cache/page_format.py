@@ -17,6 +17,7 @@ and the host swap space use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -50,6 +51,16 @@ class PageStore(Protocol):
     def arrays(self) -> tuple[mx.array, ...]: ...
     def attend(self, queries: mx.array, plan: StepPlan, scale: float,
                mask: Any) -> mx.array | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """One attention position's pages: kv heads, key and value head sizes, dtype."""
+
+    n_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: mx.Dtype
 
 
 def make_pool(kv_format: KVFormat, shape: PoolShape, layer: int) -> PageStore:

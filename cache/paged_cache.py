@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -34,25 +34,18 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.ops import CopyBlock, MemoryOp, MovePage, MoveSlot, Plan, SwapIn, SwapOut
+from blockmgr.ops import MemoryOp, Plan
 from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
-from cache.host_pool import HostPagePool
 from cache.compressed_view import CompressedLayerView
+from cache.group_storage import GroupStorage, layer_windows
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
-from cache.page_format import KVFormat, PageStore, check_model, make_pool
+from cache.page_format import KVFormat, KVShape, PageStore, check_model
 from cache.prefix_file import CorruptPrefixFile, PrefixRecords, read_prefix, write_prefix
-from cache.tier_setup import (
-    KVShape,
-    open_tiers,
-    record_stores,
-    records_fingerprint,
-    tier_sizes,
-)
+from cache.tier_setup import open_tiers, record_stores, records_fingerprint, tier_sizes
 from cache.tier_setup import model_fingerprint as fingerprint_of
-from cache.page_pool import PagePool, PoolShape, copy_waves, page_rows
 from cache.recurrent_backend import (  # noqa: F401 - importable from here before
     RecurrentBackend,
     RecurrentStepView,
@@ -69,18 +62,6 @@ from cache.views import (
 
 
 @dataclass(slots=True)
-class _Group:
-    """Storage of one layer group: its layers' page pools and host copies."""
-
-    window: int | None
-    layers: list[int]
-    num_pages: int
-    pools: dict[int, PageStore] = field(default_factory=dict)
-    host: dict[int, HostPagePool] = field(default_factory=dict)
-    pending: list[CopyBlock | SwapOut | SwapIn | MovePage] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _SeqState:
     computed: int  # tokens whose K/V (and state) a finished forward wrote
     known: int  # leading tokens whose ids are real (views may add placeholders)
@@ -88,18 +69,6 @@ class _SeqState:
     batch: BatchState | None = None  # the views running that step
     checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
     replay_end: int | None = None  # a trim restored a checkpoint: tokens up to here computed again
-
-
-def layer_windows(specs: Sequence[LayerSpec]) -> tuple[int | None, ...]:
-    """The layer groups of a model: full attention first, then each distinct
-    sliding window. Group 0 also keeps the slots; a model without full
-    attention layers starts with its first window, one without attention
-    layers at all keeps a (page-less in practice) full group."""
-    attention = {s.window for s in specs if s.kind.paged}
-    windows = sorted(w for w in attention if w is not None)
-    if None in attention or not windows:
-        return (None, *windows)
-    return tuple(windows)
 
 
 class PagedCache:
@@ -202,16 +171,12 @@ class PagedCache:
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
         self._reads_token_ids = any(s.kind is LayerKind.TOKENS for s in specs)
-        self._slot_ops: list[MemoryOp] = []
         self._seqs: dict[Hashable, _SeqState] = {}
-        self._groups = [
-            _Group(w, [i for i, s in enumerate(specs) if s.kind.paged and s.window == w],
-                   usage.num_pages)
-            for w, usage in zip(windows, self.store.group_usage())
-        ]
-        self._group_of = {i: g for g, grp in enumerate(self._groups) for i in grp.layers}
+        self._storage = GroupStorage(
+            specs, [usage.num_pages for usage in self.store.group_usage()], block_size,
+            self.kv_format, num_host_blocks)
         if kv_shapes is not None:
-            self._allocate_pools(kv_shapes)
+            self._storage.allocate(kv_shapes)
         self._tiers: CacheTiers | None = None
         self._model_fingerprint = model_fingerprint
         self._closed = False
@@ -220,7 +185,7 @@ class PagedCache:
                 raise InvalidArgument(
                     "host and disk cache tiers need kv_shapes (PagedCache.for_model finds them)")
             self._tiers = open_tiers(
-                self.store, [g.pools for g in self._groups], self._recurrent, block_size,
+                self.store, self._storage.pools_by_group(), self._recurrent, block_size,
                 self.kv_format, disk_cache, model_fingerprint, checkpoint_interval)
 
     @classmethod
@@ -457,26 +422,20 @@ class PagedCache:
 
     def group_of(self, layer: int) -> int:
         """The layer group of attention layer (cache position) `layer`."""
-        try:
-            return self._group_of[layer]
-        except (KeyError, TypeError):
-            raise InvalidArgument(f"cache position {layer!r} keeps no pages") from None
+        return self._storage.group_of(layer)
 
     @property
     def nbytes(self) -> int:
         """Bytes of every allocated pool array (all pages, used or not; a
         quantized pool's packed values, scales and biases)."""
-        return sum(p.nbytes for g in self._groups for p in g.pools.values())
+        return self._storage.nbytes
 
     @property
     def kv_bytes_in_use(self) -> int:
         """Bytes of the pages currently held (by sequences or the prefix
         trie), in the pages' format (scales and biases included)."""
-        total = 0
-        for g, usage in zip(self._groups, self.store.group_usage()):
-            used = usage.num_pages - usage.num_free_pages
-            total += used * sum(p.page_nbytes for p in g.pools.values())
-        return total
+        return self._storage.used_nbytes(
+            [usage.num_pages - usage.num_free_pages for usage in self.store.group_usage()])
 
     # --- sequence calls (the store's meaning; plans queued and applied here) --
 
@@ -821,7 +780,7 @@ class PagedCache:
             elif spec.kind is LayerKind.TOKENS:
                 out[i] = TokenContextView(batch, _token_width(spec))
             else:
-                out[i] = AttentionView(batch, self._group_of[i], i, self.pool_for, spec.window)
+                out[i] = AttentionView(batch, self.group_of(i), i, self.pool_for, spec.window)
         if self._layout is None:
             batch.expect_writes(self._written_views(out, range(len(out))))
             return out, batch
@@ -847,9 +806,9 @@ class PagedCache:
     def _compressed_view(self, batch: BatchState, layer: CompressedLayer,
                          flat: list) -> CompressedLayerView:
         window, *rest = layer.positions
-        entries = (self._group_of[rest[0]], rest[0]) if layer.compresses else None
-        return CompressedLayerView(batch, layer, (flat[window], self._group_of[window]), entries,
-                                   self._plain_pool_for)
+        entries = (self.group_of(rest[0]), rest[0]) if layer.compresses else None
+        return CompressedLayerView(batch, layer, (flat[window], self.group_of(window)), entries,
+                                   self._storage.plain_pool_for)
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
@@ -859,25 +818,7 @@ class PagedCache:
         forward has written any page of that group, so there is nothing to
         copy. A swap out dropped so leaves its host pages unwritten; they
         swap back in as zeros, what a fresh pool holds (`HostPagePool`)."""
-        for gi, g in enumerate(self._groups):
-            if not g.pending or not g.pools:
-                g.pending.clear()
-                continue
-            for kind, ops in _runs_by_kind(g.pending):
-                if kind is CopyBlock:
-                    _copy_blocks(g, ops)
-                elif kind is MovePage:
-                    self._tier_storage.move_pages(gi, ops)
-                else:
-                    self._swap_pages(g, kind, ops)
-            g.pending.clear()
-        if self._slot_ops:
-            ops, self._slot_ops = self._slot_ops, []
-            for kind, run in _runs_by_kind(ops, MoveSlot):
-                if kind is MoveSlot:
-                    self._tier_storage.move_slots(run)
-                elif self._recurrent is not None:
-                    self._recurrent.apply_plan(run)
+        self._storage.apply(self._tiers, self._recurrent)
         if self._tiers is not None:
             self._tiers.after_flush(self.store)
 
@@ -885,7 +826,7 @@ class PagedCache:
         """Evaluate the K/V (and recurrent state) writes of the last forward
         without its outputs: for prefill chunks whose logits nobody samples,
         this skips the final layers' tail and the LM head."""
-        mx.eval([pool.arrays() for g in self._groups for pool in g.pools.values()])
+        self._storage.eval()
         if self._recurrent is not None:
             self._recurrent.flush()
 
@@ -926,7 +867,7 @@ class PagedCache:
         self.flush()
         offsets = [st.computed for st in states]
         plans = {}
-        for gi, g in enumerate(self._groups):
+        for gi, g in enumerate(self._storage.groups):
             tables = [self.store.block_table(s, gi) for s in seq_ids]
             plans[gi] = plan_step(tables, offsets, new, n, self.block_size, g.num_pages, g.window)
         for st, k in zip(states, new):
@@ -1049,34 +990,18 @@ class PagedCache:
 
     def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
         """Bytes of the pages the sequences hold in `layer` (shared counted once)."""
-        pool = self._groups[group].pools.get(layer)
-        if pool is None:
+        page_nbytes = self._storage.page_nbytes(group, layer)
+        if not page_nbytes:
             return 0
         pages = {p for s in seq_ids for p in self.store.block_table(s, group) if p is not None}
-        return len(pages) * pool.page_nbytes
+        return len(pages) * page_nbytes
 
     def pool_for(self, layer: int, keys: mx.array | None,
                  values: mx.array | None) -> PageStore | None:
         """The layer's pool, created on its first write from the K/V shapes
         in the cache's `kv_format` (`InvalidArgument` naming the layer when
         the format cannot store its head sizes; nothing is created)."""
-        gi = self._group_of[layer]
-        g = self._groups[gi]
-        pool = g.pools.get(layer)
-        if pool is None and keys is not None and values is not None:
-            shape = PoolShape(g.num_pages, self.block_size, keys.shape[1],
-                              keys.shape[-1], values.shape[-1], keys.dtype)
-            pool = g.pools[layer] = make_pool(self.kv_format, shape, layer)
-        return pool
-
-    def _plain_pool_for(self, layer: int, keys: mx.array | None,
-                        values: mx.array | None) -> PagePool | None:
-        """`pool_for` of a layer stored at the model's dtype (compressed
-        layers read and write token rows, which only a plain pool has)."""
-        pool = self.pool_for(layer, keys, values)
-        if pool is not None and not isinstance(pool, PagePool):
-            raise InvalidArgument(f"layer {layer}: compressed layers need the model's dtype pages")
-        return pool
+        return self._storage.pool_for(layer, keys, values)
 
     def _slot(self, seq_id: Hashable) -> int:
         """The recurrent slot of a live sequence of a hybrid model."""
@@ -1087,28 +1012,9 @@ class PagedCache:
 
     def pools(self) -> dict[int, PageStore]:
         """Every allocated pool, by attention position."""
-        return {layer: pool for g in self._groups for layer, pool in g.pools.items()}
-
-    def _allocate_pools(self, kv_shapes: Mapping[int, KVShape]) -> None:
-        """Allocate every attention position's pool now (the cache tiers
-        load into them before any forward)."""
-        for layer, g in self._group_of.items():
-            shape = kv_shapes.get(layer)
-            if shape is None:
-                raise InvalidArgument(f"kv_shapes has no shape for attention position {layer}")
-            group = self._groups[g]
-            group.pools[layer] = make_pool(self.kv_format, PoolShape(
-                group.num_pages, self.block_size, shape.n_kv_heads, shape.k_head_dim,
-                shape.v_head_dim, shape.dtype), layer)
+        return self._storage.pools()
 
     # --- the prefix cache's tiers (design/tiers.md) -----------------------------
-
-    @property
-    def _tier_storage(self) -> CacheTiers:
-        """The tiers, where a path runs only with them (a tier move)."""
-        if self._tiers is None:
-            raise IntegrityError("a cache without tiers was handed a tier move")
-        return self._tiers
 
     @property
     def tiers(self) -> CacheTiers | None:
@@ -1216,7 +1122,7 @@ class PagedCache:
     def pools_ready(self) -> bool:
         """Is every attention position's pool allocated (by a first forward,
         or up front for cache tiers)? Prefix files need them."""
-        return not any(g.layers and not g.pools for g in self._groups)
+        return self._storage.ready
 
     def _prefix_records(self) -> tuple[list[RecordStore | None], RecordStore | None, str]:
         """The device records and their fingerprint, for a prefix file."""
@@ -1226,7 +1132,7 @@ class PagedCache:
         if not self.pools_ready:
             raise InvalidArgument("prefix files need the pools allocated: run a forward first "
                                   "or build the cache with cache tiers")
-        pages, slots = record_stores([g.pools for g in self._groups], self._recurrent,
+        pages, slots = record_stores(self._storage.pools_by_group(), self._recurrent,
                                      self.store.is_hybrid)
         fingerprint = records_fingerprint(self._model_fingerprint, self.block_size,
                                           self.kv_format, pages, slots)
@@ -1291,26 +1197,9 @@ class PagedCache:
 
     # --- internals -------------------------------------------------------------
 
-    def _swap_pages(self, g: _Group, kind: type, ops: list) -> None:
-        """Apply a run of SwapOut (device -> host) or SwapIn (host -> device)
-        ops to every layer of the group: one batched move per pool array."""
-        src, dst = [op.src for op in ops], [op.dst for op in ops]
-        num_host_blocks = self.store.config.num_host_blocks
-        for layer, pool in g.pools.items():
-            host = g.host.get(layer)
-            if host is None:
-                host = g.host[layer] = HostPagePool(num_host_blocks)
-            if kind is SwapOut:
-                host.swap_out(pool, src, dst)
-            else:
-                host.swap_in(pool, src, dst)
-
     def _queue(self, ops: Iterable[MemoryOp]) -> None:
-        for op in ops:
-            if isinstance(op, (CopyBlock, SwapOut, SwapIn, MovePage)):
-                self._groups[op.group].pending.append(op)
-            else:
-                self._slot_ops.append(op)
+        """Queue a plan for the next `flush`."""
+        self._storage.queue(ops)
 
     def _state(self, seq_id: Hashable) -> _SeqState:
         """The sequence's state; a finished-by-default step (`views`) in
@@ -1336,40 +1225,12 @@ class PagedCache:
             batch.closed = True
 
 
-def _runs_by_kind(
-    ops: Sequence[MemoryOp], apart: type | None = None
-) -> list[tuple[type, list]]:
-    """Maximal runs of consecutive ops of one type, in call order (each run
-    is applied as one batch; runs keep the plan's sequential meaning).
-    With `apart`: runs of that type and runs of everything else."""
-    runs: list[tuple[type, list]] = []
-    for op in ops:
-        kind = type(op) if apart is None or type(op) is apart else object
-        if runs and runs[-1][0] is kind:
-            runs[-1][1].append(op)
-        else:
-            runs.append((kind, [op]))
-    return runs
-
-
 def _token_list(tokens: Iterable[int]) -> Sequence[int]:
     """`tokens` as something that can be read twice (a match, then the
     allocation): lists, tuples and arrays as they are."""
     if isinstance(tokens, (list, tuple)) or type(tokens).__name__ == "ndarray":
         return tokens  # type: ignore[return-value]
     return list(tokens)
-
-
-def _copy_blocks(g: _Group, ops: list[CopyBlock]) -> None:
-    for src, dst in copy_waves(ops):
-        # Read every layer's sources, evaluate once, then write (see
-        # PagePool.read_pages for why the read is evaluated first). The
-        # parts are stored bytes: quantized rows are copied, not re-quantized.
-        reads = {layer: pool.read_pages(page_rows(pool, src)) for layer, pool in g.pools.items()}
-        mx.eval(list(reads.values()))
-        for layer, parts in reads.items():
-            pool = g.pools[layer]
-            pool.write_pages(page_rows(pool, dst), *parts)
 
 
 def _token_width(spec: LayerSpec) -> int:

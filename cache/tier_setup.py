@@ -30,8 +30,9 @@ from blockmgr.errors import InvalidArgument
 from blockmgr.kv_format import parse_bytes
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, page_kind
 from cache.disk_tier import VERSION, DiskTier, RecordKind
+from cache.group_storage import layer_windows
 from cache.model_storage import ModelStorageParts, model_storage_parts
-from cache.page_format import KVFormat, PageStore
+from cache.page_format import KVFormat, KVShape, PageStore
 from cache.page_records import PageRecords
 from cache.recurrent_backend import RecurrentBackend
 
@@ -43,15 +44,6 @@ DEFAULT_DISK_CACHE_SIZE = 20 * 2**30
 #: prefix keeps a snapshot at each request's end (and branch points), a
 #: turn of a conversation is some hundreds of tokens.
 PAGES_PER_SNAPSHOT = 32
-
-@dataclass(frozen=True, slots=True)
-class KVShape:
-    """One attention position's pages: kv heads, key and value head sizes, dtype."""
-
-    n_kv_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    dtype: mx.Dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +99,6 @@ def tier_sizes(model: Any, parts: ModelStorageParts, block_size: int, kv_format:
     pages); a hybrid model sets one snapshot beside `PAGES_PER_SNAPSHOT`
     pages. Raises `InvalidArgument` for a budget below one unit."""
     shapes, slot_nbytes = probe_kv_shapes(model, parts, block_size, kv_format)
-    from cache.paged_cache import layer_windows
-
     windows = layer_windows(parts.specs)
     page_nbytes = 0
     for window in windows:
