@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -31,7 +30,6 @@ from blockmgr.errors import (
     IntegrityError,
     InvalidArgument,
     SequenceSwapped,
-    UnknownSequence,
     WrongArgumentType,
 )
 from blockmgr.ops import MemoryOp, Plan
@@ -39,6 +37,7 @@ from blockmgr.validation import check_count, decode_tokens
 from cache import attention_hook
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
 from cache.compressed_view import CompressedLayerView
+from cache.computed_counts import ComputedCounts
 from cache.group_storage import GroupStorage, layer_windows
 from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
@@ -59,16 +58,6 @@ from cache.views import (
     TokenContextView,
     nest_views,
 )
-
-
-@dataclass(slots=True)
-class _SeqState:
-    computed: int  # tokens whose K/V (and state) a finished forward wrote
-    known: int  # leading tokens whose ids are real (views may add placeholders)
-    in_flight: int = 0  # tokens of a started step that has not finished yet
-    batch: BatchState | None = None  # the views running that step
-    checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
-    replay_end: int | None = None  # a trim restored a checkpoint: tokens up to here computed again
 
 
 class PagedCache:
@@ -171,7 +160,7 @@ class PagedCache:
         self._paged_attention = paged_attention and attention_hook.install()
         self._recurrent = recurrent if has_recurrent else None
         self._reads_token_ids = any(s.kind is LayerKind.TOKENS for s in specs)
-        self._seqs: dict[Hashable, _SeqState] = {}
+        self._counts = ComputedCounts(self.store, exact_snapshots=self._recurrent is not None)
         self._storage = GroupStorage(
             specs, [usage.num_pages for usage in self.store.group_usage()], block_size,
             self.kv_format, num_host_blocks)
@@ -263,25 +252,7 @@ class PagedCache:
         group's, and their agreement), and this cache's sequences are the
         store's, with computed counts within their tokens."""
         self.store.check_integrity()
-        if set(self._seqs) != set(self.store.sequence_ids()):
-            raise IntegrityError("the cache and its store hold different sequences")
-        for seq_id, state in self._seqs.items():
-            num_tokens = self.store.num_tokens(seq_id)
-            computed, in_flight = state.computed, state.in_flight
-            if not 0 <= computed <= num_tokens or computed + in_flight > num_tokens:
-                raise IntegrityError(
-                    f"{seq_id!r}: {computed} computed + {in_flight} in flight "
-                    f"of {num_tokens} tokens"
-                )
-            if state.known > num_tokens:
-                raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
-            start = self.store.speculation_start(seq_id)
-            if (start is None) != (state.checkpoint is None) or (
-                start is not None and state.checkpoint is not None and state.checkpoint > start
-            ):
-                raise IntegrityError(
-                    f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
-                )
+        self._counts.check_integrity()
 
     def check_no_leaks(self) -> None:
         """For the end of a run, when every sequence has ended: nothing but
@@ -295,11 +266,7 @@ class PagedCache:
     def debug_state(self) -> tuple[object, ...]:
         """The store's `debug_state()` and each sequence's computed state, as
         plain values: equal before and after a refused call. O(state)."""
-        seqs = tuple(
-            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint, st.replay_end)
-            for seq_id, st in self._seqs.items()
-        )
-        return self.store.debug_state(), seqs
+        return self.store.debug_state(), self._counts.debug_state()
 
     @property
     def recurrent(self) -> RecurrentBackend | None:
@@ -407,12 +374,12 @@ class PagedCache:
     def tokens(self, seq_id: Hashable) -> list[int]:
         """The sequence's token ids (placeholders where a forward fed ids the
         storage was not told)."""
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.tokens(seq_id)
 
     def num_computed(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` whose K/V a finished forward pass wrote."""
-        return self._state(seq_id).computed
+        return self._counts.state(seq_id).computed
 
     def block_table(self, seq_id: Hashable, group: int | None = None) -> list[int | None]:
         """Page table of `seq_id` in layer group `group` (default: group 0,
@@ -462,24 +429,30 @@ class PagedCache:
             alloc = self._tiers.allocate(self.store, seq_id, _token_list(tokens), namespace,
                                          retention)
         self._queue(alloc.ops)
-        num_tokens = self.store.num_tokens(seq_id)
-        self._seqs[seq_id] = _SeqState(alloc.num_cached_tokens, num_tokens)
+        self._counts.add(seq_id, alloc.num_cached_tokens, self.store.num_tokens(seq_id))
         return alloc
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.can_append(seq_id, num_tokens)
 
     def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
         """Would `append_decode(seq_ids, tokens)` succeed now? Changes nothing."""
         for seq_id in seq_ids:
-            self._state(seq_id)
+            self._counts.state(seq_id)
         return self.store.can_append_decode(seq_ids)
 
     def append(self, seq_id: Hashable, new_tokens: Iterable[int]) -> Plan:
         """Reserve pages for tokens the next forward computes. Raises
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
-        return self._append(seq_id, new_tokens, known=True)
+        state = self._counts.state(seq_id)
+        num_before = self.store.num_tokens(seq_id)
+        # The computed count, not num_before: after a restored checkpoint the
+        # tokens since it are computed again and a window keeps their pages.
+        plan = self.store.append(seq_id, new_tokens, state.computed)
+        self._queue(plan)
+        self._counts.appended(seq_id, num_before)
+        return plan
 
     def append_decode(
         self, seq_ids: list[Hashable] | tuple[Hashable, ...], tokens: Iterable[int]
@@ -491,50 +464,37 @@ class PagedCache:
         fits = self.store.can_append_decode(seq_ids)  # checks the ids
         tokens = decode_tokens(tokens, len(seq_ids))
         for seq_id in seq_ids:
-            self._state(seq_id)
+            self._counts.state(seq_id)
         if not fits:
             self.store.append_decode(seq_ids, tokens)  # raises its error, changes nothing
             raise IntegrityError("append_decode succeeded where can_append_decode said no")
         ops: list[MemoryOp] = []
         for seq_id, token in zip(seq_ids, tokens):
-            ops.extend(self._append(seq_id, [token], known=True))
+            ops.extend(self.append(seq_id, [token]))
         return tuple(ops)
-
-    def _append(self, seq_id: Hashable, tokens: Iterable, known: bool) -> Plan:
-        state = self._state(seq_id)
-        num_before = self.store.num_tokens(seq_id)
-        # The computed count, not num_before: after a restored checkpoint the
-        # tokens since it are computed again and a window keeps their pages.
-        plan = self.store.append(seq_id, tokens, state.computed)
-        self._queue(plan)
-        num_added = self.store.num_tokens(seq_id) - num_before
-        if known and state.known == num_before:
-            state.known += num_added
-        return plan
 
     def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> Plan:
         """`new_seq_id` shares `seq_id`'s pages (and slot) copy-on-write.
         Fork once every reserved token of `seq_id` is computed."""
-        state = self._state(seq_id)
+        state = self._counts.state(seq_id)
         plan = self.store.fork(seq_id, new_seq_id)
         self._queue(plan)
-        self._seqs[new_seq_id] = _SeqState(state.computed, state.known)
+        self._counts.add(new_seq_id, state.computed, state.known)
         return plan
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
         """Roll `seq_id` back to its first `num_tokens` tokens (speculative
         decoding: keep the accepted prefix). Raises like the store's
         truncate (e.g. rolling back into released window pages)."""
-        state = self._state(seq_id)
+        self._counts.state(seq_id)
         plan = self.store.truncate(seq_id, num_tokens)
         self._queue(plan)
-        state.computed = min(state.computed, num_tokens)
-        state.known = min(state.known, num_tokens)
+        self._counts.clip([seq_id])
         return plan
 
     def can_truncate(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Would `truncate(seq_id, num_tokens)` succeed now? Changes nothing."""
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.can_truncate(seq_id, num_tokens)
 
     def cache_prefix(self, seq_id: Hashable, num_tokens: int | None = None) -> Plan:
@@ -544,13 +504,7 @@ class PagedCache:
         only the computed end can be snapshot (a prefill chunk's end: call it
         between chunks); an earlier `num_tokens` raises `InvalidArgument`.
         """
-        state = self._state(seq_id)
-        if self._recurrent is not None and num_tokens not in (None, state.computed):
-            raise InvalidArgument(
-                f"{seq_id!r}: recurrent state exists only after its {state.computed} "
-                f"computed tokens, not after {num_tokens!r}"
-            )
-        n = self._trie_count(seq_id, num_tokens)
+        n = self._counts.snapshot_count(seq_id, num_tokens)
         if n == 0:
             return ()
         plan = self.store.cache_prefix(seq_id, n)
@@ -561,36 +515,18 @@ class PagedCache:
         """End `seq_id`; its computed tokens (None: all) enter the tries.
         A step still in flight (a forward that never finished) counts as not
         computed; an open speculation is aborted first (drafts never enter)."""
-        n = self._trie_count(seq_id, num_computed)
-        if self._seqs[seq_id].checkpoint is not None:
+        counts = self._counts
+        n = counts.trie_count(seq_id, num_computed)
+        if counts.state(seq_id).checkpoint is not None:
             self.abort_speculation([seq_id])
-            n = self._trie_count(seq_id, min(n, self._seqs[seq_id].computed))
+            n = counts.trie_count(seq_id, min(n, counts.state(seq_id).computed))
         plan = self.store.free(seq_id, n)
         self._queue(plan)
-        del self._seqs[seq_id]
+        counts.remove(seq_id)
         return plan
 
     def reset_prefix_cache(self) -> None:
         self.store.reset_prefix_cache()
-
-    def _trie_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
-        """Tokens the trie may take: computed, with known ids, and for a hybrid
-        model exactly the computed ones (the slot holds the state after the
-        last computed token and cannot be cut), else none."""
-        state = self._state(seq_id)
-        limit = min(state.computed, state.known)
-        if num_tokens is None:
-            n = limit
-        elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
-                or not 0 <= num_tokens <= state.computed:
-            raise InvalidArgument(
-                f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}"
-            )
-        else:
-            n = min(num_tokens, limit)
-        if self._recurrent is not None and n != state.computed:
-            return 0
-        return n
 
     # --- speculation (see design/speculation.md) ------------------------------
 
@@ -605,7 +541,7 @@ class PagedCache:
         appended ones; the next forward computes them."""
         if not isinstance(drafts, Mapping):
             raise WrongArgumentType(f"drafts must be a mapping, got {drafts!r:.80}")
-        states = {s: self._state(s) for s in drafts}
+        states = {s: self._counts.state(s) for s in drafts}
         num_before = {s: self.store.num_tokens(s) for s in drafts}
         # A hybrid checkpoint holds the state after the computed tokens: a
         # partial commit computes again from there (sliding windows keep it).
@@ -614,10 +550,7 @@ class PagedCache:
         )
         plan = self.store.begin_speculation(drafts, num_computed)
         self._queue(plan)
-        for s, state in states.items():
-            state.checkpoint = state.computed
-            if state.known == num_before[s]:
-                state.known = self.store.num_tokens(s)
+        self._counts.opened(num_before)
         return plan
 
     def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset[Hashable]:
@@ -629,16 +562,9 @@ class PagedCache:
         if not isinstance(accepted, Mapping):
             raise WrongArgumentType(f"accepted must be a mapping, got {accepted!r:.80}")
         for s in accepted:
-            self._state(s)
+            self._counts.state(s)
         restored = self.store.commit_speculation(accepted)
-        for s in accepted:
-            state = self._seqs[s]
-            num_tokens = self.store.num_tokens(s)
-            checkpoint = state.checkpoint
-            state.computed = (checkpoint if s in restored and checkpoint is not None
-                              else min(state.computed, num_tokens))
-            state.known = min(state.known, num_tokens)
-            state.checkpoint = None
+        self._counts.closed(accepted, restored)
         return restored
 
     def abort_speculation(self, seq_ids: Iterable[Hashable]) -> frozenset[Hashable]:
@@ -653,19 +579,15 @@ class PagedCache:
         forward computed, the transactions staying open (the store's
         `shorten_speculation`): undoes an `append` whose forward failed."""
         for s in kept:
-            state = self._state(s)
+            state = self._counts.state(s)
             if state.checkpoint is None or state.in_flight:
                 raise InvalidArgument(f"{s!r}: no speculation open, or a step in flight")
         self.store.shorten_speculation(kept)
-        for s in kept:
-            state = self._seqs[s]
-            num_tokens = self.store.num_tokens(s)
-            state.computed = min(state.computed, num_tokens)
-            state.known = min(state.known, num_tokens)
+        self._counts.clip(kept)
 
     def speculation_start(self, seq_id: Hashable) -> int | None:
         """The token count at `begin_speculation` (None: no transaction open)."""
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.speculation_start(seq_id)
 
     def speculative_model(self, model: Any, seq_ids: Sequence[Hashable]) -> SpeculativeModel:
@@ -680,17 +602,17 @@ class PagedCache:
     # --- swap (preemption to host memory) ------------------------------------------
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.is_swapped(seq_id)
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Is there host memory (pages in every group, a host slot) to swap it out?"""
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.can_swap_out(seq_id)
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Are there device pages (and a slot) to bring it back? Changes nothing."""
-        self._state(seq_id)
+        self._counts.state(seq_id)
         return self.store.can_swap_in(seq_id)
 
     def swap_out(self, seq_id: Hashable) -> Plan:
@@ -702,7 +624,7 @@ class PagedCache:
         the next `flush` (in call order, before the device pages are reused);
         call `flush()` to free the memory now.
         """
-        self._state(seq_id)
+        self._counts.state(seq_id)
         plan = self.store.swap_out(seq_id)
         self._queue(plan)
         return plan
@@ -713,7 +635,7 @@ class PagedCache:
         Raises like the store's `swap_in` (`OutOfBlocks` / `OutOfSlots`,
         nothing changed); copies are applied by the next `flush`.
         """
-        self._state(seq_id)
+        self._counts.state(seq_id)
         plan = self.store.swap_in(seq_id)
         self._queue(plan)
         return plan
@@ -766,7 +688,7 @@ class PagedCache:
         if not seq_ids or not distinct:
             raise InvalidArgument(f"need distinct sequence ids, got {seq_ids!r}")
         for s in seq_ids:
-            self._state(s)
+            self._counts.state(s)
             if self.store.is_swapped(s):
                 raise SequenceSwapped(f"sequence {s!r} is swapped out; swap it in first")
         if num_new is not None and len(num_new) != len(seq_ids):
@@ -839,64 +761,37 @@ class PagedCache:
         ops, plan every group's indices. The step's tokens are in flight
         until `commit_step`."""
         seq_ids = batch.seq_ids
-        states = [self._state(s) for s in seq_ids]
-        pending = [self.store.num_tokens(s) - st.computed for s, st in zip(seq_ids, states)]
-        if n is None:
-            n = max(num_new or pending)
-            if n == 0:
-                raise InvalidArgument(
-                    f"{list(seq_ids)!r}: this model never tells its cache how many tokens "
-                    "it feeds; reserve them first (allocate / append)")
-        if num_new is not None:
-            if any(not 0 <= k <= min(p, n) for k, p in zip(num_new, pending)):
-                raise InvalidArgument(f"num_new {num_new} exceeds pending {pending} or N={n}")
-            new = list(num_new)
-        elif not any(pending):
+        n, new, reserve = self._counts.step_widths(seq_ids, n, num_new)
+        if reserve:
             # Nothing reserved (generate_step feeds tokens itself): reserve N each.
             if self._reads_token_ids:
                 raise InvalidArgument(
                     f"{list(seq_ids)!r}: this model reads its input ids from the cache; "
                     "reserve them first (allocate / append)")
             for s in seq_ids:
-                # Placeholder ids (the manager takes only token ids); `known`
-                # keeps them out of the trie.
-                self._append(s, [0] * n, known=False)
-            new = [n] * len(seq_ids)
-        else:
-            new = [min(p, n) for p in pending]
+                # Placeholder ids (the manager takes only token ids), marked
+                # so to keep them out of the trie.
+                num_before = self.store.num_tokens(s)
+                self.append(s, [0] * n)
+                self._counts.placeholders(s, num_before)
         self.flush()
-        offsets = [st.computed for st in states]
+        offsets = self._counts.start_step(batch, new)
         plans = {}
         for gi, g in enumerate(self._storage.groups):
             tables = [self.store.block_table(s, gi) for s in seq_ids]
             plans[gi] = plan_step(tables, offsets, new, n, self.block_size, g.num_pages, g.window)
-        for st, k in zip(states, new):
-            st.in_flight = k
-            st.batch = batch
         return plans
 
     def commit_step(self, batch: BatchState) -> None:
         """The batch's last step finished: its tokens are computed and its
         recurrent writes go to the slots. Idempotent."""
-        for view in batch.recurrent.values():
-            view.commit()
-        for seq_id in batch.seq_ids:
-            state = self._seqs.get(seq_id)
-            if state is not None and state.in_flight:
-                state.computed += state.in_flight
-                state.in_flight = 0
-                state.batch = None  # settled; the batch refers to this cache
+        self._counts.commit_step(batch)
 
     def rollback_step(self, batch: BatchState) -> None:
         """The batch's last step failed: nothing of it counts (its recurrent
         writes are dropped; K/V written past the computed tokens are
         overwritten by the retry)."""
-        batch.recurrent = {}
-        for seq_id in batch.seq_ids:
-            state = self._seqs.get(seq_id)
-            if state is not None:
-                state.in_flight = 0
-                state.batch = None
+        self._counts.rollback_step(batch)
 
     def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
         """The backend's views for a started step: each row's slot (after the
@@ -911,13 +806,7 @@ class PagedCache:
     def computed_counts(self, seq_ids: Sequence) -> list[int]:
         """Computed tokens of each sequence, counting a step in flight (the
         views' offsets after a layer wrote its part of the step)."""
-        counts = []
-        for s in seq_ids:
-            state = self._seqs.get(s)
-            if state is None:
-                raise UnknownSequence(f"no live sequence {s!r}")
-            counts.append(state.computed + state.in_flight)
-        return counts
+        return self._counts.computed_counts(seq_ids)
 
     def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array:
         """``[B, width]`` int64: row b's token ids ``[offsets[b] - width,
@@ -925,16 +814,7 @@ class PagedCache:
         Raises `InvalidArgument` where those ids are placeholders (never
         for a model whose tokens are reserved first, see `begin_step`).
         Cost: one copy of each row's token list."""
-        rows = []
-        for s, end in zip(seq_ids, offsets):
-            state = self._seqs.get(s)
-            if state is None:
-                raise UnknownSequence(f"no live sequence {s!r}")
-            if end > state.known:
-                raise InvalidArgument(f"{s!r}: ids before token {end} are not known")
-            ids = self.store.tokens(s)[max(0, end - width):end]
-            rows.append([0] * (width - len(ids)) + ids)
-        return mx.array(rows, dtype=mx.int64).reshape(len(rows), width)
+        return self._counts.token_context(seq_ids, offsets, width)
 
     def can_trim(self, batch: BatchState) -> bool:
         """mlx-lm's `is_trimmable` for the batch's views: attention-only
@@ -952,13 +832,14 @@ class PagedCache:
         caches for state they cannot trim). Raises `InvalidArgument`
         (nothing changed) for a trim past a speculation's start."""
         seq_ids = batch.seq_ids
-        if batch.speculative and any(self._state(s).checkpoint is not None for s in seq_ids):
+        counts = self._counts
+        if batch.speculative and any(counts.state(s).checkpoint is not None for s in seq_ids):
             return self._trim_speculation(seq_ids, n)
         if self.is_hybrid:
             return 0  # recurrent state cannot be cut outside a speculation
-        n = min([n] + self.computed_counts(seq_ids))
+        n = min([n] + counts.computed_counts(seq_ids))
         for s in seq_ids:
-            self.truncate(s, self._state(s).computed - n)
+            self.truncate(s, counts.state(s).computed - n)
         return n
 
     def _trim_speculation(self, seq_ids: Sequence, n: int) -> int:
@@ -974,19 +855,14 @@ class PagedCache:
                     f"cannot trim {n} tokens of {s!r}: its speculation holds {tail}")
             kept[s] = tail - n
         self.commit_speculation(kept)
-        for s in kept:
-            if self._seqs[s].computed < self.store.num_tokens(s):
-                self._seqs[s].replay_end = self.store.num_tokens(s)
+        self._counts.replay(kept)
         return n
 
     def num_replay(self, seq_id: Hashable) -> int:
         """Tokens a trim's restored checkpoint made pending again, which a
         `SpeculativeModel` computes before its next input (the caller does
         not feed them again)."""
-        state = self._state(seq_id)
-        if state.replay_end is None:
-            return 0
-        return max(0, min(state.replay_end, self.store.num_tokens(seq_id)) - state.computed)
+        return self._counts.num_replay(seq_id)
 
     def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
         """Bytes of the pages the sequences hold in `layer` (shared counted once)."""
@@ -1110,7 +986,7 @@ class PagedCache:
                                 prefix.records[page_kind(group)][first:])
             if slots is not None:
                 slots.write([_present(self.store.slot(seq_id))], prefix.records[SLOTS])
-            self._seqs[seq_id].computed = num_tokens  # written as a forward would
+            self._counts.written(seq_id, num_tokens)  # as a forward would have
         except BaseException:
             self.free(seq_id, 0)
             raise
@@ -1200,29 +1076,6 @@ class PagedCache:
     def _queue(self, ops: Iterable[MemoryOp]) -> None:
         """Queue a plan for the next `flush`."""
         self._storage.queue(ops)
-
-    def _state(self, seq_id: Hashable) -> _SeqState:
-        """The sequence's state; a finished-by-default step (`views`) in
-        flight is counted as computed first."""
-        try:
-            state = self._seqs[seq_id]
-        except (KeyError, TypeError):
-            raise UnknownSequence(f"no live sequence {seq_id!r}") from None
-        if state.in_flight and state.batch is not None and state.batch.auto_commit:
-            self._settle_views_step(state.batch)
-        return state
-
-    def _settle_views_step(self, batch: BatchState) -> None:
-        """A `views()` step is still in flight when its sequences are next
-        touched: it counts as computed if every layer that writes wrote its
-        part of it; else the forward raised midway and the step is rolled
-        back, as `step` does (these views then take no further forward: their
-        layers' counters are out of step with the storage)."""
-        if batch.complete:
-            self.commit_step(batch)
-        else:
-            self.rollback_step(batch)
-            batch.closed = True
 
 
 def _token_list(tokens: Iterable[int]) -> Sequence[int]:
