@@ -2,11 +2,23 @@
 
 Storage only: the bookkeeping of every layer group (one per distinct
 attention window, group 0 also keeping the recurrent slots) is a pure-Python
-`blockmgr.GroupedStore` (`store`). `PagedCache` applies the memory-op plans
-its calls return, queued and applied in one batched op per layer group
-before the next forward (`flush`), builds the per-layer views, and keeps
-each sequence's computed count: tokens count as computed only once the
-forward that writes them finished (`step`, see below).
+`blockmgr.GroupedStore` (`store`). `PagedCache` is the facade over it: its
+sequence calls have the store's meaning (the `KVStore` protocol) and queue
+the plans they return, applied in one batched op per layer group before the
+next forward (`flush`); it hands out the per-layer views. Its parts, each
+with the protocol it asks of the others:
+
+* `group_storage.GroupStorage`: each layer group's page pools, host swap
+  pages, the plan queue and its batched application (`TierMoves`,
+  `SlotPlans`);
+* `computed_counts.ComputedCounts`: each sequence's computed count: tokens
+  count as computed only once the forward that writes them finished
+  (`step`, see below; `CountedStore`);
+* `batch_views.batch_views`: the views of one batch, laid out as the model's
+  layers (`ViewPools`); `step_source.CacheSteps`: the `views.StepSource`
+  they call (`StepHost`: the sequence calls a step makes);
+* `cache_tiers.CacheTiers` (built by `tier_setup`): the prefix cache's host
+  and disk tiers (`TieredStore`).
 
 Recurrent layers (``ArraysCache``) keep their state in slots of a backend
 (`RecurrentBackend`, e.g. `recurrent.RecurrentPools`) handed to the
@@ -33,31 +45,27 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.ops import MemoryOp, Plan
-from blockmgr.validation import check_count, decode_tokens
+from blockmgr.validation import decode_tokens
 from cache import attention_hook
+from cache.batch_views import batch_views
 from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
-from cache.compressed_view import CompressedLayerView
 from cache.computed_counts import ComputedCounts
 from cache.group_storage import GroupStorage, layer_windows
-from cache.layers import CompressedLayer, LayerKind, LayerSpec, LayoutEntry
+from cache.layers import LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, KVShape, PageStore, check_model
 from cache.prefix_file import CorruptPrefixFile, PrefixRecords, read_prefix, write_prefix
-from cache.tier_setup import open_tiers, record_stores, records_fingerprint, tier_sizes
-from cache.tier_setup import model_fingerprint as fingerprint_of
 from cache.recurrent_backend import (  # noqa: F401 - importable from here before
     RecurrentBackend,
     RecurrentStepView,
 )
 from cache.speculative_model import SpeculativeModel
-from cache.step_plan import StepPlan, plan_step
-from cache.views import (
-    AttentionView,
-    BatchState,
-    RecurrentLayerView,
-    TokenContextView,
-    nest_views,
-)
+from cache.step_source import CacheSteps
+from cache.tier_setup import open_tiers, record_stores, records_fingerprint, tier_sizes
+from cache.tier_setup import model_fingerprint as fingerprint_of
+from cache.views import BatchState
+
+__all__ = ["PagedCache", "RecurrentBackend", "RecurrentStepView", "layer_windows"]
 
 
 class PagedCache:
@@ -693,53 +701,18 @@ class PagedCache:
                 raise SequenceSwapped(f"sequence {s!r} is swapped out; swap it in first")
         if num_new is not None and len(num_new) != len(seq_ids):
             raise InvalidArgument("num_new needs one entry per sequence")
-        batch = BatchState(self, seq_ids, None if num_new is None else list(num_new),
+        steps = CacheSteps(self, self.store, self._counts, self._storage, self._recurrent,
+                           reads_token_ids=self._reads_token_ids,
+                           paged_attention=self._paged_attention)
+        batch = BatchState(steps, seq_ids, None if num_new is None else list(num_new),
                            auto_commit)
-        out: list = [None] * len(self.specs)
-        for i, spec in enumerate(self.specs):
-            if spec.kind is LayerKind.RECURRENT:
-                out[i] = RecurrentLayerView(batch, i)
-            elif spec.kind is LayerKind.TOKENS:
-                out[i] = TokenContextView(batch, _token_width(spec))
-            else:
-                out[i] = AttentionView(batch, self.group_of(i), i, self.pool_for, spec.window)
-        if self._layout is None:
-            batch.expect_writes(self._written_views(out, range(len(out))))
-            return out, batch
-        composites: list = []
-
-        def composite(entry: CompressedLayer) -> CompressedLayerView:
-            composites.append(self._compressed_view(batch, entry, out))
-            return composites[-1]
-
-        nested = nest_views(out, self._layout, composite)
-        handed = [i for e in self._layout if not isinstance(e, CompressedLayer)
-                  for i in ((e,) if isinstance(e, int) else e)]
-        batch.expect_writes(self._written_views(out, handed) + composites)
-        return nested, batch
-
-    def _written_views(self, views: list, positions: Iterable[int]) -> list:
-        """The views at `positions` that every forward writes: attention and
-        recurrent ones (a token context stores nothing; a declared unused
-        cache is never written)."""
-        return [views[i] for i in positions
-                if self.specs[i].written and self.specs[i].kind is not LayerKind.TOKENS]
-
-    def _compressed_view(self, batch: BatchState, layer: CompressedLayer,
-                         flat: list) -> CompressedLayerView:
-        window, *rest = layer.positions
-        entries = (self.group_of(rest[0]), rest[0]) if layer.compresses else None
-        return CompressedLayerView(batch, layer, (flat[window], self.group_of(window)), entries,
-                                   self._storage.plain_pool_for)
+        return batch_views(batch, self.specs, self._layout, self._storage), batch
 
     def flush(self) -> None:
         """Apply every queued memory op: one gather + one scatter per pool array
-        per batch of copies (usually one), one evaluation for all layers.
-
-        Page ops of a group whose pools do not exist yet are dropped: no
-        forward has written any page of that group, so there is nothing to
-        copy. A swap out dropped so leaves its host pages unwritten; they
-        swap back in as zeros, what a fresh pool holds (`HostPagePool`)."""
+        per batch of copies (usually one), one evaluation for all layers
+        (`GroupStorage.apply`: page ops of a group no forward wrote yet are
+        dropped); then the tiers' after-flush work (`CacheTiers.after_flush`)."""
         self._storage.apply(self._tiers, self._recurrent)
         if self._tiers is not None:
             self._tiers.after_flush(self.store)
@@ -752,36 +725,6 @@ class PagedCache:
         if self._recurrent is not None:
             self._recurrent.flush()
 
-    # --- StepSource (what the views call) ------------------------------------
-
-    def begin_step(self, batch: BatchState, n: int | None, num_new) -> dict[int, StepPlan]:
-        """Start a forward of `n` input positions over the batch's sequences
-        (None: the model never said its input width; the pending tokens):
-        reserve pages if nothing is pending (generate_step), apply queued
-        ops, plan every group's indices. The step's tokens are in flight
-        until `commit_step`."""
-        seq_ids = batch.seq_ids
-        n, new, reserve = self._counts.step_widths(seq_ids, n, num_new)
-        if reserve:
-            # Nothing reserved (generate_step feeds tokens itself): reserve N each.
-            if self._reads_token_ids:
-                raise InvalidArgument(
-                    f"{list(seq_ids)!r}: this model reads its input ids from the cache; "
-                    "reserve them first (allocate / append)")
-            for s in seq_ids:
-                # Placeholder ids (the manager takes only token ids), marked
-                # so to keep them out of the trie.
-                num_before = self.store.num_tokens(s)
-                self.append(s, [0] * n)
-                self._counts.placeholders(s, num_before)
-        self.flush()
-        offsets = self._counts.start_step(batch, new)
-        plans = {}
-        for gi, g in enumerate(self._storage.groups):
-            tables = [self.store.block_table(s, gi) for s in seq_ids]
-            plans[gi] = plan_step(tables, offsets, new, n, self.block_size, g.num_pages, g.window)
-        return plans
-
     def commit_step(self, batch: BatchState) -> None:
         """The batch's last step finished: its tokens are computed and its
         recurrent writes go to the slots. Idempotent."""
@@ -793,84 +736,11 @@ class PagedCache:
         overwritten by the retry)."""
         self._counts.rollback_step(batch)
 
-    def recurrent_views(self, seq_ids: Sequence, plan: StepPlan) -> Mapping[int, Any]:
-        """The backend's views for a started step: each row's slot (after the
-        step's appends), padded rows' real token counts."""
-        if self._recurrent is None:
-            return {}
-        slots = [self._slot(s) for s in seq_ids]
-        n = plan.num_queries
-        lengths = list(plan.n_new) if any(k != n for k in plan.n_new) else None
-        return self._recurrent.views(slots, lengths)
-
-    def computed_counts(self, seq_ids: Sequence) -> list[int]:
-        """Computed tokens of each sequence, counting a step in flight (the
-        views' offsets after a layer wrote its part of the step)."""
-        return self._counts.computed_counts(seq_ids)
-
-    def token_context(self, seq_ids: Sequence, offsets: Sequence[int], width: int) -> mx.array:
-        """``[B, width]`` int64: row b's token ids ``[offsets[b] - width,
-        offsets[b])``, left-padded with id 0 (see `TokenContextView`).
-        Raises `InvalidArgument` where those ids are placeholders (never
-        for a model whose tokens are reserved first, see `begin_step`).
-        Cost: one copy of each row's token list."""
-        return self._counts.token_context(seq_ids, offsets, width)
-
-    def can_trim(self, batch: BatchState) -> bool:
-        """mlx-lm's `is_trimmable` for the batch's views: attention-only
-        storage (`truncate`), or views a `SpeculativeModel` feeds (a trim
-        within its open speculation; recurrent state cannot be cut otherwise)."""
-        return batch.speculative or not self.is_hybrid
-
-    def trim_batch(self, batch: BatchState, n: int) -> int:
-        """Drop the last `n` computed tokens of every sequence (mlx-lm's
-        `trim`); returns how many were dropped. For views a
-        `SpeculativeModel` feeds: within the open speculation, a commit
-        keeping all but the last `n` (a hybrid sequence gets its checkpoint
-        back, and the tokens since it are computed again before the next
-        input); without one, a hybrid batch drops nothing (0, as mlx-lm's
-        caches for state they cannot trim). Raises `InvalidArgument`
-        (nothing changed) for a trim past a speculation's start."""
-        seq_ids = batch.seq_ids
-        counts = self._counts
-        if batch.speculative and any(counts.state(s).checkpoint is not None for s in seq_ids):
-            return self._trim_speculation(seq_ids, n)
-        if self.is_hybrid:
-            return 0  # recurrent state cannot be cut outside a speculation
-        n = min([n] + counts.computed_counts(seq_ids))
-        for s in seq_ids:
-            self.truncate(s, counts.state(s).computed - n)
-        return n
-
-    def _trim_speculation(self, seq_ids: Sequence, n: int) -> int:
-        n = check_count("n", n)
-        kept = {}
-        for s in seq_ids:
-            start = self.store.speculation_start(s)
-            if start is None:
-                raise InvalidArgument(f"cannot trim {s!r}: it has no speculation open")
-            tail = self.store.num_tokens(s) - start
-            if n > tail:
-                raise InvalidArgument(
-                    f"cannot trim {n} tokens of {s!r}: its speculation holds {tail}")
-            kept[s] = tail - n
-        self.commit_speculation(kept)
-        self._counts.replay(kept)
-        return n
-
     def num_replay(self, seq_id: Hashable) -> int:
         """Tokens a trim's restored checkpoint made pending again, which a
         `SpeculativeModel` computes before its next input (the caller does
         not feed them again)."""
         return self._counts.num_replay(seq_id)
-
-    def held_bytes(self, group: int, layer: int, seq_ids: Sequence) -> int:
-        """Bytes of the pages the sequences hold in `layer` (shared counted once)."""
-        page_nbytes = self._storage.page_nbytes(group, layer)
-        if not page_nbytes:
-            return 0
-        pages = {p for s in seq_ids for p in self.store.block_table(s, group) if p is not None}
-        return len(pages) * page_nbytes
 
     def pool_for(self, layer: int, keys: mx.array | None,
                  values: mx.array | None) -> PageStore | None:
@@ -878,13 +748,6 @@ class PagedCache:
         in the cache's `kv_format` (`InvalidArgument` naming the layer when
         the format cannot store its head sizes; nothing is created)."""
         return self._storage.pool_for(layer, keys, values)
-
-    def _slot(self, seq_id: Hashable) -> int:
-        """The recurrent slot of a live sequence of a hybrid model."""
-        slot = self.store.slot(seq_id)
-        if slot is None:
-            raise IntegrityError(f"{seq_id!r} has no recurrent slot")
-        return slot
 
     def pools(self) -> dict[int, PageStore]:
         """Every allocated pool, by attention position."""
@@ -1084,13 +947,6 @@ def _token_list(tokens: Iterable[int]) -> Sequence[int]:
     if isinstance(tokens, (list, tuple)) or type(tokens).__name__ == "ndarray":
         return tokens  # type: ignore[return-value]
     return list(tokens)
-
-
-def _token_width(spec: LayerSpec) -> int:
-    """The tokens a token-context layer keeps (its window, always set)."""
-    if spec.window is None:
-        raise IntegrityError(f"token-context layer {spec!r:.80} has no window")
-    return spec.window
 
 
 class _Transfer:
