@@ -18,7 +18,8 @@ with the protocol it asks of the others:
   layers (`ViewPools`); `step_source.CacheSteps`: the `views.StepSource`
   they call (`StepHost`: the sequence calls a step makes);
 * `cache_tiers.CacheTiers` (built by `tier_setup`): the prefix cache's host
-  and disk tiers (`TieredStore`).
+  and disk tiers (`TieredStore`); `prefix_file`: one cached prefix as a
+  file (`PrefixStorage`).
 
 Recurrent layers (``ArraysCache``) keep their state in slots of a backend
 (`RecurrentBackend`, e.g. `recurrent.RecurrentPools`) handed to the
@@ -35,7 +36,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from blockmgr import Allocation, GroupedStore, GroupedStoreConfig, PageGroupUsage, PrefixCacheStats
 from blockmgr.errors import (
@@ -46,15 +46,15 @@ from blockmgr.errors import (
 )
 from blockmgr.ops import MemoryOp, Plan
 from blockmgr.validation import decode_tokens
-from cache import attention_hook
+from cache import attention_hook, prefix_file
 from cache.batch_views import batch_views
-from cache.cache_tiers import SLOTS, CacheTiers, RecordStore, TierReport, page_kind
+from cache.cache_tiers import CacheTiers, TierReport
 from cache.computed_counts import ComputedCounts
 from cache.group_storage import GroupStorage, layer_windows
 from cache.layers import LayerKind, LayerSpec, LayoutEntry
 from cache.model_storage import model_storage_parts
 from cache.page_format import KVFormat, KVShape, PageStore, check_model
-from cache.prefix_file import CorruptPrefixFile, PrefixRecords, read_prefix, write_prefix
+from cache.prefix_file import DeviceRecords
 from cache.recurrent_backend import (  # noqa: F401 - importable from here before
     RecurrentBackend,
     RecurrentStepView,
@@ -807,22 +807,8 @@ class PagedCache:
         but for the export being a use: the prefix is the most recently
         used, with retention priority `retention`. O(prefix pages + file
         bytes)."""
-        pages, slots, fingerprint = self._prefix_records()
-        tokens = list(_token_list(tokens))
-        seq_id = _Transfer()
-        alloc = self.allocate(seq_id, [*tokens, 0], namespace,  # a hit of at most `tokens`
-                              retention=retention)
-        try:
-            num_tokens = alloc.num_cached_tokens
-            if not num_tokens:
-                raise InvalidArgument("nothing of these tokens is cached: nothing to export")
-            self.flush()  # the hit's loads and the partial page's copy
-            records = self._read_prefix_records(seq_id, num_tokens, pages, slots)
-            write_prefix(path, fingerprint, PrefixRecords(namespace, tokens[:num_tokens],
-                                                           records))
-        finally:
-            self.free(seq_id, 0)
-        return num_tokens
+        return prefix_file.export_prefix(self, self._device_records(), _token_list(tokens),
+                                         path, namespace, retention)
 
     def import_prefix(self, path: str | os.PathLike[str], *, retention: int = 0) -> int:
         """Cache the prefix an `export_prefix` of this model (same block
@@ -833,29 +819,8 @@ class PagedCache:
         `CorruptPrefixFile` for a cut or damaged one,
         `OutOfBlocks` / `OutOfSlots` without room: nothing changed then.
         O(file bytes)."""
-        pages, slots, fingerprint = self._prefix_records()
-        prefix = read_prefix(path, fingerprint)
-        num_tokens = len(prefix.tokens)
-        self._check_prefix_shape(prefix, pages, slots)
-        seq_id = _Transfer()
-        alloc = self.allocate(seq_id, prefix.tokens, prefix.namespace, retention=retention)
-        try:
-            self.flush()
-            first = alloc.num_cached_tokens // self.block_size  # earlier pages are the trie's
-            for group, store in enumerate(pages):
-                if store is not None:
-                    table = self.store.block_table(seq_id, group)
-                    store.write([_present(p) for p in table[first:]],
-                                prefix.records[page_kind(group)][first:])
-            if slots is not None:
-                slots.write([_present(self.store.slot(seq_id))], prefix.records[SLOTS])
-            self._counts.written(seq_id, num_tokens)  # as a forward would have
-        except BaseException:
-            self.free(seq_id, 0)
-            raise
-        self.free(seq_id)
-        self.flush()
-        return num_tokens
+        return prefix_file.import_prefix(self, self._counts, self._device_records(), path,
+                                         retention)
 
     @property
     def pools_ready(self) -> bool:
@@ -863,7 +828,7 @@ class PagedCache:
         or up front for cache tiers)? Prefix files need them."""
         return self._storage.ready
 
-    def _prefix_records(self) -> tuple[list[RecordStore | None], RecordStore | None, str]:
+    def _device_records(self) -> DeviceRecords:
         """The device records and their fingerprint, for a prefix file."""
         if not self._model_fingerprint:
             raise InvalidArgument("prefix files need the model's fingerprint: build the cache "
@@ -873,35 +838,8 @@ class PagedCache:
                                   "or build the cache with cache tiers")
         pages, slots = record_stores(self._storage.pools_by_group(), self._recurrent,
                                      self.store.is_hybrid)
-        fingerprint = records_fingerprint(self._model_fingerprint, self.block_size,
-                                          self.kv_format, pages, slots)
-        return pages, slots, fingerprint
-
-    def _read_prefix_records(self, seq_id: Hashable, num_tokens: int,
-                             pages: list[RecordStore | None],
-                             slots: RecordStore | None) -> dict[str, np.ndarray]:
-        num_pages = -(-num_tokens // self.block_size)
-        records = {}
-        for group, store in enumerate(pages):
-            if store is None:
-                continue
-            table = self.store.block_table(seq_id, group)[:num_pages]
-            if None in table:
-                raise InvalidArgument("this prefix's early pages were released by a sliding "
-                                      "window: it cannot be exported whole")
-            records[page_kind(group)] = store.read([_present(p) for p in table])
-        if slots is not None:
-            records[SLOTS] = slots.read([_present(self.store.slot(seq_id))])
-        return records
-
-    def _check_prefix_shape(self, prefix: PrefixRecords, pages: list[RecordStore | None],
-                            slots: RecordStore | None) -> None:
-        num_pages = -(-len(prefix.tokens) // self.block_size)
-        want = {page_kind(g): num_pages for g, store in enumerate(pages) if store is not None}
-        if slots is not None:
-            want[SLOTS] = 1
-        if {kind: len(rows) for kind, rows in prefix.records.items()} != want:
-            raise CorruptPrefixFile("the prefix file's records do not match its tokens")
+        return DeviceRecords(pages, slots, records_fingerprint(
+            self._model_fingerprint, self.block_size, self.kv_format, pages, slots))
 
     def checkpoint(self) -> None:
         """Queue the disk tier's index as it is now (written by the writer
@@ -947,17 +885,3 @@ def _token_list(tokens: Iterable[int]) -> Sequence[int]:
     if isinstance(tokens, (list, tuple)) or type(tokens).__name__ == "ndarray":
         return tokens  # type: ignore[return-value]
     return list(tokens)
-
-
-class _Transfer:
-    """The id of the short-lived sequence a prefix export or import runs
-    (equal to no other id)."""
-
-    __slots__ = ()
-
-
-def _present(page: int | None) -> int:
-    """A page or slot the sequence holds (never None where it is read)."""
-    if page is None:
-        raise IntegrityError("a prefix transfer met a released page")
-    return page

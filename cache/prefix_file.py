@@ -1,6 +1,11 @@
 """One conversation's cached prefix as a file (`PagedCache.export_prefix`,
 `import_prefix`): what an agent moves to another machine or keeps beside
-its transcript.
+its transcript. `export_prefix` / `import_prefix` run a short-lived
+sequence on the cache (`PrefixHost`) that holds the prefix's pages: its
+allocation hits the cached prefix (a demoted one is loaded back) or takes
+fresh pages for the imported one; `DeviceRecords` reads or writes that
+sequence's pages and slot as records; the sequence then ends, an imported
+prefix entering the trie as computed tokens do.
 
 The records are the disk tier's (`cache.page_records`, design/tiers.md): a
 page of a layer group is every layer's stored parts in the page format's
@@ -27,13 +32,17 @@ import base64
 import json
 import os
 import zlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from blockmgr.errors import InvalidArgument
+from blockmgr import Allocation
+from blockmgr.errors import IntegrityError, InvalidArgument
+from blockmgr.ops import Plan
+from cache.cache_tiers import SLOTS, RecordStore, page_kind
 
 MAGIC = "mlx-blockmgr cached prefix"
 VERSION = 1
@@ -129,3 +138,143 @@ def _records(path: str | os.PathLike[str], header: dict, data: bytes,
     if offset != len(data) or not tokens:
         raise CorruptPrefixFile(f"{str(path)!r} is damaged (its length)")
     return PrefixRecords(namespace, tokens, records)
+
+
+class PrefixStorage(Protocol):
+    """What `DeviceRecords` reads of the cache (`PagedCache`): where a
+    sequence's pages and slot are."""
+
+    @property
+    def block_size(self) -> int: ...
+    def block_table(self, seq_id: Hashable, group: int | None = None) -> list[int | None]: ...
+    def slot(self, seq_id: Hashable) -> int | None: ...
+
+
+class PrefixHost(PrefixStorage, Protocol):
+    """The cache a transfer runs its short-lived sequence on (`PagedCache`)."""
+
+    def allocate(self, seq_id: Hashable, tokens: Iterable[int], namespace: Hashable = None, *,
+                 retention: int = 0) -> Allocation: ...
+    def flush(self) -> None: ...
+    def free(self, seq_id: Hashable, num_computed: int | None = None) -> Plan: ...
+
+
+class WrittenCounts(Protocol):
+    """Where an import says its sequence's tokens are written
+    (`computed_counts.ComputedCounts`)."""
+
+    def written(self, seq_id: Hashable, num_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class DeviceRecords:
+    """A cache's device storage as records: each group's pages (None: a
+    group no layer stores) and the slots (None without recurrent state),
+    with the fingerprint a file of them carries
+    (`tier_setup.records_fingerprint`)."""
+
+    pages: list[RecordStore | None]
+    slots: RecordStore | None
+    fingerprint: str
+
+    def read(self, storage: PrefixStorage, seq_id: Hashable,
+             num_tokens: int) -> dict[str, np.ndarray]:
+        """The records of the first `num_tokens` tokens of `seq_id`: its
+        pages of every group, and its slot. Raises `InvalidArgument` when a
+        sliding window released an early page. O(records' bytes)."""
+        num_pages = -(-num_tokens // storage.block_size)
+        records = {}
+        for group, store in enumerate(self.pages):
+            if store is None:
+                continue
+            table = storage.block_table(seq_id, group)[:num_pages]
+            if None in table:
+                raise InvalidArgument("this prefix's early pages were released by a sliding "
+                                      "window: it cannot be exported whole")
+            records[page_kind(group)] = store.read([_present(p) for p in table])
+        if self.slots is not None:
+            records[SLOTS] = self.slots.read([_present(storage.slot(seq_id))])
+        return records
+
+    def check(self, prefix: PrefixRecords, block_size: int) -> None:
+        """Raise `CorruptPrefixFile` unless `prefix` has one record of each
+        kind per page of its tokens (one slot record)."""
+        num_pages = -(-len(prefix.tokens) // block_size)
+        want = {page_kind(g): num_pages for g, store in enumerate(self.pages)
+                if store is not None}
+        if self.slots is not None:
+            want[SLOTS] = 1
+        if {kind: len(rows) for kind, rows in prefix.records.items()} != want:
+            raise CorruptPrefixFile("the prefix file's records do not match its tokens")
+
+    def write(self, storage: PrefixStorage, seq_id: Hashable, first_page: int,
+              prefix: PrefixRecords) -> None:
+        """Write `prefix`'s records from page `first_page` on (earlier pages
+        are the trie's, shared) into `seq_id`'s pages, and its slot.
+        O(records' bytes)."""
+        for group, store in enumerate(self.pages):
+            if store is not None:
+                table = storage.block_table(seq_id, group)
+                store.write([_present(p) for p in table[first_page:]],
+                            prefix.records[page_kind(group)][first_page:])
+        if self.slots is not None:
+            self.slots.write([_present(storage.slot(seq_id))], prefix.records[SLOTS])
+
+
+class TransferId:
+    """The id of the short-lived sequence a prefix export or import runs
+    (equal to no other id)."""
+
+    __slots__ = ()
+
+
+def export_prefix(host: PrefixHost, records: DeviceRecords, tokens: Sequence[int],
+                  path: str | os.PathLike[str], namespace: Hashable, retention: int) -> int:
+    """Write the cached prefix of `tokens` in `namespace` to `path`
+    (`PagedCache.export_prefix`); returns its tokens. Raises
+    `InvalidArgument` when nothing of `tokens` is cached. The cache is left
+    as it was, but for the use of the prefix. O(prefix pages + file bytes)."""
+    seq_id = TransferId()
+    tokens = list(tokens)
+    alloc = host.allocate(seq_id, [*tokens, 0], namespace,  # a hit of at most `tokens`
+                          retention=retention)
+    try:
+        num_tokens = alloc.num_cached_tokens
+        if not num_tokens:
+            raise InvalidArgument("nothing of these tokens is cached: nothing to export")
+        host.flush()  # the hit's loads and the partial page's copy
+        write_prefix(path, records.fingerprint, PrefixRecords(
+            namespace, tokens[:num_tokens], records.read(host, seq_id, num_tokens)))
+    finally:
+        host.free(seq_id, 0)
+    return num_tokens
+
+
+def import_prefix(host: PrefixHost, counts: WrittenCounts, records: DeviceRecords,
+                  path: str | os.PathLike[str], retention: int) -> int:
+    """Cache the prefix in the file `path` (`PagedCache.import_prefix`);
+    returns its tokens. Raises `ForeignPrefixFile`, `CorruptPrefixFile`,
+    `OutOfBlocks` / `OutOfSlots`, nothing changed then. O(file bytes)."""
+    prefix = read_prefix(path, records.fingerprint)
+    num_tokens = len(prefix.tokens)
+    records.check(prefix, host.block_size)
+    seq_id = TransferId()
+    alloc = host.allocate(seq_id, prefix.tokens, prefix.namespace, retention=retention)
+    try:
+        host.flush()
+        # Pages before the first the hit left are the trie's: already written.
+        records.write(host, seq_id, alloc.num_cached_tokens // host.block_size, prefix)
+        counts.written(seq_id, num_tokens)  # as a forward would have
+    except BaseException:
+        host.free(seq_id, 0)
+        raise
+    host.free(seq_id)
+    host.flush()
+    return num_tokens
+
+
+def _present(page: int | None) -> int:
+    """A page or slot the sequence holds (never None where it is read)."""
+    if page is None:
+        raise IntegrityError("a prefix transfer met a released page")
+    return page
