@@ -14,7 +14,14 @@
   by `PagedCache` unless ``paged_attention=False``).
 * `host_pool`: `HostPagePool`, host copies of pages (swap space).
 * `buckets`: `length_buckets`, decode batches split by length.
-* `paged_cache`: `PagedCache`, the pools and grouped store of one model.
+* `paged_cache`: `PagedCache`, the pools and grouped store of one model
+  (the facade over the four below).
+* `group_storage`: `GroupStorage`, each layer group's pools and the plan queue.
+* `computed_counts`: `ComputedCounts`, each sequence's computed count.
+* `batch_views`: the views of one batch, laid out as the model's layers.
+* `step_source`: `CacheSteps`, what a batch's views call (`StepSource`).
+* `cache_tiers`, `tier_setup`, `disk_tier`, `page_records`: the prefix
+  cache's host and disk tiers; `prefix_file`: one cached prefix as a file.
 * `recurrent_backend`: `RecurrentBackend`, what `PagedCache` needs of the
   slot storage of recurrent layers.
 * `model_storage`: what `PagedCache.for_model` reads of a model (its cache
