@@ -226,7 +226,7 @@ class PagedCache:
             model, num_slots=num_slots, recurrent=recurrent, num_host_slots=num_host_slots
         )
         if host_cache_size is not None or disk_cache is not None:
-            sizes = tier_sizes(model, parts, block_size, KVFormat.of(
+            sizes = tier_sizes(cls, model, parts, block_size, KVFormat.of(
                 kwargs.get("kv_format"), kwargs.get("kv_bits"), kwargs.get("kv_group_size")),
                 host_cache_size, disk_cache, disk_cache_size)
             kwargs = {**sizes.kwargs(), **kwargs}

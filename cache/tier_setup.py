@@ -3,7 +3,8 @@
 * `tier_sizes`: byte budgets (host memory, disk) turned into pages per
   layer group and recurrent snapshots with the real bytes of the model's
   pages in its format (one probe forward on a one-page cache finds every
-  attention position's shape, `KVFormat.page_nbytes` prices it);
+  attention position's shape, `KVFormat.page_nbytes` prices it; the cache
+  is built by the constructor the caller hands in, `ProbeCache`);
 * `model_fingerprint`: the identity of a model's weights and architecture;
 * `open_tiers`: the `CacheTiers` of a built cache: device records per group
   and for slots, the host rows, the disk directory opened (locked) and
@@ -17,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -66,17 +68,26 @@ class TierSizes:
                 "disk_cache": self.disk_cache, "model_fingerprint": self.model_fingerprint}
 
 
-def probe_kv_shapes(model: Any, parts: ModelStorageParts, block_size: int,
-                    kv_format: KVFormat) -> tuple[dict[int, KVShape], int]:
+class ProbeCache(Protocol):
+    """What the probe forward runs on (a `PagedCache`, built by the
+    constructor `tier_sizes` is handed: `PagedCache` itself)."""
+
+    def allocate(self, seq_id: Hashable, tokens: Iterable[int]) -> Any: ...
+    def step(self, seq_ids: Sequence[Hashable],
+             num_new: Sequence[int] | None = None) -> AbstractContextManager[list[Any]]: ...
+    def pools(self) -> dict[int, PageStore]: ...
+
+
+def probe_kv_shapes(make_cache: Callable[..., ProbeCache], model: Any, parts: ModelStorageParts,
+                    block_size: int, kv_format: KVFormat) -> tuple[dict[int, KVShape], int]:
     """Every attention position's `KVShape` and one slot's bytes (0 without
     recurrent layers), from one one-token forward on a one-page cache of
-    the same layout (pools take their shapes from the first K/V written).
+    the same layout, built by `make_cache` with `PagedCache`'s arguments
+    (pools take their shapes from the first K/V written).
     Cost: one forward of one token, one page of every pool."""
-    from cache.paged_cache import PagedCache  # the module that imports this one
-
     hybrid = parts.recurrent is not None
     probe_parts = model_storage_parts(model, num_slots=1) if hybrid else parts
-    probe = PagedCache(probe_parts.specs, 1, block_size, num_slots=1 if hybrid else 0,
+    probe = make_cache(probe_parts.specs, 1, block_size, num_slots=1 if hybrid else 0,
                        recurrent=probe_parts.recurrent, layout=probe_parts.layout,
                        kv_format=kv_format, enable_prefix_cache=False)
     probe.allocate("probe", [0])
@@ -91,14 +102,16 @@ def probe_kv_shapes(model: Any, parts: ModelStorageParts, block_size: int,
     return shapes, slot_nbytes
 
 
-def tier_sizes(model: Any, parts: ModelStorageParts, block_size: int, kv_format: KVFormat,
-               host_cache_size: int | str | None, disk_cache: str | os.PathLike[str] | None,
+def tier_sizes(make_cache: Callable[..., ProbeCache], model: Any, parts: ModelStorageParts,
+               block_size: int, kv_format: KVFormat, host_cache_size: int | str | None,
+               disk_cache: str | os.PathLike[str] | None,
                disk_cache_size: int | str | None) -> TierSizes:
     """Pages and snapshots of each tier for byte budgets (see the module
-    doc). A page of every layer group is the unit (each group gets as many
-    pages); a hybrid model sets one snapshot beside `PAGES_PER_SNAPSHOT`
-    pages. Raises `InvalidArgument` for a budget below one unit."""
-    shapes, slot_nbytes = probe_kv_shapes(model, parts, block_size, kv_format)
+    doc; `make_cache` builds the probe's cache). A page of every layer
+    group is the unit (each group gets as many pages); a hybrid model sets
+    one snapshot beside `PAGES_PER_SNAPSHOT` pages. Raises
+    `InvalidArgument` for a budget below one unit."""
+    shapes, slot_nbytes = probe_kv_shapes(make_cache, model, parts, block_size, kv_format)
     windows = layer_windows(parts.specs)
     page_nbytes = 0
     for window in windows:
