@@ -19,7 +19,6 @@ on one state, so stateful cases are built with room for every call.
 from __future__ import annotations
 
 import pytest
-
 from blockmgr_table import CASES, Case
 
 ROUNDS = 30

@@ -12,9 +12,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from compare_cache import BLOCK, batch_kv_caches, prefill, tiny_llama
 from mlx_lm.models.cache import KVCache
 
-from compare_cache import BLOCK, batch_kv_caches, prefill, tiny_llama
 from cache import PagedCache
 
 CTX = [1024, 4096]

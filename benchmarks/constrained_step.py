@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from benchmarks.compare_grammars import train_tokenizer
-from scheduler.engine.engine import Engine
 from scheduler.core.request import SamplingParams
+from scheduler.engine.engine import Engine
 
 
 def build(vocab: int):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.engine.engine import Engine  # noqa: E402
 from scheduler.core.request import SamplingParams  # noqa: E402
+from scheduler.engine.engine import Engine  # noqa: E402
 from scheduler.simulator.engine_models import ModelSpec, load_model  # noqa: E402
 from scheduler.simulator.tokens import TokenSource  # noqa: E402
 

@@ -172,11 +172,19 @@ def request_times(result) -> dict[str, list[float]]:
 
 def main() -> int:
     from scheduler.simulator.calibrate import (
-        CalibrationGrid, calibrate, drift, machine_info, measure_anchors,
+        CalibrationGrid,
+        calibrate,
+        drift,
+        machine_info,
+        measure_anchors,
     )
     from scheduler.simulator.engine_models import ModelSpec, load_model, model_layout
     from scheduler.simulator.profile import (
-        format_fit, read_cost, read_fit, read_layout, write_profile,
+        format_fit,
+        read_cost,
+        read_fit,
+        read_layout,
+        write_profile,
     )
     from scheduler.simulator.replay import run_replay
 

@@ -39,8 +39,9 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # compare_speculative
 
-from cache import PagedCache  # noqa: E402
 from compare_speculative import VOCAB, draft_model, prompts, target_model  # noqa: E402
+
+from cache import PagedCache  # noqa: E402
 from tests.scheduler.test_engine import make_prompts  # noqa: E402
 from tests.scheduler.test_speculative import noisy_copy  # noqa: E402
 from tests.tiny_models import HYBRID_VOCAB, built  # noqa: E402

@@ -38,10 +38,10 @@ from blockmgr.ops import (
     Tier,
     ZeroSlot,
 )
-from blockmgr.trie_node import PrefixCacheListener, PrefixMatch
 from blockmgr.sequence import Allocation
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage
+from blockmgr.trie_node import PrefixCacheListener, PrefixMatch
 
 __all__ = [
     "Allocation",

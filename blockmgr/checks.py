@@ -28,8 +28,8 @@ from blockmgr.errors import IntegrityError
 from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixTrie
-from blockmgr.trie_node import TOKEN_BYTES, TrieNode, pack_tokens, path_tokens
 from blockmgr.sequence import Sequence, SequenceTable, Speculation
+from blockmgr.trie_node import TOKEN_BYTES, TrieNode, pack_tokens, path_tokens
 
 
 @dataclass(slots=True, eq=False)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 
+from blockmgr.checks import StoreChecks
 from blockmgr.config import BlockManagerConfig, GroupedStoreConfig
 from blockmgr.errors import (
     DuplicateSequence,
@@ -50,18 +51,17 @@ from blockmgr.errors import (
     UnknownSequence,
     WrongArgumentType,
 )
-from blockmgr.checks import StoreChecks
 from blockmgr.growth import Growth, grow, plan_growth
 from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, Tier, ZeroSlot
 from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixTrie
-from blockmgr.trie_node import TOKEN_BYTES, PrefixCacheListener, PrefixEvent, PrefixMatch, TrieNode
 from blockmgr.sequence import Allocation, Sequence, SequenceTable
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
 from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage
+from blockmgr.trie_node import TOKEN_BYTES, PrefixCacheListener, PrefixEvent, PrefixMatch, TrieNode
 from blockmgr.validation import (
     MAX_TOKEN_ID,
     check_count,

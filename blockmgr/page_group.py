@@ -18,8 +18,8 @@ from blockmgr.config import BlockManagerConfig
 from blockmgr.errors import IntegrityError, OutOfBlocks
 from blockmgr.ops import CopyBlock, MemoryOp, SwapIn, SwapOut
 from blockmgr.pool import RefCountedPool
-from blockmgr.trie_node import PageList, PrefixMatch
 from blockmgr.sequence import Sequence, held, held_page
+from blockmgr.trie_node import PageList, PrefixMatch
 
 
 @dataclass(slots=True, eq=False)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, cast
 
 from blockmgr.errors import InvalidArgument
 
+
 class LayerKind(Enum):
     ATTENTION = "attention"  # full causal attention: paged KV
     SLIDING = "sliding"  # sliding-window attention: paged KV, old pages released

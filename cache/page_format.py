@@ -28,6 +28,7 @@ from cache.page_pool import PagePool, PoolShape
 from cache.quantized_pool import QuantizedPagePool
 from cache.step_plan import StepPlan
 
+
 class PageStore(Protocol):
     """One attention layer's K/V pages, head-major rows ``h * num_blocks + p``
     (see `page_pool`). Index arguments are flat head-major row indices.

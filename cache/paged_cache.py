@@ -61,8 +61,8 @@ from cache.recurrent_backend import (  # noqa: F401 - importable from here befor
 )
 from cache.speculative_model import SpeculativeModel
 from cache.step_source import CacheSteps
-from cache.tier_setup import open_tiers, record_stores, records_fingerprint, tier_sizes
 from cache.tier_setup import model_fingerprint as fingerprint_of
+from cache.tier_setup import open_tiers, record_stores, records_fingerprint, tier_sizes
 from cache.views import BatchState
 
 __all__ = ["PagedCache", "RecurrentBackend", "RecurrentStepView", "layer_windows"]

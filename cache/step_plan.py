@@ -20,7 +20,6 @@ import numpy as np
 
 from blockmgr.errors import InvalidArgument
 
-
 # Masked scores: finite (so a query row with no visible key, which only
 # padding rows can have, gives a finite mean instead of NaN) and far below
 # any real score once the softmax runs in float32.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from blockmgr.errors import InvalidArgument
 from blockmgr.ops import CopyBlock, CopySlot, MemoryOp, SwapIn, SwapOut, ZeroSlot
 
+
 @dataclass(frozen=True, slots=True)
 class SlotRemap:
     """Net effect of a slot plan, read against the slots' current contents.

@@ -9,7 +9,7 @@
   `server`: the OpenAI-compatible HTTP server (design/serving.md).
 """
 
-from scheduler.core.request import RequestMetrics, Request, RequestStatus, SamplingParams
+from scheduler.core.config import SchedulerConfig
 from scheduler.core.records import (
     DecodeRows,
     RequestOutput,
@@ -18,7 +18,7 @@ from scheduler.core.records import (
     SchedulerStats,
     SequenceInfo,
 )
-from scheduler.core.config import SchedulerConfig
+from scheduler.core.request import Request, RequestMetrics, RequestStatus, SamplingParams
 from scheduler.core.scheduler import RequestTooLarge, Scheduler, StaleSchedulerOutput
 from scheduler.engine.config import CacheConfig, EngineConfig
 

@@ -8,8 +8,16 @@ test session.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import cohere2, gemma3_text, gpt_oss, lfm2, llama, qwen3, qwen3_next
-from mlx_lm.models import recurrent_gemma
+from mlx_lm.models import (
+    cohere2,
+    gemma3_text,
+    gpt_oss,
+    lfm2,
+    llama,
+    qwen3,
+    qwen3_next,
+    recurrent_gemma,
+)
 
 #: Vocabulary of the attention-only models (llama, qwen3, sliding).
 ATTENTION_VOCAB = 101

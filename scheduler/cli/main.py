@@ -14,7 +14,6 @@ from scheduler.cli.serving import cmd_bench, cmd_serve
 from scheduler.cli.simulate import cmd_calibrate, cmd_compare, cmd_replay, cmd_simulate
 from scheduler.simulator.runner import SimulationError
 
-
 COMMANDS = {"simulate": cmd_simulate, "replay": cmd_replay, "calibrate": cmd_calibrate,
             "compare": cmd_compare, "serve": cmd_serve, "bench": cmd_bench}
 

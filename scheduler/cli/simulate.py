@@ -262,7 +262,12 @@ def _load_summary(path: str) -> dict:
 
 def cmd_sweep(args, base) -> int:
     from scheduler.simulator.sweep import (
-        DEFAULT_GRID, format_text_table, grid_points, parse_grid, run_sweep, table_rows,
+        DEFAULT_GRID,
+        format_text_table,
+        grid_points,
+        parse_grid,
+        run_sweep,
+        table_rows,
         write_sweep,
     )
 

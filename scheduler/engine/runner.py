@@ -20,8 +20,8 @@ import mlx.core as mx
 
 from blockmgr.errors import IntegrityError
 from cache import PagedCache
-from scheduler.core.request import TokenLogprob
 from scheduler.core.records import ScheduledSeq
+from scheduler.core.request import TokenLogprob
 from scheduler.engine.sampling import KeyChain, sample_rows, token_logprobs
 
 

@@ -30,10 +30,10 @@ import mlx.core as mx
 
 from blockmgr.errors import IntegrityError, OutOfBlocks, OutOfSlots
 from cache import PagedCache
-from scheduler.core.request import Request, SamplingParams
-from scheduler.engine.sampling import KeyChain, adjust_logits, filtered_logprobs
 from scheduler.core.records import AcceptedTokens, ScheduledSeq
+from scheduler.core.request import Request, SamplingParams
 from scheduler.engine.runner import ModelRunner
+from scheduler.engine.sampling import KeyChain, adjust_logits, filtered_logprobs
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from blockmgr.errors import InvalidArgument, WrongArgumentType

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from blockmgr.errors import InvalidArgument
-from scheduler.serving.chat_output import ChatOutput, ToolFormat, ToolMode
 from scheduler.core.constraints import Constraint, Grammars, GrammarUnavailable
+from scheduler.serving.chat_output import ChatOutput, ToolFormat, ToolMode
 
 
 @runtime_checkable

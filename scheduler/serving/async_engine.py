@@ -38,12 +38,12 @@ from typing import Any
 
 from blockmgr.errors import BlockManagerError, IntegrityError, WrongArgumentType
 from blockmgr.validation import check_int
-from scheduler.engine.engine import Engine
-from scheduler.serving.metrics import ServingMetrics
-from scheduler.core.request import Request, SamplingParams
 from scheduler.core.records import RequestOutput
-from scheduler.serving.status import StatusLine
+from scheduler.core.request import Request, SamplingParams
+from scheduler.engine.engine import Engine
 from scheduler.engine.text import is_text_prompt, stop_strings
+from scheduler.serving.metrics import ServingMetrics
+from scheduler.serving.status import StatusLine
 
 
 class QueueFull(BlockManagerError):

@@ -34,6 +34,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from smg_grpc_proto.generated import common_pb2
+
 from scheduler.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,7 +43,6 @@ from scheduler.engine.kv_events import (
     KVEvent,
     decode_batch,
 )
-from smg_grpc_proto.generated import common_pb2
 
 #: Batches kept for replay (vLLM's publisher keeps 10 000 steps too).
 HISTORY = 10_000

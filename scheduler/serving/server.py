@@ -49,12 +49,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from blockmgr.errors import BlockManagerError, IntegrityError, InvalidArgument, UnknownSequence
+from scheduler.core.records import RequestOutput
+from scheduler.core.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
+from scheduler.engine.text import ChatPrompt
 from scheduler.serving.agent_api import AgentOptions
 from scheduler.serving.async_engine import AsyncEngine, EngineStopped, QueueFull
 from scheduler.serving.chat_output import ChatOutput
-from scheduler.core.request import RequestMetrics, RequestStatus, SamplingParams, TokenLogprob
-from scheduler.core.records import RequestOutput
-from scheduler.engine.text import ChatPrompt
 
 #: OpenAI's default max_tokens for /v1/completions.
 DEFAULT_MAX_TOKENS = 16

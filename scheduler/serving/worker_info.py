@@ -44,8 +44,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from scheduler.serving.async_engine import AsyncEngine
 from scheduler.engine.engine import Engine
+from scheduler.serving.async_engine import AsyncEngine
 from scheduler.serving.server import HttpError
 
 

@@ -36,8 +36,13 @@ from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder, RequestRecord
 from scheduler.simulator.prefix_bound import PrefixBound
-from scheduler.simulator.runner import (HEAD_DROPPED, NEVER_FITS, ProgressFn, SimulationResult,
-                                        sessions_of)
+from scheduler.simulator.runner import (
+    HEAD_DROPPED,
+    NEVER_FITS,
+    ProgressFn,
+    SimulationResult,
+    sessions_of,
+)
 from scheduler.simulator.tokens import TokenSource
 from scheduler.simulator.workloads import RequestSpec, head_arrival
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import platform
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from blockmgr.kv_format import format_bytes
-from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.group_usage import group_rows
+from scheduler.simulator.kv_memory import KVMemory
 from scheduler.simulator.layout import ModelLayout, describe_layout
 from scheduler.simulator.metrics import MEMORY_FIELDS, STEP_FIELDS
 from scheduler.simulator.plots import PlottingUnavailable, plot_run

@@ -41,8 +41,8 @@ import csv
 import hashlib
 import json
 import warnings
-from datetime import datetime
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 

@@ -10,14 +10,14 @@ import copy
 import pytest
 
 from blockmgr import (
-    GroupedStore,
-    GroupedStoreConfig,
     BlockManager,
     BlockManagerConfig,
     BlockManagerError,
     CopyBlock,
     CopySlot,
     DuplicateSequence,
+    GroupedStore,
+    GroupedStoreConfig,
     IntegrityError,
     InvalidArgument,
     MemoryLeak,

@@ -22,8 +22,8 @@ from blockmgr import (
     SpeculationInFlight,
     UnknownSequence,
 )
-from tests.shadow import GroupedShadowStorage
 from tests.blockmgr.test_stateful import BlockManagerMachine, _test_case
+from tests.shadow import GroupedShadowStorage
 
 #: Calls no store may accept: each must raise and change nothing.
 BAD_CALLS = [

@@ -12,6 +12,7 @@ import copy
 import os
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -20,8 +21,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
-import numpy as np
 
 from blockmgr import (
     BlockManager,

@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 from blockmgr.ops import Tier
-from cache import PagedCache
-from cache import disk_tier
+from cache import PagedCache, disk_tier
 from cache.disk_tier import DiskCacheLocked
 from tests import quant_models
 from tests.cache.test_cache_swap import build, toks

@@ -11,7 +11,7 @@ import pytest
 
 from blockmgr.errors import InvalidArgument
 from cache.prefix_file import CorruptPrefixFile, ForeignPrefixFile
-from tests.cache.test_cache_tiers import A, QUERY, evict_a, make, model_of, reference, run
+from tests.cache.test_cache_tiers import QUERY, A, evict_a, make, model_of, reference, run
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from cache import KVFormat, PagedCache, QuantizedPagePool
 from cache.host_pool import HostPagePool
 from cache.page_pool import PoolShape
 from scheduler import Engine, SamplingParams
+from tests.cache.test_store_faults import FAULT, FailingLayer, FailingModel
 from tests.memory import peak_growth
 from tests.quant_models import VOCAB, built, group_size, num_slots, reference_caches, run_chunks
 from tests.scheduler.test_engine import assert_no_leak, assert_preempted
-from tests.cache.test_store_faults import FAULT, FailingLayer, FailingModel
 
 TOL = 1e-4
 

@@ -17,9 +17,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache import PagedCache
 from scheduler import Engine, SamplingParams
+from tests.reference import greedy_reference
 from tests.scheduler.test_engine import assert_no_leak
 from tests.tiny_models import SLIDING_MODELS, built
-from tests.reference import greedy_reference
 
 TOL = 1e-4
 BLOCK = 4

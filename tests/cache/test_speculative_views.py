@@ -21,9 +21,9 @@ from mlx_lm.generate import speculative_generate_step
 from blockmgr.errors import InvalidArgument, OutOfBlocks
 from cache import PagedCache
 from tests.leaks import assert_only_the_cache_holds
+from tests.reference import greedy_reference
 from tests.scheduler.test_speculative import NOISE, noisy_copy
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
-from tests.reference import greedy_reference
 
 MAX_TOKENS = 16
 NUM_DRAFT = 3

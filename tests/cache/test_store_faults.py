@@ -26,10 +26,10 @@ from blockmgr import (
 )
 from cache import PagedCache
 from scheduler import Engine, RequestStatus, SamplingParams
-from tests.shadow import GroupedShadowStorage
-from tests.scheduler.test_engine import assert_no_leak
-from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 from tests.reference import greedy_reference
+from tests.scheduler.test_engine import assert_no_leak
+from tests.shadow import GroupedShadowStorage
+from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 TOL = 1e-4
 FAULT = "injected fault"

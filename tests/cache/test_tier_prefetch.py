@@ -14,7 +14,7 @@ import pytest
 
 from blockmgr.ops import Tier
 from cache import disk_tier
-from tests.cache.test_cache_tiers import A, QUERY, evict_a, make, model_of, reference, run
+from tests.cache.test_cache_tiers import QUERY, A, evict_a, make, model_of, reference, run
 
 
 @pytest.fixture(scope="module")

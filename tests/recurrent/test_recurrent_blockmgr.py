@@ -19,7 +19,6 @@ from blockmgr import BlockManager, BlockManagerConfig
 from blockmgr.errors import NoSnapshot
 from blockmgr.ops import CopySlot, ZeroSlot
 from recurrent import RecurrentPools
-
 from tests.recurrent.test_recurrent_models import MODELS, TOL, commit, reference, tokens
 from tests.tiny_models import built
 

@@ -11,8 +11,8 @@ import pytest
 
 from scheduler import Engine, RequestStatus, SamplingParams
 from tests.leaks import assert_only_the_cache_holds
-from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 from tests.reference import greedy_reference
+from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 MAX_TOKENS = 10
 BUILDERS = {"llama": ATTENTION_VOCAB, "lfm2": HYBRID_VOCAB}

@@ -14,8 +14,8 @@ import pytest
 from blockmgr import InvalidArgument
 from blockmgr.errors import WrongArgumentType
 from scheduler import Engine, RequestStatus, SamplingParams
-from scheduler.engine.engine import AutoRequestId
 from scheduler.core.scheduler import RequestTooLarge
+from scheduler.engine.engine import AutoRequestId
 from tests.scheduler.test_engine import MAX_TOKENS, assert_no_leak, get
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS)

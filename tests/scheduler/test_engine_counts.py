@@ -13,7 +13,12 @@ import pytest
 from blockmgr.errors import IntegrityError
 from scheduler import Engine, SamplingParams
 from tests.scheduler.test_engine import (
-    MAX_TOKENS, assert_no_leak, assert_preempted, get, preempting_engine)
+    MAX_TOKENS,
+    assert_no_leak,
+    assert_preempted,
+    get,
+    preempting_engine,
+)
 from tests.scheduler.test_speculative import draft, refs
 from tests.tiny_models import built
 

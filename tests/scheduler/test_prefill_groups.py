@@ -18,9 +18,9 @@ from hypothesis import given, settings
 
 from scheduler import Engine, RequestStatus, SamplingParams
 from scheduler.core.prefill_groups import PAD_FRACTION, PAD_TOKENS, prefill_groups
-from tests.scheduler.test_engine import assert_no_leak
 from tests.cache.test_store_faults import FailingModel, tokens
 from tests.reference import greedy_reference
+from tests.scheduler.test_engine import assert_no_leak
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from scheduler import Engine, SamplingParams
-from tests.scheduler.test_engine import assert_no_leak
 from tests.cache.test_store_faults import FailingModel, tokens
 from tests.reference import greedy_reference
+from tests.scheduler.test_engine import assert_no_leak
 from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 MAX_TOKENS = 6

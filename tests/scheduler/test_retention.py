@@ -74,6 +74,7 @@ def test_engine_requests_and_the_server_body_carry_the_priority():
     default-priority prompts that push the pool; the server reads the
     OpenAI-compatible extra field `retention_priority`."""
     from scheduler import Engine, SamplingParams
+
     # private on purpose: the body's parser alone; its only public path is a running server
     from scheduler.serving.server import HttpError, _sampling
     from tests.tiny_models import built

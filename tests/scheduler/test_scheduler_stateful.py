@@ -18,8 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from blockmgr import BlockManager, BlockManagerConfig, InvalidArgument
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.core.scheduler import SchedulerOutput
-from tests.shadow import ShadowStorage
 from tests.scheduler.test_scheduler import assert_no_leak, shadow_step
+from tests.shadow import ShadowStorage
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26]]
 

@@ -23,7 +23,7 @@ from scheduler import Engine, SamplingParams
 from tests.leaks import assert_only_the_cache_holds
 from tests.reference import greedy_reference
 from tests.scheduler.test_engine import assert_no_leak, assert_preempted, make_prompts
-from tests.tiny_models import ATTENTION_VOCAB, HYBRID_VOCAB, _BUILDERS, built
+from tests.tiny_models import _BUILDERS, ATTENTION_VOCAB, HYBRID_VOCAB, built
 
 MAX_TOKENS = 10
 VOCABS = {"llama": ATTENTION_VOCAB, "lfm2": HYBRID_VOCAB, "qwen3_next": HYBRID_VOCAB,

@@ -23,15 +23,15 @@ import pytest
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.cli import main  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serving.loadgen import BenchOptions, PromptBuilder  # noqa: E402
 from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.reference import greedy_reference  # noqa: E402
-from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import ServerThread  # noqa: E402
+from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 8

@@ -76,13 +76,13 @@ pytest.importorskip("uvicorn")
 
 
 def test_a_rerun_with_the_same_seed_warns_and_fresh_cache_does_not(tmp_path, capsys):
-    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.cli import main
+    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.serving.operator_api import build_serving_app
     from scheduler.serving.serve import load_engine, serve_config
-    from tests.serve_model import build_model_dir
     from tests.scheduler.serving.test_bench import WORKLOAD
     from tests.scheduler.serving.test_server import ServerThread
+    from tests.serve_model import build_model_dir
 
     engine, name = load_engine(build_model_dir(tmp_path / "tiny"),
                                serve_config(num_blocks=512, block_size=8))
@@ -105,12 +105,12 @@ def test_a_rerun_with_the_same_seed_warns_and_fresh_cache_does_not(tmp_path, cap
 
 
 def test_an_offered_rate_far_above_the_server_is_flagged(tmp_path, capsys):
-    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.cli import main
+    from scheduler.serving.async_engine import AsyncEngine
     from scheduler.serving.operator_api import build_serving_app
     from scheduler.serving.serve import load_engine, serve_config
-    from tests.serve_model import build_model_dir
     from tests.scheduler.serving.test_server import ServerThread
+    from tests.serve_model import build_model_dir
 
     engine, name = load_engine(build_model_dir(tmp_path / "tiny"),
                                serve_config(num_blocks=512, block_size=8))

@@ -29,10 +29,12 @@ grpc = pytest.importorskip("grpc", reason="needs grpcio (installed with smg)")
 proto = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2_grpc",
                             reason="needs smg-grpc-proto (the gateway's gRPC stubs)")
 
+from smg_grpc_proto.generated import common_pb2  # noqa: E402
+
 from blockmgr.errors import InvalidArgument  # noqa: E402
 from scheduler import Engine  # noqa: E402
 from scheduler.engine.kv_events import KVEventBatch, ZmqSink, encode_batch  # noqa: E402
-from smg_grpc_proto.generated import common_pb2  # noqa: E402
+from tests.fleet import EventView  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.scheduler.serving.test_kv_events import (  # noqa: E402
@@ -41,7 +43,6 @@ from tests.scheduler.serving.test_kv_events import (  # noqa: E402
     servable_prefixes,
     workload,
 )
-from tests.fleet import EventView  # noqa: E402
 from tests.tiny_models import built  # noqa: E402
 
 

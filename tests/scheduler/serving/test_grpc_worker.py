@@ -28,12 +28,10 @@ grpc = pytest.importorskip("grpc", reason="the gRPC worker needs grpcio (pip ins
 pytest.importorskip("smg_grpc_proto", reason="needs smg-grpc-proto (pip install '.[fleet]')")
 pytest.importorskip("msgpack", reason="the KV events need msgpack (events extra)")
 
-from smg_grpc_proto.generated import (  # noqa: E402
-    common_pb2,
-    vllm_engine_pb2 as pb,
-    vllm_engine_pb2_grpc,
-)
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
 
+from scheduler import Engine  # noqa: E402
 from scheduler.engine.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockStored,
@@ -43,7 +41,6 @@ from scheduler.engine.kv_events import (  # noqa: E402
 )
 from scheduler.serving import serve  # noqa: E402
 from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
-from scheduler import Engine  # noqa: E402
 from scheduler.serving.grpc_events import KvEventRelay, attach  # noqa: E402
 from scheduler.serving.grpc_worker import GrpcWorker, WorkerModel  # noqa: E402
 from tests.fleet import EventView  # noqa: E402

@@ -467,8 +467,8 @@ def test_the_server_advertises_exactly_what_it_serves(tmp_path):
     from scheduler.serving.async_engine import AsyncEngine
     from scheduler.serving.serve import load_engine, open_kv_events, serve_config
     from scheduler.serving.server import build_app
-    from tests.serve_model import build_model_dir
     from tests.scheduler.serving.test_server import ServerThread
+    from tests.serve_model import build_model_dir
 
     sink = open_kv_events("tcp://127.0.0.1:*", "kv@pod@tiny", "tcp://127.0.0.1:*")
     engine, name = load_engine(build_model_dir(tmp_path / "tiny"),
@@ -507,9 +507,9 @@ def test_blockmgr_serve_publishes_with_the_kv_events_options(tmp_path):
     zmq = pytest.importorskip("zmq", reason="the ZMQ test needs pyzmq (events extra)")
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from tests.serve_model import build_model_dir
     from tests.ports import free_port
     from tests.scheduler.serving.test_server_cli import _serve, _wait_up
+    from tests.serve_model import build_model_dir
 
     bad = _serve("--model", ".", "--kv-events", "tcp://nowhere")
     _, err = bad.communicate(timeout=60)

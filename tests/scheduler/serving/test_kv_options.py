@@ -26,8 +26,8 @@ from cache.page_format import make_pool
 from cache.page_pool import PoolShape
 from scheduler import cli
 from scheduler.engine.engine import Engine, default_num_slots
-from scheduler.serving.metrics import ServingMetrics
 from scheduler.engine.sampling import SamplingParams
+from scheduler.serving.metrics import ServingMetrics
 from scheduler.serving.serve import size_pool
 from scheduler.simulator.kv_memory import (
     KVMemory,

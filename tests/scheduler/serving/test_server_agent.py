@@ -20,15 +20,14 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from blockmgr.errors import InvalidArgument  # noqa: E402
-from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.core.constraints import GrammarError, Grammars  # noqa: E402
-from scheduler.engine.engine import Engine  # noqa: E402
 from scheduler.core.request import RequestStatus, SamplingParams  # noqa: E402
+from scheduler.engine.engine import Engine  # noqa: E402
+from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serving.serve import load_engine, serve_config  # noqa: E402
 from scheduler.serving.server import build_app  # noqa: E402
-from tests.serve_model import (  # noqa: E402
-    ANSWER, CALL, REASONING, THINK, build_agent_model_dir, load_tiny)
 from tests.scheduler.serving.test_server import ServerThread, wait_idle  # noqa: E402
+from tests.serve_model import ANSWER, CALL, REASONING, THINK, build_agent_model_dir, load_tiny  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

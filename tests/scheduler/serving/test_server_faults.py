@@ -36,8 +36,8 @@ from scheduler.serving.async_engine import AsyncEngine  # noqa: E402
 from scheduler.serving.serve import load_engine, model_context, serve_config  # noqa: E402
 from scheduler.serving.server import MAX_STOP_LENGTH, MAX_STOP_STRINGS, build_app  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
-from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 from tests.scheduler.serving.test_server import LOOPBACK, ServerThread  # noqa: E402
+from tests.serve_model import build_model_dir, load_tiny  # noqa: E402
 
 CONTEXT = 128  # the model's max_position_embeddings
 NUM_BLOCKS = 256

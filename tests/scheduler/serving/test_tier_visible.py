@@ -18,7 +18,7 @@ import pytest
 from blockmgr.ops import Tier
 from scheduler.serving.metrics import tier_families
 from scheduler.serving.server import cached_tokens_by_tier
-from tests.cache.test_cache_tiers import A, QUERY, evict_a, make, model_of, pc_page_bytes, run
+from tests.cache.test_cache_tiers import QUERY, A, evict_a, make, model_of, pc_page_bytes, run
 
 msgpack = pytest.importorskip("msgpack", reason="KV events need the events extra (msgpack)")
 

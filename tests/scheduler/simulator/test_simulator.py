@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest

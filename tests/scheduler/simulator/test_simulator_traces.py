@@ -12,8 +12,14 @@ import pytest
 
 from blockmgr import BlockManagerConfig
 from scheduler.cli import main
-from scheduler.simulator import SimulationConfig, TraceError, WorkloadConfig, generate, read_trace
-from scheduler.simulator import run_simulation
+from scheduler.simulator import (
+    SimulationConfig,
+    TraceError,
+    WorkloadConfig,
+    generate,
+    read_trace,
+    run_simulation,
+)
 from scheduler.simulator.prefix_bound import infinite_cache_hit_rate
 from scheduler.simulator.tokens import TokenSource
 from scheduler.simulator.trace import MOONCAKE_BLOCK_TOKENS, TraceWarning
