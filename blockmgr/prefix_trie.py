@@ -1189,6 +1189,8 @@ class PrefixTrie:
             raise IntegrityError(f"{node_where(node)} is a tombstone leaf")
         if not self._hybrid and node.slot is not None:
             raise IntegrityError(f"{node_where(node)} holds a slot without recurrent state")
+        if node.checkpoint and node.slot is None:
+            raise IntegrityError(f"{node_where(node)} is a checkpoint without a snapshot")
         if node.slot is None and len(node.children) == 1 and not self._windowed:
             (child,) = node.children.values()
             if child.lock_count == node.lock_count and child.tier == node.tier:

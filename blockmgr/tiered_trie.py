@@ -504,6 +504,7 @@ class TieredTrie(PrefixTrie):
         if node.slot is not None:
             self._tier_slot_pool(source).release(node.slot)
             node.slot = None
+            node.checkpoint = False  # as a dropped snapshot's (`_drop_snapshot`)
         self._retier(node, Tier.DEVICE)
         self._refreshed.append(node)
 

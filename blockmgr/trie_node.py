@@ -49,7 +49,7 @@ class TrieNode:
     device unless a tiered trie demoted it; a child is never in a warmer
     tier than its parent); `num_hot_children` counts the children in the
     node's own tier (a node with none is its tier's eviction frontier).
-    `checkpoint`: the snapshot at its end (when it holds one) was taken
+    `checkpoint`: the snapshot at its end (never set without one) was taken
     by a sequence that went on past it (`insert(..., checkpoint=True)`: a
     prefill chunk end) and no insert has ended there since; under slot
     pressure it is dropped before the other snapshots of its retention

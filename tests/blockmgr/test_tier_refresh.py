@@ -29,3 +29,20 @@ def test_refreshed_snapshots_of_a_hybrid_trie_merge_into_one_node():
     match = bm.find_prefix(tokens + [7])  # a hybrid hit ends at a snapshot before the last token
     assert match.num_tokens == len(tokens) and not match.loads
     assert len(match.path) == 1  # [0, 26) and [26, 29) are tombstones now: one node
+
+
+def test_a_refreshed_checkpoint_is_no_checkpoint_once_its_snapshot_goes():
+    bm = BlockManager(BlockManagerConfig(num_blocks=24, block_size=4, num_slots=6,
+                                         num_disk_blocks=32, num_disk_slots=8))
+    stem = [2] * 8
+    bm.allocate("running", stem + [5] * 8)  # a miss: nothing is cached yet
+    bm.allocate("b", stem + [3] * 16)
+    bm.cache_prefix("b", 8)  # a checkpoint at the end of [0, 8)
+    bm.free("b")  # and [8, 24) below it, with b's end
+    bm.flush_to_disk()  # both nodes go to the disk tier
+    assert [u.num_nodes for u in bm.tier_usage() if u.tier == Tier.DISK] == [2]
+    bm.free("running")  # covers [0, 8): it takes the device pages, its snapshot goes
+    # [0, 8) is a tombstone with two children (one on the device, one on
+    # disk): a node without a snapshot is no checkpoint.
+    bm.check_integrity()
+    assert bm.find_prefix(stem + [9]).num_tokens == 0
