@@ -65,14 +65,16 @@ class DiskEntry:
     """One disk-tier node, as a restart rebuilds it (`TieredTrie.disk_entries`,
     `restore`): its namespace, the tokens of its whole path from the root
     (its own are `tokens[start:]`), per page group its disk pages (one per
-    page index from `start // block_size`; None: a window's hole) and the
-    disk slot of its snapshot (None: none)."""
+    page index from `start // block_size`; None: a window's hole), the
+    disk slot of its snapshot (None: none) and whether that snapshot is a
+    checkpoint (`TrieNode.checkpoint`: a restart keeps it dropped first)."""
 
     namespace: Hashable
     tokens: tuple[int, ...]
     start: int
     pages: tuple[tuple[int | None, ...], ...]
     slot: int | None = None
+    checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +217,7 @@ class TieredTrie(PrefixTrie):
         them in this order). O(disk nodes x depth)."""
         entries = [
             DiskEntry(node.namespace, tuple(path_tokens(node)), node.start,
-                      tuple(tuple(pages) for pages in node.pages), node.slot)
+                      tuple(tuple(pages) for pages in node.pages), node.slot, node.checkpoint)
             for node in self._nodes.values() if node.tier == Tier.DISK
         ]
         entries.sort(key=lambda entry: len(entry.tokens))
@@ -267,6 +269,7 @@ class TieredTrie(PrefixTrie):
         if entry.slot is not None:
             self._tier_slot_pool(Tier.DISK).claim([entry.slot])
             node.slot = entry.slot
+            node.checkpoint = entry.checkpoint
         node.tier = Tier.DISK
         parent.children[tokens[entry.start]] = node
         if parent.tier == Tier.DISK:

@@ -13,7 +13,8 @@ A `DiskTier` owns one directory (design/tiers.md, "Storage"):
   file is a miss; a memory map would raise SIGBUS there);
 * ``index.json``: the fingerprint, the record sizes and every restorable
   entry (namespace, its own tokens and its parent entry, its records per
-  group and its snapshot's record, the CRC-32 of each record), written as
+  group and its snapshot's record and whether that is a checkpoint, the
+  CRC-32 of each record), written as
   a whole at checkpoints and at close: temp file, fsync, rename, fsync of
   the directory, after an fsync of the record files. An entry is
   trusted only as far as its checksums: after a crash, a record written
@@ -275,7 +276,10 @@ class DiskTier:
         if slot is not None and (not self._within("slots", slot, sizes)
                                  or not isinstance(slot_crc, int)):
             return None
-        entry = DiskEntry(raw["ns"], prefix + tuple(own), start, pages, slot)
+        checkpoint = raw.get("checkpoint", False)  # an index from before the flag: none
+        if type(checkpoint) is not bool:
+            return None
+        entry = DiskEntry(raw["ns"], prefix + tuple(own), start, pages, slot, checkpoint)
         return IndexedEntry(entry, crcs, slot_crc)
 
     def _within(self, name: str, record: object, sizes: Mapping[str, int]) -> bool:
@@ -468,5 +472,6 @@ class DiskTier:
             out.append({"ns": entry.namespace, "parent": parent, "start": entry.start,
                         "tokens": base64.b64encode(own).decode(),
                         "pages": [list(p) for p in entry.pages], "crc": page_crcs,
-                        "slot": entry.slot, "slot_crc": slot_crc})
+                        "slot": entry.slot, "slot_crc": slot_crc,
+                        "checkpoint": entry.checkpoint})
         return out

@@ -131,3 +131,29 @@ def test_a_checkpoint_takes_a_lower_priority_snapshot_but_never_a_higher_one():
         bm.cache_prefix("lo2", 8)  # only priority 5 snapshots left to drop: refused
     assert bm.debug_state() == before
     assert _hit(bm, B) == 24
+
+
+def test_a_restart_keeps_checkpoints_apart_from_the_snapshots_sequences_ended_at():
+    def tiered() -> BlockManager:
+        return BlockManager(BlockManagerConfig(num_blocks=64, block_size=4, num_slots=3,
+                                               num_disk_blocks=32, num_disk_slots=8))
+
+    old = tiered()
+    old.allocate("a", A)
+    old.free("a")  # A's end
+    old.allocate("b", B)
+    old.cache_prefix("b", 16)  # a checkpoint
+    old.free("b")
+    old.flush_to_disk()
+    bm = tiered()
+    assert bm.restore_disk(old.disk_entries()) == []
+    bm.pin("a", A)  # back on the device: A's end first, then the checkpoint
+    bm.pin("b", B[:16])
+    bm.unpin("a")
+    bm.unpin("b")
+    assert bm.num_free_slots == 1
+    bm.allocate("x", [3] * 8)
+    bm.allocate("y", [4] * 8)  # a slot: the checkpoint goes back to disk, not A's end
+    bm.check_integrity()
+    assert not bm.find_prefix(A + [99]).loads
+    assert bm.find_prefix(B[:16] + [99]).loads

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from blockmgr import DiskEntry
 from blockmgr.ops import Tier
 from cache import PagedCache, disk_tier
 from cache.disk_tier import DiskCacheLocked
@@ -375,3 +376,26 @@ def test_engine_restart_hits_the_disk_and_outputs_equal_mlx_lm(engine_model, tmp
         assert [o.tokens for o in outs] == want
         assert engine.cache.tiers.counters.hit_tokens[Tier.DISK] > 0
         assert_no_leak(engine)
+
+
+def test_the_index_keeps_which_snapshots_are_checkpoints(tmp_path):
+    kinds = [disk_tier.RecordKind("pages0", 8, 4), disk_tier.RecordKind("slots", 8, 4)]
+    entries = [
+        DiskEntry(None, (1, 2, 3, 4), 0, ((0,),), 0, checkpoint=True),
+        DiskEntry(None, (1, 2, 3, 4, 5, 6, 7, 8), 4, ((1,),), 1),
+    ]
+    disk = disk_tier.DiskTier(tmp_path, "x", kinds)
+    for name, record in (("pages0", 0), ("pages0", 1), ("slots", 0), ("slots", 1)):
+        disk.write(name, record, np.full(8, record, np.uint8))
+    disk.checkpoint(entries)
+    disk.close()
+    reopened = disk_tier.DiskTier(tmp_path, "x", kinds)
+    assert [item.entry for item in reopened.restored] == entries
+    reopened.close()
+    index = json.loads((tmp_path / disk_tier.INDEX).read_text())
+    for raw in index["entries"]:
+        del raw["checkpoint"]  # an index written before the flag: no checkpoints
+    (tmp_path / disk_tier.INDEX).write_text(json.dumps(index))
+    older = disk_tier.DiskTier(tmp_path, "x", kinds)
+    assert [item.entry.checkpoint for item in older.restored] == [False, False]
+    older.close()
