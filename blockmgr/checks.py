@@ -102,6 +102,8 @@ class StoreChecks:
                     seq.speculation.recompute_from,
                 ),
                 seq.recompute_from,
+                seq.branch_point,
+                seq.forked,
             )
             for seq_id, seq in self.sequences.items()
         )

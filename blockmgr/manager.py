@@ -817,7 +817,9 @@ class BlockManager:
             packed=seq.packed,
             recompute_from=seq.recompute_from,
             retention=seq.retention,
+            forked=True,
         )
+        seq.forked = True
         return NO_OPS
 
     # --------------------------------------------------------------- truncate
@@ -1125,7 +1127,10 @@ class BlockManager:
 
         None means every token was computed. The slot (state after the last
         computed token) is handed to the trie with no copy; tokens already
-        cached are not stored twice. Never fails for a live id. A swapped-out
+        cached are not stored twice. A sequence that forked or was forked
+        (a prompt and its samples) leaves a checkpoint there
+        (`TrieNode.checkpoint`, dropped first under slot pressure): a next
+        turn continues at most one of the samples. Never fails for a live id. A swapped-out
         sequence just gives its host memory back. An open speculation is
         aborted first (`num_computed` counts from the tokens before it).
         """
@@ -1143,7 +1148,7 @@ class BlockManager:
         if trie is not None:
             if num_computed:
                 start = self._insert_start(seq, num_computed)
-                self._insert(trie, seq, num_computed, seq.slot, start)
+                self._insert(trie, seq, num_computed, seq.slot, start, checkpoint=seq.forked)
             if seq.locked_node is not None:
                 trie.unlock(seq.locked_node)
         for group in self._groups:

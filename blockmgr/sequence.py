@@ -65,7 +65,9 @@ class Sequence:
     windows keep the pages that position attends to (see `append`).
     `branch_point` is its allocation's (`Allocation.branch_point`): a
     snapshot there is one a sibling hits, not a mere checkpoint (see
-    `BlockManager.cache_prefix`).
+    `BlockManager.cache_prefix`). `forked`: it forked or was forked (a
+    prompt and its samples, n > 1): what it leaves at its end is a
+    checkpoint too (`BlockManager.free`).
     """
 
     seq_id: Hashable
@@ -83,6 +85,7 @@ class Sequence:
     recompute_from: int | None = None
     retention: int = 0
     branch_point: int | None = None
+    forked: bool = False
 
     def first_owned(self, index: int) -> int:
         """Index of the first page of group `index` the sequence holds a

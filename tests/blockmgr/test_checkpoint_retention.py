@@ -157,3 +157,26 @@ def test_a_restart_keeps_checkpoints_apart_from_the_snapshots_sequences_ended_at
     bm.check_integrity()
     assert not bm.find_prefix(A + [99]).loads
     assert bm.find_prefix(B[:16] + [99]).loads
+
+
+def test_the_ends_of_a_prompts_samples_go_before_a_lone_request_end():
+    bm = _manager(num_slots=4)
+    bm.allocate("a", A)
+    bm.free("a")  # A's end: the least recently used snapshot
+    bm.allocate("p", B)
+    bm.fork("p", "s1")  # a prompt with two samples
+    bm.fork("p", "s2")
+    bm.free("p")  # the prompt's end, its state shared by the samples
+    bm.append("s1", [3])  # each sample writes its own copy of the state
+    bm.append("s2", [4])
+    bm.free("s1")
+    bm.free("s2")
+    assert bm.num_free_slots == 0
+    assert [_hit(bm, A), _hit(bm, B), _hit(bm, B + [3]), _hit(bm, B + [4])] == [12, 24, 25, 25]
+    bm.allocate("x", [5] * 8)  # a slot each: two snapshots go
+    bm.allocate("y", [6] * 8)
+    bm.check_integrity()
+    # Plain LRU would drop A's end first; the prompt's and the samples' ends
+    # go instead (a next turn continues one sample at most), least recent first.
+    assert _hit(bm, A) == 12
+    assert [_hit(bm, B), _hit(bm, B + [3]), _hit(bm, B + [4])] == [0, 0, 25]
