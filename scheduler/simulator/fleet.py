@@ -54,7 +54,12 @@ from scheduler.simulator.config import SimulationConfig
 from scheduler.simulator.memory import snapshot
 from scheduler.simulator.metrics import MetricsRecorder
 from scheduler.simulator.prefix_bound import PrefixBound
-from scheduler.simulator.routers import ROUTERS, RouteRequest, RouterSettings, make_router
+from scheduler.simulator.routers import (
+    RouteRequest,
+    RouterSettings,
+    check_router,
+    make_router,
+)
 from scheduler.simulator.runner import (
     PendingStep,
     ProgressFn,
@@ -96,8 +101,7 @@ class FleetSpec:
         n = self.num_replicas
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_REPLICAS:
             raise InvalidArgument(f"replicas must be an int in [1, {MAX_REPLICAS}], got {n!r}")
-        if self.router not in ROUTERS:
-            raise InvalidArgument(f"unknown router {self.router!r} (one of {', '.join(ROUTERS)})")
+        check_router(self.router)
         if self.cores is not None:
             SharedCores(self.cores, self.background)  # raises for bad counts
         elif self.background:

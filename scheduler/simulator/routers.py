@@ -312,10 +312,15 @@ class Precise:
 ROUTERS: dict[str, type] = {cls.name: cls for cls in (RoundRobin, LeastLoad, CacheAware, Precise)}
 
 
+def check_router(name: object) -> str:
+    """`name` if it names a router policy of `ROUTERS`; `InvalidArgument`
+    naming them otherwise."""
+    if not isinstance(name, str) or name not in ROUTERS:
+        raise InvalidArgument(f"unknown router {name!r} (one of {', '.join(ROUTERS)})")
+    return name
+
+
 def make_router(name: str, settings: RouterSettings) -> Router:
     """The router of policy `name`. Raises `InvalidArgument` for an unknown one."""
-    if name not in ROUTERS:
-        raise InvalidArgument(f"unknown router {name!r} (one of {', '.join(ROUTERS)})")
-    cls = ROUTERS[name]
-    router: Router = cls(settings)
+    router: Router = ROUTERS[check_router(name)](settings)
     return router
