@@ -677,7 +677,7 @@ class BlockManager:
         """Refuse a computed count whose next token attends to released pages
         (in any page group): computing from there would read pages that are
         gone. O(groups)."""
-        if num_computed < len(seq.tokens) and not self._window_keeps(seq, num_computed):
+        if num_computed < len(seq.tokens) and not windows_keep(self._groups, seq, num_computed):
             raise InvalidArgument(
                 f"cannot append to {seq.seq_id!r} from {num_computed} computed tokens: "
                 "pages its window needs were already released"
@@ -691,11 +691,6 @@ class BlockManager:
             seq.recompute_from = num_computed if num_computed < num_before else None
         hold = seq.recompute_from
         return num_before if hold is None else hold
-
-    def _window_keeps(self, seq: Sequence, num_tokens: int) -> bool:
-        """Are the pages the token at `num_tokens` would attend to still held
-        (in every page group)?"""
-        return windows_keep(self._groups, seq, num_tokens)
 
     def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
         """Would `append_decode(seq_ids, tokens)` (any valid tokens) succeed
@@ -833,7 +828,7 @@ class BlockManager:
         num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return True
-        if not self._window_keeps(seq, num_tokens):
+        if not windows_keep(self._groups, seq, num_tokens):
             return False
         if seq.slot is None:
             return True
@@ -856,7 +851,7 @@ class BlockManager:
         num_tokens = self._check_truncate_target(seq, num_tokens)
         if num_tokens == len(seq.tokens):
             return NO_OPS
-        if not self._window_keeps(seq, num_tokens):
+        if not windows_keep(self._groups, seq, num_tokens):
             raise InvalidArgument(
                 f"cannot truncate {seq_id!r} to {num_tokens} tokens: pages its "
                 "window needs were already released"

@@ -861,7 +861,7 @@ class PrefixTrie:
             return True
         num_freed = 0
         refcount = self._slot_pool.refcount
-        bound = None if checkpoint_retention is None else (checkpoint_retention, 1)
+        bound = None if checkpoint_retention is None else (checkpoint_retention, _KEPT)
         for key in self._slot_lru:
             if bound is not None and key[:2] >= bound:
                 return False
@@ -1225,7 +1225,13 @@ def _slot_key(node: TrieNode) -> tuple[int, int, int, int]:
     `TrieNode.checkpoint`) and 1 for a snapshot a sequence ended at, so
     within one retention priority every checkpoint is dropped before any
     such snapshot, least recently used first within each kind."""
-    return (node.retention, 0 if node.checkpoint else 1, node.last_access, node.node_id)
+    return (node.retention, _CHECKPOINT if node.checkpoint else _KEPT, node.last_access,
+            node.node_id)
+
+
+#: The second part of a slot key: a checkpoint ranks before a snapshot a
+#: sequence ended at (`can_free_slots` bounds its walk by the latter).
+_CHECKPOINT, _KEPT = 0, 1
 
 
 def _full(pages: PageList) -> list[int]:
