@@ -38,13 +38,14 @@ from blockmgr.ops import (
     Tier,
     ZeroSlot,
 )
-from blockmgr.sequence import Allocation
+from blockmgr.sequence import Allocation, Progress
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.tiered_trie import DiskEntry, TierCapacity, TieredTrie, TierUsage
 from blockmgr.trie_node import PrefixCacheListener, PrefixMatch
 
 __all__ = [
     "Allocation",
+    "Progress",
     "BlockManager",
     "BlockManagerConfig",
     "BlockManagerError",

@@ -101,7 +101,8 @@ class StoreChecks:
                     seq.speculation.start, seq.speculation.checkpoint,
                     seq.speculation.recompute_from,
                 ),
-                seq.recompute_from,
+                seq.num_computed,
+                seq.recompute_hold,
                 seq.branch_point,
                 seq.forked,
             )
@@ -134,7 +135,11 @@ class StoreChecks:
             slot_refs[seq.slot] += 1
         if seq.speculation is not None:
             self._check_speculation(seq, seq.speculation, where, slot_refs)
-        self._check_recompute_hold(seq, seq.recompute_from, len(seq.tokens), where)
+        num_computed = seq.num_computed
+        if type(num_computed) is not int or not 0 <= num_computed <= len(seq.tokens):
+            raise IntegrityError(f"{where} counts {num_computed!r} computed of {len(seq.tokens)}")
+        if seq.recompute_hold:
+            self._check_recompute_hold(seq, num_computed, len(seq.tokens), where)
         node = seq.locked_node
         if node is not None and (node.parent is None or node.tier):
             raise IntegrityError(f"{where} locks a node off the device or the trie")
@@ -162,8 +167,8 @@ class StoreChecks:
             # A restore makes the sequence compute into it: never shared.
             if self.slots.refcount(spec.checkpoint) != 1:
                 raise IntegrityError(f"{where}: checkpoint {spec.checkpoint} is shared")
-        if seq.recompute_from is not None:
-            raise IntegrityError(f"{where} holds {seq.recompute_from} beside its transaction")
+        if seq.recompute_hold:
+            raise IntegrityError(f"{where} holds its count beside its transaction")
         self._check_recompute_hold(seq, spec.recompute_from, spec.start, where)
 
     def _check_recompute_hold(

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import Protocol
 
 from blockmgr.ops import Plan
-from blockmgr.sequence import Allocation
+from blockmgr.sequence import Allocation, Progress
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 
 
@@ -91,6 +91,14 @@ class KVStore(Protocol):
     def __contains__(self, seq_id: Hashable) -> bool: ...
 
     def num_tokens(self, seq_id: Hashable) -> int: ...
+
+    def progress(self, seq_id: Hashable) -> Progress:
+        """The sequence's computed count, the record itself: the one count
+        its store, cache and scheduler read (and set, to the absolute count,
+        when they learn tokens were computed)."""
+        ...
+
+    def num_computed(self, seq_id: Hashable) -> int: ...
 
     def tokens(self, seq_id: Hashable) -> list[int]: ...
 

@@ -56,7 +56,7 @@ from blockmgr.ops import NO_OPS, CopySlot, MemoryOp, Plan, Tier, ZeroSlot
 from blockmgr.page_group import PageGroup, windows_keep
 from blockmgr.pool import RefCountedPool
 from blockmgr.prefix_trie import PrefixTrie
-from blockmgr.sequence import Allocation, Sequence, SequenceTable
+from blockmgr.sequence import Allocation, Progress, Sequence, SequenceTable
 from blockmgr.speculation import SpeculationTransactions
 from blockmgr.stats import PageGroupUsage, PrefixCacheStats
 from blockmgr.swap import HostSwap
@@ -228,6 +228,15 @@ class BlockManager:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return len(self._seqs.live(seq_id).tokens)
+
+    def progress(self, seq_id: Hashable) -> Progress:
+        """The sequence's computed count, the record itself (`Progress`: read
+        it, or set it when a forward computed its tokens). O(1)."""
+        return self._seqs.live(seq_id)
+
+    def num_computed(self, seq_id: Hashable) -> int:
+        """How many of the sequence's tokens are computed (`Progress`). O(1)."""
+        return self._seqs.live(seq_id).num_computed
 
     def tokens(self, seq_id: Hashable) -> list[int]:
         return list(self._seqs.live(seq_id).tokens)
@@ -447,7 +456,7 @@ class BlockManager:
             tables.append(group.new_table(match, num_tokens, ops))
         slot = self._new_sequence_slot(match.slot, ops) if self._slots is not None else None
         node = match.node  # ends inside the matched prefix: an anchor
-        self._seqs[seq_id] = Sequence(
+        seq = self._seqs[seq_id] = Sequence(
             seq_id,
             namespace,
             checked,
@@ -458,13 +467,15 @@ class BlockManager:
             anchored=node is not None,
             num_borrowed=match.num_locked_pages,
             packed=packed,
+            num_computed=num_cached,
             retention=retention,
             branch_point=match.branch_point,
         )
         self._count_query(num_tokens, num_cached)
         if self._events:
             self._deliver_events()
-        return Allocation(seq_id, tables[0][:], slot, tuple(ops), num_cached, match.branch_point)
+        return Allocation(seq_id, tables[0][:], slot, tuple(ops), num_cached, seq,
+                          match.branch_point)
 
     def _load_hit(
         self,
@@ -614,10 +625,11 @@ class BlockManager:
             if not new_tokens:
                 return NO_OPS
         elif (
-            num_computed is None or num_computed == len(seq.tokens) or not self._windowed
+            num_computed is None or num_computed == len(seq.tokens)
         ) and self._has_room_for_next_token(seq):
-            # The common decode step: nothing to plan (a computed count matters
-            # only to a window release, and none can happen here).
+            # The common decode step: nothing to plan, every token before it
+            # computed (no hold: `_has_room_for_next_token` says so).
+            seq.num_computed = len(seq.tokens)
             seq.tokens.append(new_tokens[0])
             return NO_OPS
         if num_computed is not None and seq.speculation is None:
@@ -635,14 +647,11 @@ class BlockManager:
             ops.extend(self._reserve(growth.needs, growth.copy_slot))  # may evict: events
         grow(self._groups, self._slots, seq, growth, ops)
         num_before = len(seq.tokens)
+        release_from = self._move_progress(seq, num_before, num_computed)
         seq.tokens.extend(new_tokens)
-        if seq.speculation is None:  # speculating: the window releases at the commit
-            release_from = num_before
-            if num_computed is not None or seq.recompute_from is not None:
-                release_from = self._move_recompute_hold(seq, num_before, num_computed)
-            if self._windowed:
-                for group in self._groups:
-                    group.release_out_of_window(seq, release_from)
+        if seq.speculation is None and self._windowed:  # speculating: released at the commit
+            for group in self._groups:
+                group.release_out_of_window(seq, release_from)
         if growth.grows and self._events:
             self._deliver_events()
         return tuple(ops) if ops else NO_OPS
@@ -659,9 +668,7 @@ class BlockManager:
         sequence's) and, with a window W, the token at n releases no page:
         (n - W + 1) // bs pages are dead, no more than already released."""
         num_tokens = len(seq.tokens)
-        if num_tokens % self._block_size == 0 or seq.slot is not None or (
-            seq.recompute_from is not None
-        ):
+        if num_tokens % self._block_size == 0 or seq.slot is not None or seq.recompute_hold:
             return False
         tables = seq.tables
         for index, refcounts, window in self._room_checks:
@@ -684,13 +691,19 @@ class BlockManager:
             )
 
     @staticmethod
-    def _move_recompute_hold(seq: Sequence, num_before: int, num_computed: int | None) -> int:
-        """The first position still to compute (the window release keeps
-        what it attends to); a given `num_computed` replaces the hold."""
+    def _move_progress(seq: Sequence, num_before: int, num_computed: int | None) -> int:
+        """An append's computed count, before its `num_before` tokens: the
+        one given (a count below them holds it: see `Sequence`), else every
+        token before unless a hold keeps the count. Returns the first
+        position still to compute (the window release keeps what it attends
+        to). While a speculation is open the hold stays with the transaction."""
         if num_computed is not None:
-            seq.recompute_from = num_computed if num_computed < num_before else None
-        hold = seq.recompute_from
-        return num_before if hold is None else hold
+            seq.num_computed = num_computed
+            if seq.speculation is None:
+                seq.recompute_hold = num_computed < num_before
+        elif not seq.recompute_hold:
+            seq.num_computed = num_before
+        return seq.num_computed
 
     def can_append_decode(self, seq_ids: list[Hashable] | tuple[Hashable, ...]) -> bool:
         """Would `append_decode(seq_ids, tokens)` (any valid tokens) succeed
@@ -724,12 +737,16 @@ class BlockManager:
             raise error
         if not growing:  # the common step: every row has room in its own last page
             for seq, token in zip(seqs, checked):
-                seq.tokens.append(token)
+                tokens = seq.tokens
+                seq.num_computed = len(tokens)  # no hold: the room check says so
+                tokens.append(token)
             return NO_OPS
         ops: list[MemoryOp] = []
         for index, (seq, token) in enumerate(zip(seqs, checked)):
             if index not in growing:
-                seq.tokens.append(token)
+                tokens = seq.tokens
+                seq.num_computed = len(tokens)
+                tokens.append(token)
                 continue
             growth = growing[index]
             if growth.copy_slot or True in growth.copies:
@@ -810,7 +827,8 @@ class BlockManager:
             anchored=seq.anchored,
             num_borrowed=seq.num_borrowed,  # the same lock holds them
             packed=seq.packed,
-            recompute_from=seq.recompute_from,
+            num_computed=seq.num_computed,
+            recompute_hold=seq.recompute_hold,
             retention=seq.retention,
             forked=True,
         )
@@ -868,8 +886,8 @@ class BlockManager:
             seq.packed = seq.packed[: num_tokens * TOKEN_BYTES]
         if seq.locked_node is not None and num_tokens < seq.locked_node.end:
             seq.anchored = False  # new tokens may differ from the node's
-        if seq.recompute_from is not None:
-            seq.recompute_from = min(seq.recompute_from, num_tokens)
+        if seq.num_computed > num_tokens:
+            seq.num_computed = num_tokens
         if new_slot is not None:
             old_slot, seq.slot = seq.slot, new_slot
             if old_slot is not None:
@@ -928,7 +946,8 @@ class BlockManager:
     def recompute_from(self, seq_id: Hashable) -> int | None:
         """The position a restored checkpoint is computed again from, while
         the window keeps what it attends to (None: no such hold)."""
-        return self._seqs.live(seq_id).recompute_from
+        seq = self._seqs.live(seq_id)
+        return seq.num_computed if seq.recompute_hold else None
 
     def begin_speculation(
         self,

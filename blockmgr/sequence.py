@@ -1,11 +1,11 @@
-"""Records of the block manager: a live sequence, the table of live
-sequences, and an allocation result."""
+"""Records of the block manager: a sequence's progress, a live sequence,
+the table of live sequences, and an allocation result."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from blockmgr.errors import (
     DuplicateSequence,
@@ -16,6 +16,26 @@ from blockmgr.errors import (
 )
 from blockmgr.ops import MemoryOp
 from blockmgr.trie_node import PageList, TrieNode
+
+
+class Progress(Protocol):
+    """How many of a live sequence's tokens are computed: the one record of
+    that count (design/ARCHITECTURE.md, "A sequence's computed count").
+
+    A token is computed once the forward that writes its K/V (and
+    recurrent state) finished. The store hands its record of a sequence out
+    (`Allocation.progress`, `BlockManager.progress`: the live `Sequence`
+    itself, of which this is all a caller may touch); whoever learns that
+    tokens were computed sets `num_computed`, to the absolute count: the
+    store at the calls that say so (an `append` takes every token before
+    it as computed, unless a restored checkpoint holds the count back),
+    `cache.PagedCache` when a forward finishes, a scheduler when a step's
+    results come in. Everything else reads it: where a chunk starts, a
+    view's offset, what a sliding window keeps. The store checks it at its
+    calls (within the tokens).
+    """
+
+    num_computed: int
 
 
 @dataclass(slots=True)
@@ -60,9 +80,12 @@ class Sequence:
     `speculation` is the open speculation transaction, if any.
     `retention` is its retention priority: the cached prefixes it hits and
     caches take it (a lower one is evicted first, see `PrefixTrie`).
-    `recompute_from` is set after a commit restored a recurrent checkpoint:
-    the tokens from that position on are computed again, so the sliding
-    windows keep the pages that position attends to (see `append`).
+    `num_computed` counts its computed tokens (the sequence is its own
+    `Progress` record, handed out as such). `recompute_hold`:
+    a restored recurrent checkpoint (or a count given to `append`) put
+    that count below the tokens, which are computed again from there: the
+    sliding windows keep the pages it attends to, and an `append` without
+    a count leaves it (see `append`).
     `branch_point` is its allocation's (`Allocation.branch_point`): a
     snapshot there is one a sibling hits, not a mere checkpoint (see
     `BlockManager.cache_prefix`). `forked`: it forked or was forked (a
@@ -82,7 +105,8 @@ class Sequence:
     num_borrowed: int = 0
     packed: bytes = b""
     speculation: Speculation | None = None
-    recompute_from: int | None = None
+    num_computed: int = 0
+    recompute_hold: bool = False
     retention: int = 0
     branch_point: int | None = None
     forked: bool = False
@@ -164,6 +188,9 @@ class Allocation:
     ops: the memory-op plan to apply before the next forward pass.
     num_cached_tokens: tokens already computed (reused from the prefix trie);
         always at most len(tokens) - 1, so there is a token to compute.
+    progress: the sequence's computed count (`Progress`, the live
+        sequence's record), starting at `num_cached_tokens`: the one record a
+        caller reads and sets.
     branch_point: where the prompt leaves the cached prefix when the hit
         stops before it (hybrid: no recurrent snapshot there; sliding
         window: the window's pages missing). End a prefill chunk at this
@@ -179,5 +206,6 @@ class Allocation:
     slot: int | None
     ops: tuple[MemoryOp, ...]
     num_cached_tokens: int
+    progress: Progress
     branch_point: int | None = None
     cached_tokens_by_tier: tuple[int, int, int] | None = None

@@ -126,7 +126,7 @@ class SpeculationTransactions:
                 working = seq.slot = pool.take_one()
                 ops.append(CopySlot(source, working))
             seq.speculation = Speculation(len(seq.tokens), checkpoint, recompute_from)
-            seq.recompute_from = None  # the transaction holds it
+            seq.recompute_hold = False  # the transaction holds it
             seq.tokens.extend(tokens)
         return tuple(ops)
 
@@ -137,9 +137,9 @@ class SpeculationTransactions:
         window's pages are held), or None."""
         seq_id = seq.seq_id
         if seq_id not in num_computed:
-            if seq.slot is None:
-                return seq.recompute_from
-            return len(seq.tokens) if seq.recompute_from is None else seq.recompute_from
+            if seq.recompute_hold:
+                return seq.num_computed
+            return None if seq.slot is None else len(seq.tokens)
         position = check_int(f"num_computed[{seq_id!r}]", num_computed[seq_id], 0, len(seq.tokens))
         if not all(group.window_keeps(seq, position) for group in self.groups):
             raise InvalidArgument(
@@ -184,16 +184,21 @@ class SpeculationTransactions:
         (the caller checked)."""
         seq.speculation = None
         end = spec.start + num_accepted
-        restored = spec.checkpoint is not None and end < len(seq.tokens)
+        num_tokens = len(seq.tokens)
+        restored = spec.checkpoint is not None and end < num_tokens
         if spec.checkpoint is not None and seq.slot is not None:
             keep, drop = (spec.checkpoint, seq.slot) if restored else (seq.slot, spec.checkpoint)
             seq.slot = keep
             self._slot_pool.release(drop)
-        if end < len(seq.tokens) and spec.recompute_from is not None and spec.recompute_from < end:
-            seq.recompute_from = spec.recompute_from  # computed again: hold its window
         self._drop_tail(seq, end)
-        # No window release here: the manager does not know which tokens are
-        # computed; the next append releases from its first token to compute.
+        recompute = spec.recompute_from
+        if recompute is not None and (restored or (end < num_tokens and recompute < end)):
+            # Computed again from there (a restored checkpoint's state is for
+            # it): the count goes back, and the windows hold what it attends to.
+            seq.num_computed = recompute
+            seq.recompute_hold = recompute < end
+        # No window release here: the next append releases from its first
+        # token to compute.
         return restored
 
     @staticmethod
@@ -219,6 +224,8 @@ class SpeculationTransactions:
         for group in self.groups:
             group.keep_pages(seq, keep_pages)
         del seq.tokens[end:]
+        if seq.num_computed > end:
+            seq.num_computed = end
 
 
 def _num_copies(members: Counter[int], refcount: Callable[[int], int]) -> int:

@@ -1,18 +1,22 @@
-"""`ComputedCounts`: each live sequence's computed count, as `PagedCache` keeps it.
+"""`ComputedCounts`: what `PagedCache` tracks of each live sequence's computation.
 
 A token counts as *computed* once the forward that writes its K/V (and
 recurrent state) finished: mlx-lm's cache offset, what a forward reads and
-advances (design/ARCHITECTURE.md, "A sequence's computed count"). Per live
-sequence of one cache, `SeqState` keeps that count, how many leading ids
-are real (`known`: a forward over tokens nobody reserved appends
-placeholders, which never enter the prefix trie), the step in flight and
-the views running it, and an open speculation's checkpoint and replay end.
+advances. That count is the store's `blockmgr.Progress` record of the
+sequence, the one every layer reads (design/ARCHITECTURE.md, "A
+sequence's computed count"); the store moves it where its calls cut or
+restore tokens (truncate, a speculation's commit), and this module where a
+forward finishes. Beside it, per live sequence of one cache, `SeqState`
+keeps how many leading ids are real (`known`: a forward over tokens nobody
+reserved appends placeholders, which never enter the prefix trie), the
+step in flight and the views running it, and an open speculation's
+checkpoint and replay end.
 
 `ComputedCounts` says how the cache's calls move them: a step's tokens go
 in flight when it starts (`start_step`), count when it finishes
 (`commit_step`) or never (`rollback_step`), and a `views()` step still in
 flight is settled the next time its sequences are touched (`state`). It
-reads token counts from the store (`CountedStore`, a
+reads token counts and records from the store (`CountedStore`, a
 `blockmgr.GroupedStore`) and holds no reference to the cache; a sequence
 refers to its batch only while a step is in flight, so a cache whose steps
 are settled is in no reference cycle (design/cache.md, `views.py`).
@@ -29,6 +33,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from blockmgr import Progress
 from blockmgr.errors import IntegrityError, InvalidArgument, UnknownSequence
 from cache.views import BatchState
 
@@ -37,6 +42,7 @@ class CountedStore(Protocol):
     """What the counts read of the store (`blockmgr.GroupedStore`)."""
 
     def num_tokens(self, seq_id: Hashable) -> int: ...
+    def progress(self, seq_id: Hashable) -> Progress: ...
     def tokens(self, seq_id: Hashable) -> list[int]: ...
     def speculation_start(self, seq_id: Hashable) -> int | None: ...
     def sequence_ids(self) -> list[Hashable]: ...
@@ -46,7 +52,7 @@ class CountedStore(Protocol):
 class SeqState:
     """One live sequence's counts (see the module doc)."""
 
-    computed: int  # tokens whose K/V (and state) a finished forward wrote
+    progress: Progress  # the store's: tokens whose K/V (and state) a finished forward wrote
     known: int  # leading tokens whose ids are real (views may add placeholders)
     in_flight: int = 0  # tokens of a started step that has not finished yet
     batch: BatchState | None = None  # the views running that step
@@ -80,9 +86,9 @@ class ComputedCounts:
             self.settle(state.batch)
         return state
 
-    def add(self, seq_id: Hashable, computed: int, known: int) -> None:
-        """A new live sequence (allocated or forked)."""
-        self._seqs[seq_id] = SeqState(computed, known)
+    def add(self, seq_id: Hashable, known: int) -> None:
+        """A new live sequence of the store (allocated or forked)."""
+        self._seqs[seq_id] = SeqState(self._store.progress(seq_id), known)
 
     def remove(self, seq_id: Hashable) -> None:
         """The sequence ended."""
@@ -103,17 +109,15 @@ class ComputedCounts:
 
     def clip(self, seq_ids: Iterable[Hashable]) -> None:
         """The store cut the sequences' tokens (truncate, shortened
-        speculation): nothing past them is computed or known."""
+        speculation; it clipped their counts): nothing past them is known."""
         for seq_id in seq_ids:
             state = self._seqs[seq_id]
-            num_tokens = self._store.num_tokens(seq_id)
-            state.computed = min(state.computed, num_tokens)
-            state.known = min(state.known, num_tokens)
+            state.known = min(state.known, self._store.num_tokens(seq_id))
 
     def written(self, seq_id: Hashable, num_tokens: int) -> None:
         """The sequence's first `num_tokens` tokens were written outside a
         forward (a prefix import wrote their records into its pages)."""
-        self._seqs[seq_id].computed = num_tokens
+        self._seqs[seq_id].progress.num_computed = num_tokens
 
     def trie_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
         """Tokens the trie may take of `num_tokens` (None: all computed):
@@ -121,27 +125,26 @@ class ComputedCounts:
         computed ones, else none. Raises `InvalidArgument` for a count
         that is not an int within the computed tokens."""
         state = self.state(seq_id)
-        limit = min(state.computed, state.known)
+        computed = state.progress.num_computed
+        limit = min(computed, state.known)
         if num_tokens is None:
             n = limit
         elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
-                or not 0 <= num_tokens <= state.computed:
-            raise InvalidArgument(
-                f"{seq_id!r} has {state.computed} computed tokens, not {num_tokens!r}"
-            )
+                or not 0 <= num_tokens <= computed:
+            raise InvalidArgument(f"{seq_id!r} has {computed} computed tokens, not {num_tokens!r}")
         else:
             n = min(num_tokens, limit)
-        if self._exact and n != state.computed:
+        if self._exact and n != computed:
             return 0
         return n
 
     def snapshot_count(self, seq_id: Hashable, num_tokens: int | None) -> int:
         """`trie_count` for a snapshot taken now (`cache_prefix`): with exact
         snapshots, a count other than the computed one raises `InvalidArgument`."""
-        state = self.state(seq_id)
-        if self._exact and num_tokens not in (None, state.computed):
+        computed = self.state(seq_id).progress.num_computed
+        if self._exact and num_tokens not in (None, computed):
             raise InvalidArgument(
-                f"{seq_id!r}: recurrent state exists only after its {state.computed} "
+                f"{seq_id!r}: recurrent state exists only after its {computed} "
                 f"computed tokens, not after {num_tokens!r}"
             )
         return self.trie_count(seq_id, num_tokens)
@@ -154,20 +157,16 @@ class ComputedCounts:
         and the drafts' ids are known."""
         for seq_id, before in num_before.items():
             state = self._seqs[seq_id]
-            state.checkpoint = state.computed
+            state.checkpoint = state.progress.num_computed
             if state.known == before:
                 state.known = self._store.num_tokens(seq_id)
 
-    def closed(self, seq_ids: Iterable[Hashable], restored: frozenset[Hashable]) -> None:
-        """The store closed the sequences' speculations; those in
-        `restored` got their checkpoint back (computed again from there)."""
+    def closed(self, seq_ids: Iterable[Hashable]) -> None:
+        """The store closed the sequences' speculations (and set their
+        counts: a restored checkpoint's, or cut to the tokens kept)."""
         for seq_id in seq_ids:
             state = self._seqs[seq_id]
-            num_tokens = self._store.num_tokens(seq_id)
-            checkpoint = state.checkpoint
-            state.computed = (checkpoint if seq_id in restored and checkpoint is not None
-                              else min(state.computed, num_tokens))
-            state.known = min(state.known, num_tokens)
+            state.known = min(state.known, self._store.num_tokens(seq_id))
             state.checkpoint = None
 
     def replay(self, seq_ids: Iterable[Hashable]) -> None:
@@ -175,15 +174,17 @@ class ComputedCounts:
         computed count to their end are to be computed again (`num_replay`)."""
         for seq_id in seq_ids:
             num_tokens = self._store.num_tokens(seq_id)
-            if self._seqs[seq_id].computed < num_tokens:
-                self._seqs[seq_id].replay_end = num_tokens
+            state = self._seqs[seq_id]
+            if state.progress.num_computed < num_tokens:
+                state.replay_end = num_tokens
 
     def num_replay(self, seq_id: Hashable) -> int:
         """Tokens a trim's restored checkpoint made pending again."""
         state = self.state(seq_id)
         if state.replay_end is None:
             return 0
-        return max(0, min(state.replay_end, self._store.num_tokens(seq_id)) - state.computed)
+        end = min(state.replay_end, self._store.num_tokens(seq_id))
+        return max(0, end - state.progress.num_computed)
 
     # --- steps ------------------------------------------------------------------
 
@@ -194,7 +195,8 @@ class ComputedCounts:
         `reserve`: nothing is pending, the step's tokens need `n` pages each
         first (mlx-lm's `generate_step`). Raises `InvalidArgument` for
         `num_new` beyond the pending tokens or `n`, or a width nobody gave."""
-        pending = [self._store.num_tokens(s) - self.state(s).computed for s in seq_ids]
+        pending = [self._store.num_tokens(s) - self.state(s).progress.num_computed
+                   for s in seq_ids]
         if n is None:
             n = max(num_new or pending)
             if n == 0:
@@ -217,7 +219,7 @@ class ComputedCounts:
             state = self._seqs[seq_id]
             state.in_flight = k
             state.batch = batch
-            offsets.append(state.computed)
+            offsets.append(state.progress.num_computed)
         return offsets
 
     def commit_step(self, batch: BatchState) -> None:
@@ -228,7 +230,7 @@ class ComputedCounts:
         for seq_id in batch.seq_ids:
             state = self._seqs.get(seq_id)
             if state is not None and state.in_flight:
-                state.computed += state.in_flight
+                state.progress.num_computed += state.in_flight
                 state.in_flight = 0
                 state.batch = None  # settled; the batch refers to the cache
 
@@ -263,7 +265,7 @@ class ComputedCounts:
             state = self._seqs.get(s)
             if state is None:
                 raise UnknownSequence(f"no live sequence {s!r}")
-            counts.append(state.computed + state.in_flight)
+            counts.append(state.progress.num_computed + state.in_flight)
         return counts
 
     def token_context(self, seq_ids: Sequence[Hashable], offsets: Sequence[int],
@@ -286,15 +288,18 @@ class ComputedCounts:
     # --- checks -----------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise `IntegrityError` unless these are the store's sequences, with
-        computed counts within their tokens and checkpoints at or before
-        their open speculations. O(sequences)."""
+        """Raise `IntegrityError` unless these are the store's sequences, each
+        reading the store's count, within their tokens with a step in
+        flight, and with checkpoints at or before their open speculations.
+        O(sequences)."""
         store = self._store
         if set(self._seqs) != set(store.sequence_ids()):
             raise IntegrityError("the cache and its store hold different sequences")
         for seq_id, state in self._seqs.items():
+            if state.progress is not store.progress(seq_id):
+                raise IntegrityError(f"{seq_id!r}: the cache reads another count than its store")
             num_tokens = store.num_tokens(seq_id)
-            computed, in_flight = state.computed, state.in_flight
+            computed, in_flight = state.progress.num_computed, state.in_flight
             if not 0 <= computed <= num_tokens or computed + in_flight > num_tokens:
                 raise IntegrityError(
                     f"{seq_id!r}: {computed} computed + {in_flight} in flight "
@@ -313,6 +318,7 @@ class ComputedCounts:
     def debug_state(self) -> tuple[object, ...]:
         """Each sequence's counts as plain values. O(sequences)."""
         return tuple(
-            (seq_id, st.computed, st.known, st.in_flight, st.checkpoint, st.replay_end)
+            (seq_id, st.progress.num_computed, st.known, st.in_flight, st.checkpoint,
+             st.replay_end)
             for seq_id, st in self._seqs.items()
         )

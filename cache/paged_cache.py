@@ -37,7 +37,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from blockmgr import Allocation, GroupedStore, GroupedStoreConfig, PageGroupUsage, PrefixCacheStats
+from blockmgr import (
+    Allocation,
+    GroupedStore,
+    GroupedStoreConfig,
+    PageGroupUsage,
+    PrefixCacheStats,
+    Progress,
+)
 from blockmgr.errors import (
     IntegrityError,
     InvalidArgument,
@@ -387,7 +394,12 @@ class PagedCache:
 
     def num_computed(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` whose K/V a finished forward pass wrote."""
-        return self._counts.state(seq_id).computed
+        return self._counts.state(seq_id).progress.num_computed
+
+    def progress(self, seq_id: Hashable) -> Progress:
+        """The sequence's computed count, the store's record (`blockmgr.Progress`),
+        a step in flight settled first. O(1)."""
+        return self._counts.state(seq_id).progress
 
     def block_table(self, seq_id: Hashable, group: int | None = None) -> list[int | None]:
         """Page table of `seq_id` in layer group `group` (default: group 0,
@@ -437,7 +449,7 @@ class PagedCache:
             alloc = self._tiers.allocate(self.store, seq_id, _token_list(tokens), namespace,
                                          retention)
         self._queue(alloc.ops)
-        self._counts.add(seq_id, alloc.num_cached_tokens, self.store.num_tokens(seq_id))
+        self._counts.add(seq_id, self.store.num_tokens(seq_id))
         return alloc
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
@@ -455,9 +467,10 @@ class PagedCache:
         `OutOfBlocks` (nothing changed) when any group lacks pages."""
         state = self._counts.state(seq_id)
         num_before = self.store.num_tokens(seq_id)
-        # The computed count, not num_before: after a restored checkpoint the
-        # tokens since it are computed again and a window keeps their pages.
-        plan = self.store.append(seq_id, new_tokens, state.computed)
+        # The count as it stands (forwards move it), not num_before: after a
+        # restored checkpoint the tokens since it are computed again and a
+        # window keeps their pages.
+        plan = self.store.append(seq_id, new_tokens, state.progress.num_computed)
         self._queue(plan)
         self._counts.appended(seq_id, num_before)
         return plan
@@ -487,7 +500,7 @@ class PagedCache:
         state = self._counts.state(seq_id)
         plan = self.store.fork(seq_id, new_seq_id)
         self._queue(plan)
-        self._counts.add(new_seq_id, state.computed, state.known)
+        self._counts.add(new_seq_id, state.known)
         return plan
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> Plan:
@@ -527,7 +540,7 @@ class PagedCache:
         n = counts.trie_count(seq_id, num_computed)
         if counts.state(seq_id).checkpoint is not None:
             self.abort_speculation([seq_id])
-            n = counts.trie_count(seq_id, min(n, counts.state(seq_id).computed))
+            n = counts.trie_count(seq_id, min(n, counts.state(seq_id).progress.num_computed))
         plan = self.store.free(seq_id, n)
         self._queue(plan)
         counts.remove(seq_id)
@@ -554,7 +567,8 @@ class PagedCache:
         # A hybrid checkpoint holds the state after the computed tokens: a
         # partial commit computes again from there (sliding windows keep it).
         num_computed = (
-            {s: state.computed for s, state in states.items()} if self.is_hybrid else None
+            {s: state.progress.num_computed for s, state in states.items()}
+            if self.is_hybrid else None
         )
         plan = self.store.begin_speculation(drafts, num_computed)
         self._queue(plan)
@@ -572,7 +586,7 @@ class PagedCache:
         for s in accepted:
             self._counts.state(s)
         restored = self.store.commit_speculation(accepted)
-        self._counts.closed(accepted, restored)
+        self._counts.closed(accepted)
         return restored
 
     def abort_speculation(self, seq_ids: Iterable[Hashable]) -> frozenset[Hashable]:

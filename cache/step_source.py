@@ -149,7 +149,7 @@ class CacheSteps:
             return 0  # recurrent state cannot be cut outside a speculation
         n = min([n] + counts.computed_counts(seq_ids))
         for s in seq_ids:
-            self._host.truncate(s, counts.state(s).computed - n)
+            self._host.truncate(s, counts.state(s).progress.num_computed - n)
         return n
 
     def _trim_speculation(self, seq_ids: Sequence, n: int) -> int:

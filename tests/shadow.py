@@ -109,6 +109,7 @@ class ShadowStorage:
         if slot is not None:
             self.slots[slot] = tuple(tokens[:upto])
         self.computed[seq_id] = upto
+        self.bm.progress(seq_id).num_computed = upto  # as a forward's runner sets it
 
     def check_reads_back(self, seq_id) -> None:
         """Every computed, still-held position holds the sequence's own token."""

@@ -34,6 +34,7 @@ from typing import Generic, Protocol, TypeVar
 
 from blockmgr.errors import InvalidArgument
 from blockmgr.kv_store import KVStore
+from blockmgr.sequence import Progress
 from blockmgr.validation import check_choice
 
 #: Above this many waiting sequences "lpm" orders them FCFS (SGLang: 128).
@@ -46,7 +47,7 @@ class Queued(Protocol):
     key: tuple  # (priority, arrival time, admission counter): unique
     queue_tag: int  # the tag of its live entry; 0: not queued
     swapped: bool  # preempted by swap: comes back with all it computed
-    num_computed: int
+    progress: Progress  # its computed count (the store's record)
 
     def admission_prompt(self) -> tuple[list[int], Hashable]:
         """The tokens `allocate` takes for it, and its namespace."""
@@ -243,7 +244,7 @@ class LongestPrefixQueue(Generic[S]):
 
     def _match(self, seq: S) -> int:
         if seq.swapped:
-            return seq.num_computed
+            return seq.progress.num_computed
         tokens, namespace = seq.admission_prompt()
         return self._kv.cached_prefix_length(tokens, namespace)
 

@@ -40,7 +40,7 @@ import itertools
 import operator
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ from blockmgr.errors import (
     WrongArgumentType,
 )
 from blockmgr.kv_store import KVStore
+from blockmgr.sequence import Progress
 from blockmgr.validation import check_int, token_list
 from scheduler.core.config import SchedulerConfig
 from scheduler.core.policies import WaitingQueue, policy_named
@@ -83,12 +84,24 @@ class StaleSchedulerOutput(InvalidArgument):
 # -------------------------------------------------------------- sequences
 
 
+class _NoProgress:
+    """The computed count of a sequence the store does not hold (0): a
+    record of its own, so nothing set on it reaches another sequence."""
+
+    __slots__ = ("num_computed",)
+
+    def __init__(self) -> None:
+        self.num_computed = 0
+
+
 @dataclass(slots=True, eq=False)
 class _Seq:
     """Scheduler state of one KV-store sequence (a prompt or one sample).
 
     Its tokens are the prompt followed by the sample's outputs;
-    `num_computed` of them are stored, `num_reserved` have pages in the
+    `progress.num_computed` of them are computed (the store's record of
+    the count, which the store, its cache and this scheduler share: a
+    fresh one at 0 while not allocated), `num_reserved` have pages in the
     store (0: not allocated). `key` orders it under the priority policy.
     """
 
@@ -97,7 +110,7 @@ class _Seq:
     index: int | None  # sample index; None: a prompt shared by n > 1 samples
     key: tuple
     max_num_outputs: int  # the sample stops by length at this many outputs
-    num_computed: int = 0
+    progress: Progress = field(default_factory=_NoProgress)
     num_reserved: int = 0
     branch_point: int | None = None
     swapped: bool = False
@@ -136,9 +149,8 @@ class _Seq:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_tokens - self.num_computed > 1 or self.num_computed < len(
-            self.request.prompt_tokens
-        )
+        num_computed = self.progress.num_computed
+        return self.num_tokens - num_computed > 1 or num_computed < len(self.request.prompt_tokens)
 
 
 # ---------------------------------------------------------------- scheduler
@@ -235,9 +247,27 @@ class Scheduler:
         request_id = seq_id[0] if isinstance(seq_id, tuple) else seq_id
         for seq in self._seqs_of.get(request_id, ()):
             if seq.seq_id == seq_id:
-                return SequenceInfo(seq.seq_id, request_id, seq.num_tokens, seq.num_computed,
-                                    seq.num_reserved, seq.swapped, seq.in_flight, seq.done)
+                return SequenceInfo(seq.seq_id, request_id, seq.num_tokens,
+                                    seq.progress.num_computed, seq.num_reserved, seq.swapped,
+                                    seq.in_flight, seq.done)
         return None
+
+    def check_counts(self) -> None:
+        """Raise `IntegrityError` unless every sequence the store holds for
+        this scheduler reads the store's own record of its computed count
+        (`KVStore.progress`: one count, no copy) and every other live one
+        counts none. O(live sequences)."""
+        kv = self.kv
+        for seqs in self._seqs_of.values():
+            for seq in seqs:
+                if seq.done:
+                    continue
+                if seq.num_reserved or seq.swapped:
+                    if seq.progress is not kv.progress(seq.seq_id):
+                        raise IntegrityError(
+                            f"{seq.seq_id!r}: the scheduler reads another count than its store")
+                elif seq.progress.num_computed:
+                    raise IntegrityError(f"{seq.seq_id!r} counts computed tokens it does not hold")
 
     def debug_state(self) -> tuple:
         """Everything the scheduler tracks, as plain values: equal before and
@@ -249,7 +279,8 @@ class Scheduler:
                 tuple(tuple(out) for out in req.outputs),
                 tuple(req.finish_reasons),
                 tuple(
-                    (q.seq_id, q.num_computed, q.num_reserved, q.swapped, q.in_flight, q.done)
+                    (q.seq_id, q.progress.num_computed, q.num_reserved, q.swapped, q.in_flight,
+                     q.done)
                     for q in self._seqs_of[rid]
                 ),
             )
@@ -364,8 +395,9 @@ class Scheduler:
             if seq.in_flight and self._hybrid:
                 # Between schedule() and update() the slot may or may not hold
                 # the step's state: give the trie nothing rather than a wrong one.
-                seq.num_computed = 0
-            self._release(seq)
+                self._release(seq, num_computed=0)
+            else:
+                self._release(seq)
             dropped.add(id(seq))
         if dropped:
             self._running = [s for s in self._running if id(s) not in dropped]
@@ -456,7 +488,7 @@ class Scheduler:
                 continue
             seq = running[i]
             num_new = self._chunk(seq, budget)
-            while not self._reserve(seq, seq.num_computed + num_new, ops):
+            while not self._reserve(seq, seq.progress.num_computed + num_new, ops):
                 if self._preempt_last(seq, out, stats, ops):
                     return budget
             self._emit(seq, num_new, out)
@@ -502,10 +534,10 @@ class Scheduler:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = self.clock()
             self._insert_running(seq)
-            if partial is not None and seq.num_tokens - seq.num_computed > 1:
+            if partial is not None and seq.num_tokens - seq.progress.num_computed > 1:
                 partial += 1
             num_new = self._chunk(seq, budget)
-            if not self._reserve(seq, seq.num_computed + num_new, ops):
+            if not self._reserve(seq, seq.progress.num_computed + num_new, ops):
                 continue  # swapped back in but no page to grow: next step
             self._emit(seq, num_new, out)
             budget -= num_new
@@ -523,7 +555,7 @@ class Scheduler:
         """Running sequences with more than one token left (None: no limit set)."""
         if self.config.max_num_partial_prefills is None:
             return None
-        return sum(1 for s in self._running if s.num_tokens - s.num_computed > 1)
+        return sum(1 for s in self._running if s.num_tokens - s.progress.num_computed > 1)
 
     def _admit(self, seq: _Seq, stats: SchedulerStats, ops: list) -> bool:
         """Give a waiting sequence its pages (swap in, or allocate). False when
@@ -545,7 +577,7 @@ class Scheduler:
         except (OutOfBlocks, OutOfSlots):
             return False
         _extend(ops, alloc.ops)
-        seq.num_computed = alloc.num_cached_tokens
+        seq.progress = alloc.progress
         seq.num_reserved = len(tokens)
         seq.branch_point = alloc.branch_point
         metrics = seq.request.metrics
@@ -561,7 +593,7 @@ class Scheduler:
 
     def _chunk(self, seq: _Seq, budget: int) -> int:
         """Tokens of `seq` to compute this step (>= 1 when budget >= 1)."""
-        start = seq.num_computed
+        start = seq.progress.num_computed
         remaining = seq.num_tokens - start
         num_new = min(remaining, budget)
         limit = self.config.long_prefill_token_threshold
@@ -616,7 +648,7 @@ class Scheduler:
         return True
 
     def _emit(self, seq: _Seq, num_new: int, out: SchedulerOutput) -> None:
-        start = seq.num_computed
+        start = seq.progress.num_computed
         end = start + num_new
         sample = end == seq.num_tokens
         seq.in_flight = True
@@ -660,13 +692,16 @@ class Scheduler:
         out.preempted.append(seq.seq_id)
         self._waiting.push(seq, front=True)
 
-    def _release(self, seq: _Seq) -> None:
-        """Free `seq` in the store (computed tokens go into the trie)."""
+    def _release(self, seq: _Seq, num_computed: int | None = None) -> None:
+        """Free `seq` in the store: its computed tokens (or its first
+        `num_computed`) go into the trie."""
         if seq.swapped:
             self._num_swapped -= 1
         if seq.num_reserved or seq.swapped:
-            _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=seq.num_computed))
-        seq.num_computed = 0
+            if num_computed is None:
+                num_computed = seq.progress.num_computed
+            _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=num_computed))
+        seq.progress = _NoProgress()
         seq.num_reserved = 0
         seq.branch_point = None
         seq.swapped = False
@@ -749,7 +784,8 @@ class Scheduler:
             metrics = req.metrics
             if rows:
                 seq.in_flight = False
-                seq.num_computed += 1
+                # Set, not added to: a cache that ran the forward set it already.
+                seq.progress.num_computed = seq.num_reserved
                 metrics.num_computed_tokens += 1
             index: int = seq.index  # type: ignore[assignment]  # one sample's: set
             outputs = req.outputs[index]
@@ -780,7 +816,8 @@ class Scheduler:
         if type(tokens) is AcceptedTokens:
             self._add_accepted(seq, tokens, now, results, finished, deltas)
             return
-        seq.num_computed += num_tokens
+        # Set, not added to: a cache that ran the forward set it already.
+        seq.progress.num_computed = item.start_position + num_tokens
         if item.is_prefill:
             self._checkpoint(seq)
         if tokens is None:
@@ -889,10 +926,11 @@ class Scheduler:
         """Snapshot a prefill chunk end into the trie (best effort)."""
         if not (self.config.checkpoint_prefill and self._prefix_cache):
             return
-        if seq.num_computed > len(seq.request.prompt_tokens):
+        num_computed = seq.progress.num_computed
+        if num_computed > len(seq.request.prompt_tokens):
             return  # recomputing outputs: the prompt's snapshot is what others share
         try:
-            plan = self.kv.cache_prefix(seq.seq_id, seq.num_computed)
+            plan = self.kv.cache_prefix(seq.seq_id, num_computed)
         except (OutOfSlots, OutOfBlocks):
             return
         _extend(self._pending_ops, plan)
@@ -906,11 +944,13 @@ class Scheduler:
         kv = self.kv
         children = []
         for i in range(n):
-            child = _Seq(req.seq_id(i), req, i, parent.key, parent.max_num_outputs,
-                         parent.num_computed, parent.num_reserved)
-            _extend(self._pending_ops, kv.fork(parent.seq_id, child.seq_id))
-            children.append(child)
-        _extend(self._pending_ops, kv.free(parent.seq_id, num_computed=parent.num_computed))
+            child_id = req.seq_id(i)
+            _extend(self._pending_ops, kv.fork(parent.seq_id, child_id))
+            children.append(_Seq(child_id, req, i, parent.key, parent.max_num_outputs,
+                                 kv.progress(child_id), parent.num_reserved))
+        num_computed = parent.progress.num_computed
+        _extend(self._pending_ops, kv.free(parent.seq_id, num_computed=num_computed))
+        parent.progress = _NoProgress()
         parent.done = True
         self._seqs_of[req.request_id] = children
         self._add_sampled(children, tokens, 0, n, now, results, finished, deltas)
@@ -930,7 +970,8 @@ class Scheduler:
             out = results[req.request_id] = RequestOutput(req.request_id, {}, False, req.status)
         out.finish_reasons = list(req.finish_reasons)
         seq.done = True
-        _extend(self._pending_ops, self.kv.free(seq.seq_id, num_computed=seq.num_computed))
+        _extend(self._pending_ops,
+                self.kv.free(seq.seq_id, num_computed=seq.progress.num_computed))
         seq.num_reserved = 0
         if all(r is not None for r in req.finish_reasons):
             self._finish_request(req, now)
@@ -944,7 +985,7 @@ class Scheduler:
         store kept the accepted drafts (all but the last token) as reserved."""
         if seq.index is None:  # `_checked_accepted` admits one-sample rows only
             raise IntegrityError(f"accepted tokens for prompt sequence {seq.seq_id!r}")
-        seq.num_computed = accepted.num_computed
+        seq.progress.num_computed = accepted.num_computed
         seq.num_reserved += len(accepted.tokens) - 1
         for token in accepted.tokens:
             self._add_sampled([seq], [token], 0, 1, now, results, finished, deltas)
@@ -1083,7 +1124,7 @@ def _decode_rows(running: list[_Seq], start: int, limit: int) -> tuple[list, ...
             break
         req = seq.request
         outputs = req.outputs[index]
-        num_computed = seq.num_computed
+        num_computed = seq.progress.num_computed
         if (not outputs or num_computed != len(req.prompt_tokens) + len(outputs) - 1
                 or seq.num_reserved != num_computed):
             break
@@ -1107,7 +1148,7 @@ def _unmark_decode_rows(running: list[_Seq], start: int, num_rows: int, stale: l
     store refused their batch): each reserves its computed tokens again, and
     is in flight only if it was before."""
     for seq in itertools.islice(running, start, start + num_rows):
-        seq.num_reserved = seq.num_computed
+        seq.num_reserved = seq.progress.num_computed
         seq.in_flight = False
     for seq in stale:
         seq.in_flight = True

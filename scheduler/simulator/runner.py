@@ -267,6 +267,7 @@ class Simulation:
             self.metrics.on_memory(self.now, snapshot(bm))
         if cfg.check_every is not None and step % cfg.check_every == 0:
             bm.check_integrity()
+            self.scheduler.check_counts()
             self.metrics.num_integrity_checks += 1
         if self._progress is not None and step % 64 == 0:
             self._progress(self._num_done, self._num_added, self.now)

@@ -7,8 +7,9 @@ optional) and return annotation; the type checker in CI checks the same
 scenario (allocate, decode, a prefix hit, fork, swap, speculation,
 truncate, free) runs against all three, on a full-attention model and a
 hybrid one; every call's result and every query after it must be equal
-across the stores. `PagedCache` runs real forwards of a tiny random-weight
-model where the others only count tokens.
+across the stores, each sequence's computed count included. `PagedCache`
+runs real forwards of a tiny random-weight model (which move the count);
+for the others the driver sets the count as a forward's runner does.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class Driver:
         self.store, self.model = store, model
 
     def compute(self, seq_id: str) -> None:
-        if self.model is None:
+        if self.model is None:  # a runner sets the count when its forward finished
+            self.store.progress(seq_id).num_computed = self.store.num_tokens(seq_id)
             return
         pc: PagedCache = self.store
         pending = pc.tokens(seq_id)[pc.num_computed(seq_id):]
@@ -100,7 +102,8 @@ class Driver:
 def queries(store: Any, probe: list[int]) -> tuple:
     """Everything a caller can read of a store, as plain values."""
     seqs = tuple(
-        (seq_id, store.tokens(seq_id), store.num_tokens(seq_id), store.block_table(seq_id),
+        (seq_id, store.tokens(seq_id), store.num_tokens(seq_id), store.num_computed(seq_id),
+         store.progress(seq_id).num_computed, store.block_table(seq_id),
          store.block_table(seq_id, 0), store.slot(seq_id), store.is_swapped(seq_id),
          store.speculation_start(seq_id), seq_id in store)
         for seq_id in sorted(store.sequence_ids())
@@ -129,7 +132,8 @@ def scenario(driver: Driver) -> list:
         return result
 
     def fields(alloc: Any) -> tuple:
-        return alloc.block_table, alloc.slot, alloc.ops, alloc.num_cached_tokens
+        return (alloc.block_table, alloc.slot, alloc.ops, alloc.num_cached_tokens,
+                alloc.progress.num_computed)
 
     trace.append(("can allocate", s.can_allocate(prompt)))
     step("allocate a", lambda: fields(s.allocate("a", prompt)))

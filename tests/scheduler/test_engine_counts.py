@@ -1,10 +1,12 @@
-"""The engine's two computed counts agree: the scheduler plans each step from
-its count of a sequence's computed tokens, the storage (`PagedCache`, mlx-lm's
-cache offset) holds its own, and `Engine.check_integrity` compares them for
-every sequence at rest. Checked after every step of runs that preempt (by
+"""The engine has one computed count per sequence: the store's record
+(`blockmgr.Progress`), which the storage's forwards move (`PagedCache`,
+mlx-lm's cache offset) and the scheduler plans each step from, and
+`Engine.check_integrity` checks that the scheduler reads that record for
+every sequence it holds. Checked after every step of runs that preempt (by
 recompute and by swap), hit the prefix cache, fork samples and decode
-speculatively, on an attention and a hybrid model; and a storage moved
-behind the scheduler's back is caught."""
+speculatively, on an attention and a hybrid model; a count the storage
+moves is the one the scheduler plans from; and a sequence replaced behind
+the scheduler's back is caught."""
 
 from __future__ import annotations
 
@@ -96,14 +98,24 @@ def decoding_engine() -> tuple[Engine, list[list[int]]]:
     return engine, prompts
 
 
-def test_a_storage_count_moved_behind_the_schedulers_back_is_caught():
+def test_the_scheduler_plans_from_the_count_the_storage_moves():
     engine, _ = decoding_engine()
     (seq_id,) = engine.scheduler.running_ids()
     num_tokens = engine.cache.num_tokens(seq_id)
-    engine.cache.truncate(seq_id, num_tokens - 1)  # the storage alone forgets a token
+    assert engine.scheduler.sequence_info(seq_id).num_computed == num_tokens
+    engine.cache.truncate(seq_id, num_tokens - 1)  # the storage forgets a token
+    assert engine.cache.num_computed(seq_id) == num_tokens - 1
+    assert engine.scheduler.sequence_info(seq_id).num_computed == num_tokens - 1  # no copy
+
+
+def test_a_sequence_replaced_behind_the_schedulers_back_is_caught():
+    engine, _ = decoding_engine()
+    (seq_id,) = engine.scheduler.running_ids()
+    tokens = engine.cache.tokens(seq_id)
+    engine.cache.free(seq_id)
+    engine.cache.allocate(seq_id, tokens)  # the same id: another sequence, another count
     engine.cache.check_integrity()  # consistent in itself
-    with pytest.raises(IntegrityError, match=f"the scheduler counts {num_tokens} computed "
-                                             f"tokens, the storage {num_tokens - 1}"):
+    with pytest.raises(IntegrityError, match="the scheduler reads another count than its store"):
         engine.check_integrity()
 
 

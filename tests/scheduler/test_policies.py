@@ -27,6 +27,13 @@ from scheduler.core.policies import (
 )
 
 
+@dataclass
+class Count:
+    """A computed count (`blockmgr.Progress`)."""
+
+    num_computed: int = 0
+
+
 @dataclass(eq=False)
 class Seq:
     """A waiting sequence as the queues read it."""
@@ -36,7 +43,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     namespace: object = None
     swapped: bool = False
-    num_computed: int = 0
+    progress: Count = field(default_factory=Count)
     queue_tag: int = 0
 
     def admission_prompt(self):
@@ -97,7 +104,7 @@ class Reference:
             return sorted(self.items, key=lambda s: s.key)
         if len(self.items) > LPM_MAX_WAITING:
             return list(self.items)
-        match = {id(s): s.num_computed if s.swapped else
+        match = {id(s): s.progress.num_computed if s.swapped else
                  brute_force_match(self.store.paths, s.tokens, s.namespace)
                  for s in self.items}
         return sorted(self.items, key=lambda s: -match[id(s)])  # stable: FCFS ties
@@ -135,7 +142,7 @@ def test_each_queue_pops_as_its_naive_reference(policy, ops):
         if op[0] == "push":
             _, priority, tokens, front, swapped = op
             seq = Seq(len(made), (priority, len(made)), tokens, swapped=swapped,
-                      num_computed=len(tokens) // 2)
+                      progress=Count(len(tokens) // 2))
             made.append(seq)
             queue.push(seq, front)
             ref.push(seq, front)
