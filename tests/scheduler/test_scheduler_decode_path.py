@@ -1,6 +1,7 @@
 """The decode-row path (the scheduler's `_decode_rows`, one `append_decode`
 store call per run of rows; a row is a batch of one after a refusal; the
-block manager's `_has_room_for_next_token` skip of a row that fits its last page)
+block manager's `_has_room_for_next_token` / `_rows_without_room` skip of a row that fits
+its last page)
 against rows one at a time and the store's general growth path.
 
 Each simulation runs twice: as is, and with every row a batch of one and
@@ -98,6 +99,8 @@ def test_decode_shortcuts_match_the_generic_path(name, monkeypatch):
     monkeypatch.setattr(scheduler_module, "_decode_rows",
                         lambda running, start, limit: decode_rows(running, start, 1))
     monkeypatch.setattr(BlockManager, "_has_room_for_next_token", lambda self, seq: False)
+    monkeypatch.setattr(BlockManager, "_rows_without_room",
+                        lambda self, seqs: list(range(len(seqs))))
     generic = _recorded(config)
 
     assert fast[0]["preemptions"]["total"] > 0 or name in ("hybrid", "sliding")
