@@ -17,7 +17,7 @@
 * `paged_cache`: `PagedCache`, the pools and grouped store of one model
   (the facade over the four below).
 * `group_storage`: `GroupStorage`, each layer group's pools and the plan queue.
-* `computed_counts`: `ComputedCounts`, each sequence's computed count.
+* `computed_counts`: `ComputedCounts`, what moves each sequence's computed count (the store's).
 * `batch_views`: the views of one batch, laid out as the model's layers.
 * `step_source`: `CacheSteps`, what a batch's views call (`StepSource`).
 * `cache_tiers`, `tier_setup`, `disk_tier`, `page_records`: the prefix

@@ -61,7 +61,7 @@ class SeqState:
 
 
 class ComputedCounts:
-    """The computed counts of a cache's live sequences; see the module doc."""
+    """What a cache tracks of its live sequences' computation; see the module doc."""
 
     __slots__ = ("_store", "_exact", "_seqs")
 

@@ -11,9 +11,10 @@ with the protocol it asks of the others:
 * `group_storage.GroupStorage`: each layer group's page pools, host swap
   pages, the plan queue and its batched application (`TierMoves`,
   `SlotPlans`);
-* `computed_counts.ComputedCounts`: each sequence's computed count: tokens
-  count as computed only once the forward that writes them finished
-  (`step`, see below; `CountedStore`);
+* `computed_counts.ComputedCounts`: each sequence's computed count (the
+  store's record, `blockmgr.Progress`), moved only once the forward that
+  writes the tokens finished (`step`, see below; `CountedStore`), and what
+  the cache tracks beside it;
 * `batch_views.batch_views`: the views of one batch, laid out as the model's
   layers (`ViewPools`); `step_source.CacheSteps`: the `views.StepSource`
   they call (`StepHost`: the sequence calls a step makes);
