@@ -55,6 +55,7 @@ class SeqState:
     progress: Progress  # the store's: tokens whose K/V (and state) a finished forward wrote
     known: int  # leading tokens whose ids are real (views may add placeholders)
     in_flight: int = 0  # tokens of a started step that has not finished yet
+    step_end: int = 0  # the computed count once that step finished
     batch: BatchState | None = None  # the views running that step
     checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
     replay_end: int | None = None  # a trim restored a checkpoint: tokens up to here computed again
@@ -217,20 +218,25 @@ class ComputedCounts:
         offsets = []
         for seq_id, k in zip(batch.seq_ids, new):
             state = self._seqs[seq_id]
+            offset = state.progress.num_computed
             state.in_flight = k
+            state.step_end = offset + k
             state.batch = batch
-            offsets.append(state.progress.num_computed)
+            offsets.append(offset)
         return offsets
 
     def commit_step(self, batch: BatchState) -> None:
         """The batch's last step finished: its tokens are computed and its
-        recurrent writes go to the slots. Idempotent."""
+        recurrent writes go to the slots. Idempotent. The count is set to
+        the step's end, not added to: a scheduler that ran the step may
+        have set it already (a `views()` step settles only at the next
+        call)."""
         for view in batch.recurrent.values():
             view.commit()
         for seq_id in batch.seq_ids:
             state = self._seqs.get(seq_id)
             if state is not None and state.in_flight:
-                state.progress.num_computed += state.in_flight
+                state.progress.num_computed = state.step_end
                 state.in_flight = 0
                 state.batch = None  # settled; the batch refers to the cache
 

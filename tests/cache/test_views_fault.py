@@ -214,3 +214,25 @@ def test_a_failed_views_step_on_quantized_pages_is_rolled_back(name, bits):
     np.testing.assert_allclose(np.concatenate(got), want, atol=TOL, rtol=0)
     pc.free("b")
     pc.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["llama", "lfm2"])
+def test_a_views_step_whose_runner_set_the_count_first_counts_once(name):
+    """A scheduler sets the sequence's count (the store's record, which the
+    cache shares) when the step's results come in, before the cache settles
+    a `views()` step at its next call: the count is the step's end, not that
+    plus the step again, and the next step's logits are mlx-lm's."""
+    model = built(name)
+    prompt = tokens(MODELS[name], 5, FIRST + FAILED)
+    pc = paged(model)
+    alloc = pc.allocate("a", prompt[:FIRST])
+    views = pc.views(["a"])
+    forward(model, views, prompt[:FIRST])
+    alloc.progress.num_computed = FIRST  # the runner's set, before the cache's settle
+    assert pc.num_computed("a") == FIRST
+    pc.check_integrity()
+    pc.append("a", prompt[FIRST:])
+    got = forward(model, pc.views(["a"]), prompt[FIRST:])
+    want = reference(model, prompt, [FIRST, FAILED])[FIRST:]
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    assert pc.num_computed("a") == FIRST + FAILED
