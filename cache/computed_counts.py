@@ -9,8 +9,8 @@ restore tokens (truncate, a speculation's commit), and this module where a
 forward finishes. Beside it, per live sequence of one cache, `SeqState`
 keeps how many leading ids are real (`known`: a forward over tokens nobody
 reserved appends placeholders, which never enter the prefix trie), the
-step in flight and the views running it, and an open speculation's
-checkpoint and replay end.
+step in flight and the views running it, and a trim's replay end (an open
+speculation is the store's: `speculation_start`).
 
 `ComputedCounts` says how the cache's calls move them: a step's tokens go
 in flight when it starts (`start_step`), count when it finishes
@@ -27,7 +27,7 @@ row's token list) and `check_integrity` / `debug_state` (O(sequences)).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +44,6 @@ class CountedStore(Protocol):
     def num_tokens(self, seq_id: Hashable) -> int: ...
     def progress(self, seq_id: Hashable) -> Progress: ...
     def tokens(self, seq_id: Hashable) -> list[int]: ...
-    def speculation_start(self, seq_id: Hashable) -> int | None: ...
     def sequence_ids(self) -> list[Hashable]: ...
 
 
@@ -57,7 +56,6 @@ class SeqState:
     in_flight: int = 0  # tokens of a started step that has not finished yet
     step_end: int = 0  # the computed count once that step finished
     batch: BatchState | None = None  # the views running that step
-    checkpoint: int | None = None  # computed at begin_speculation (a transaction open)
     replay_end: int | None = None  # a trim restored a checkpoint: tokens up to here computed again
 
 
@@ -96,8 +94,9 @@ class ComputedCounts:
         del self._seqs[seq_id]
 
     def appended(self, seq_id: Hashable, num_before: int) -> None:
-        """The store appended real ids to the sequence, which held
-        `num_before` tokens: known if every id before them is."""
+        """The store appended real ids to the sequence (an `append`, or a
+        speculation's drafts), which held `num_before` tokens: known if every
+        id before them is."""
         state = self._seqs[seq_id]
         if state.known == num_before:
             state.known += self._store.num_tokens(seq_id) - num_before
@@ -109,8 +108,9 @@ class ComputedCounts:
         state.known = min(state.known, num_before)
 
     def clip(self, seq_ids: Iterable[Hashable]) -> None:
-        """The store cut the sequences' tokens (truncate, shortened
-        speculation; it clipped their counts): nothing past them is known."""
+        """The store cut the sequences' tokens (truncate, a speculation's
+        commit or shortening; it set their counts): nothing past them is
+        known."""
         for seq_id in seq_ids:
             state = self._seqs[seq_id]
             state.known = min(state.known, self._store.num_tokens(seq_id))
@@ -151,24 +151,6 @@ class ComputedCounts:
         return self.trie_count(seq_id, num_tokens)
 
     # --- speculation ------------------------------------------------------------
-
-    def opened(self, num_before: Mapping[Hashable, int]) -> None:
-        """The store opened a speculation on each sequence, which held
-        `num_before[seq_id]` tokens: the checkpoint is its computed count,
-        and the drafts' ids are known."""
-        for seq_id, before in num_before.items():
-            state = self._seqs[seq_id]
-            state.checkpoint = state.progress.num_computed
-            if state.known == before:
-                state.known = self._store.num_tokens(seq_id)
-
-    def closed(self, seq_ids: Iterable[Hashable]) -> None:
-        """The store closed the sequences' speculations (and set their
-        counts: a restored checkpoint's, or cut to the tokens kept)."""
-        for seq_id in seq_ids:
-            state = self._seqs[seq_id]
-            state.known = min(state.known, self._store.num_tokens(seq_id))
-            state.checkpoint = None
 
     def replay(self, seq_ids: Iterable[Hashable]) -> None:
         """A trim restored the sequences' checkpoints: the tokens from their
@@ -296,8 +278,7 @@ class ComputedCounts:
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless these are the store's sequences, each
         reading the store's count, within their tokens with a step in
-        flight, and with checkpoints at or before their open speculations.
-        O(sequences)."""
+        flight. O(sequences)."""
         store = self._store
         if set(self._seqs) != set(store.sequence_ids()):
             raise IntegrityError("the cache and its store hold different sequences")
@@ -313,18 +294,10 @@ class ComputedCounts:
                 )
             if state.known > num_tokens:
                 raise IntegrityError(f"{seq_id!r}: {state.known} known of {num_tokens} tokens")
-            start = store.speculation_start(seq_id)
-            if (start is None) != (state.checkpoint is None) or (
-                start is not None and state.checkpoint is not None and state.checkpoint > start
-            ):
-                raise IntegrityError(
-                    f"{seq_id!r}: checkpoint at {state.checkpoint}, speculation from {start}"
-                )
 
     def debug_state(self) -> tuple[object, ...]:
         """Each sequence's counts as plain values. O(sequences)."""
         return tuple(
-            (seq_id, st.progress.num_computed, st.known, st.in_flight, st.checkpoint,
-             st.replay_end)
+            (seq_id, st.progress.num_computed, st.known, st.in_flight, st.replay_end)
             for seq_id, st in self._seqs.items()
         )

@@ -539,7 +539,7 @@ class PagedCache:
         computed; an open speculation is aborted first (drafts never enter)."""
         counts = self._counts
         n = counts.trie_count(seq_id, num_computed)
-        if counts.state(seq_id).checkpoint is not None:
+        if self.store.speculation_start(seq_id) is not None:
             self.abort_speculation([seq_id])
             n = counts.trie_count(seq_id, min(n, counts.state(seq_id).progress.num_computed))
         plan = self.store.free(seq_id, n)
@@ -573,7 +573,8 @@ class PagedCache:
         )
         plan = self.store.begin_speculation(drafts, num_computed)
         self._queue(plan)
-        self._counts.opened(num_before)
+        for s, before in num_before.items():
+            self._counts.appended(s, before)
         return plan
 
     def commit_speculation(self, accepted: Mapping[Hashable, int]) -> frozenset[Hashable]:
@@ -587,7 +588,7 @@ class PagedCache:
         for s in accepted:
             self._counts.state(s)
         restored = self.store.commit_speculation(accepted)
-        self._counts.closed(accepted)
+        self._counts.clip(accepted)
         return restored
 
     def abort_speculation(self, seq_ids: Iterable[Hashable]) -> frozenset[Hashable]:
@@ -603,7 +604,7 @@ class PagedCache:
         `shorten_speculation`): undoes an `append` whose forward failed."""
         for s in kept:
             state = self._counts.state(s)
-            if state.checkpoint is None or state.in_flight:
+            if self.store.speculation_start(s) is None or state.in_flight:
                 raise InvalidArgument(f"{s!r}: no speculation open, or a step in flight")
         self.store.shorten_speculation(kept)
         self._counts.clip(kept)

@@ -143,7 +143,8 @@ class CacheSteps:
         (nothing changed) for a trim past a speculation's start."""
         seq_ids = batch.seq_ids
         counts = self._counts
-        if batch.speculative and any(counts.state(s).checkpoint is not None for s in seq_ids):
+        if batch.speculative and any(
+                self._store.speculation_start(s) is not None for s in seq_ids):
             return self._trim_speculation(seq_ids, n)
         if self._store.is_hybrid:
             return 0  # recurrent state cannot be cut outside a speculation
